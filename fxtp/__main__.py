@@ -1,0 +1,5 @@
+import sys
+
+from fxtp.cli import main
+
+sys.exit(main())

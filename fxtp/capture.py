@@ -1,0 +1,152 @@
+"""Capture frontends: turn an ``nn.Module`` into one ATen-level graph.
+
+Every frontend hands the passes the same form, a ``torch.export.ExportedProgram`` (training
+IR: ATen ops such as ``aten.linear.default``, parameters and buffers as placeholders, static
+shapes in ``node.meta["val"]``, module FQNs in ``node.meta["nn_module_stack"]``):
+
+* ``"fx"``: ``torch.fx.symbolic_trace``, then ``torch.export`` of the traced module to lower it
+  to ATen. Fails on data-dependent Python control flow.
+* ``"export"``: ``torch.export.export(strict=False)``, tracing with fake tensors.
+* ``"dynamo"``: TorchDynamo, torch.compile's bytecode frontend, through
+  ``torch.export.export(strict=True)``.
+* ``"auto"``: the three in that order; the report says which one was used and why the
+  others failed.
+
+Shapes are specialized to the example inputs: the parallel module runs on inputs of those
+shapes.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from fxtp.errors import FxtpCaptureError, FxtpInputError
+
+__all__ = ["Captured", "capture", "FRONTENDS"]
+
+FRONTENDS = ("fx", "export", "dynamo")
+
+
+@dataclass(frozen=True)
+class Captured:
+    """The captured program, the frontend that produced it, and the failed attempts before it."""
+
+    program: torch.export.ExportedProgram
+    frontend: str
+    attempts: tuple[tuple[str, str], ...]  # (frontend, one-line reason it failed)
+
+
+def _fx(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    traced = torch.fx.symbolic_trace(model)
+    return torch.export.export(traced, args, kwargs, strict=False)
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    return torch.export.export(model, args, kwargs, strict=False)
+
+
+def _dynamo(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    return torch.export.export(model, args, kwargs, strict=True)
+
+
+_FRONTEND_FNS: dict[str, Callable[[nn.Module, tuple, dict], torch.export.ExportedProgram]] = {
+    "fx": _fx,
+    "export": _export,
+    "dynamo": _dynamo,
+}
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    first = next((line for line in text if line.strip()), "")
+    return f"{type(exc).__name__}: {first}"[:300]
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict, how: str = "auto") -> Captured:
+    """Capture ``model(*args, **kwargs)`` with the frontend(s) ``how`` names.
+
+    Raises:
+        FxtpInputError: the example inputs do not fit the model (names the module and the
+            shape it expected).
+        FxtpCaptureError: every frontend tried failed; lists each with its reason.
+    """
+    order = FRONTENDS if how == "auto" else (how,)
+    attempts: list[tuple[str, str]] = []
+    for name in order:
+        try:
+            program = _FRONTEND_FNS[name](model, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - every frontend failure is reported, none is fatal
+            attempts.append((name, _one_line(exc)))
+            continue
+        return Captured(program, name, tuple(attempts))
+    mismatch = diagnose_inputs(model, args, kwargs)
+    if mismatch is not None:
+        raise FxtpInputError(mismatch)
+    tried = "\n".join(f"  - {name}: {reason}" for name, reason in attempts)
+    hint = "" if how == "auto" else ' (try capture="auto" to fall back to the other frontends)'
+    raise FxtpCaptureError(
+        f"could not capture {type(model).__name__} into a graph{hint}; frontends tried:\n{tried}\n"
+        "fix: remove data-dependent control flow from forward (use torch.cond), or file an issue with the model"
+    )
+
+
+def diagnose_inputs(model: nn.Module, args: tuple, kwargs: dict) -> Optional[str]:
+    """If ``model`` fails to run eagerly on the inputs, say where and what it expected.
+
+    Runs a copy of the model (the user's model and its buffers are not touched) under
+    ``torch.no_grad``; returns ``None`` when the model runs.
+    """
+    probe = copy.deepcopy(model)
+    stack: list[tuple[str, nn.Module, tuple]] = []
+    failing: list[tuple[str, nn.Module, tuple]] = []
+
+    def pre_hook(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: tuple) -> None:
+            stack.append((name, module, inputs))
+
+        return hook
+
+    def post_hook(module: nn.Module, inputs: tuple, output: Any) -> None:
+        stack.pop()
+
+    handles = []
+    for name, module in probe.named_modules():
+        handles.append(module.register_forward_pre_hook(pre_hook(name)))
+        handles.append(module.register_forward_hook(post_hook))
+    try:
+        with torch.no_grad():
+            probe(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - turned into a message below
+        failing = list(stack)
+        error = _one_line(exc)
+    else:
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    if not failing:
+        return f"example inputs do not fit {type(model).__name__}: {error}"
+    name, module, inputs = failing[-1]
+    shapes = ", ".join(str(tuple(t.shape)) for t in inputs if isinstance(t, torch.Tensor)) or "no tensors"
+    where = f"module '{name}' ({module})" if name else f"the model ({type(module).__name__})"
+    return (
+        f"example inputs do not fit the model: {where} received input of shape {shapes}"
+        f"{_expected(module)}: {error}. fix: pass example_inputs shaped like the model's real inputs"
+    )
+
+
+def _expected(module: nn.Module) -> str:
+    if isinstance(module, nn.Linear):
+        return f" but expects (..., {module.in_features})"
+    if isinstance(module, nn.Embedding):
+        return f" but expects integer indices < {module.num_embeddings}"
+    if isinstance(module, nn.LayerNorm):
+        return f" but expects (..., {', '.join(map(str, module.normalized_shape))})"
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        return f" but expects {module.in_channels} input channels"
+    return ""

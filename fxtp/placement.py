@@ -1,0 +1,106 @@
+"""Placements of a tensor across the ranks of a tensor-parallel group.
+
+The vocabulary is DTensor's (``torch.distributed.tensor``): :class:`Replicate`, :class:`Shard`
+and :class:`Partial`. fxtp's :class:`Shard` adds *segments*, which DTensor's does not have.
+
+NOTE: [segments]
+A sharded dim of global size ``N`` is a concatenation of segments ``(s_0, ..., s_{k-1})`` with
+``sum(s_i) == N``; every segment is split into ``world_size`` contiguous blocks and rank ``r``
+holds block ``r`` of every segment, concatenated in order. With one segment this is DTensor's
+``Shard(dim)``. Several segments describe a fused projection: ``nn.MultiheadAttention``'s
+``in_proj_weight`` (192 rows = Q|K|V) sharded with segments ``(64, 64, 64)`` gives rank ``r``
+the rows ``[Q_r | K_r | V_r]``, so a later ``chunk(3)`` or ``unflatten(-1, (3, 64))`` stays
+local. Merging a sharded inner dim into an outer one (``(N, E) -> (N*H, hd)``) also produces
+equal segments, one per outer index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+__all__ = ["Replicate", "Shard", "Partial", "Placement", "shard_tensor", "local_ranges", "REPLICATE"]
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every rank holds the full tensor."""
+
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Every rank holds a summand; the full tensor is the sum over ranks (``all_reduce``)."""
+
+    def __str__(self) -> str:
+        return "P(sum)"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank ``r`` holds block ``r`` of every segment of ``dim`` (see NOTE: [segments]).
+
+    Args:
+        dim: the sharded dim, non-negative.
+        segments: global sizes of the segments along ``dim``; each must be divisible by the
+            world size it is used with.
+    """
+
+    dim: int
+    segments: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        assert self.dim >= 0 and len(self.segments) >= 1, self
+
+    @property
+    def size(self) -> int:
+        """Global size of the sharded dim."""
+        return sum(self.segments)
+
+    def local_size(self, world_size: int) -> int:
+        """Size of the sharded dim on one rank."""
+        return sum(s // world_size for s in self.segments)
+
+    def divisible(self, world_size: int) -> bool:
+        return all(s % world_size == 0 for s in self.segments)
+
+    def with_dim(self, dim: int) -> "Shard":
+        return Shard(dim, self.segments)
+
+    def __str__(self) -> str:
+        if len(self.segments) == 1:
+            return f"S({self.dim})"
+        return f"S({self.dim}, segments={list(self.segments)})"
+
+
+Placement = Union[Replicate, Shard, Partial]
+REPLICATE = Replicate()
+
+
+def local_ranges(shard: Shard, rank: int, world_size: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of every global range rank ``rank`` holds along ``shard.dim``, in order."""
+    ranges = []
+    offset = 0
+    for seg in shard.segments:
+        block = seg // world_size
+        ranges.append((offset + rank * block, block))
+        offset += seg
+    return ranges
+
+
+def shard_tensor(full: torch.Tensor, placement: Placement, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's local piece of ``full`` (a new tensor; ``full`` is never modified).
+
+    Raises:
+        ValueError: ``full`` does not have the placement's global size along the sharded dim.
+    """
+    if not isinstance(placement, Shard):
+        return full.detach().clone()
+    if full.shape[placement.dim] != placement.size:
+        raise ValueError(f"tensor of shape {tuple(full.shape)} does not match {placement}")
+    pieces = [full.detach().narrow(placement.dim, start, length) for start, length in local_ranges(placement, rank, world_size)]
+    return torch.cat(pieces, dim=placement.dim).clone() if len(pieces) > 1 else pieces[0].clone()

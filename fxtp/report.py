@@ -1,0 +1,239 @@
+"""The report: every layer's decision and why, the communication, the memory.
+
+``str(report)`` renders tabulate tables; ``report.to_dict()`` is JSON-serializable. Rejection
+codes are stable and documented in the README.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tabulate import tabulate
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from fxtp.placement import Shard
+from passes.plan import LayerDecision, ShardingPlan, module_of
+
+__all__ = ["Report", "CollectiveStat", "Note", "build_report"]
+
+
+@dataclass(frozen=True)
+class CollectiveStat:
+    """Collectives of one kind in one pass over the example input."""
+
+    phase: str  # "forward" | "backward"
+    kind: str  # "all_reduce" | "all_gather"
+    count: int
+    bytes: int  # total payload, full (global) tensor sizes
+
+
+@dataclass(frozen=True)
+class Note:
+    """A non-layer node that forced a rejection or a collective."""
+
+    code: str
+    node: str  # format_node()
+    module: str
+    message: str
+    layers: tuple[str, ...]
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+class Report:
+    """What fxtp did to a model and why. Built by ``fxtp.compile``/``fxtp.analyze``."""
+
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        rank: int,
+        frontend: str,
+        attempts: tuple[tuple[str, str], ...],
+        layers: tuple[LayerDecision, ...],
+        notes: tuple[Note, ...],
+        collectives: tuple[CollectiveStat, ...],
+        param_bytes: int,
+        param_bytes_per_rank: int,
+        rounds: int,
+    ) -> None:
+        self.world_size = world_size
+        self.rank = rank
+        self.frontend = frontend
+        self.attempts = attempts
+        self.layers = layers
+        self.notes = notes
+        self.collectives = collectives
+        self.param_bytes = param_bytes
+        self.param_bytes_per_rank = param_bytes_per_rank
+        self.rounds = rounds
+
+    @property
+    def plan(self) -> dict[str, str]:
+        """``{layer: style}``, valid as ``fxtp.compile(..., plan=)``."""
+        return {layer.name: layer.style for layer in self.layers}
+
+    @property
+    def rejections(self) -> list[LayerDecision]:
+        """Layers left replicated with a rejection code."""
+        return [layer for layer in self.layers if layer.code is not None]
+
+    def count(self, phase: str, kind: str) -> int:
+        """Number of collectives of ``kind`` in ``phase`` ("forward"/"backward")."""
+        return sum(c.count for c in self.collectives if c.phase == phase and c.kind == kind)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "capture": {"frontend": self.frontend, "failed": [{"frontend": f, "reason": r} for f, r in self.attempts]},
+            "layers": [dataclasses.asdict(layer) | {"weight_shape": list(layer.weight_shape), "local_weight_shape": list(layer.local_weight_shape)} for layer in self.layers],
+            "notes": [dataclasses.asdict(n) | {"layers": list(n.layers)} for n in self.notes],
+            "collectives": [dataclasses.asdict(c) for c in self.collectives],
+            "param_bytes": {"total": self.param_bytes, "per_rank": self.param_bytes_per_rank},
+            "planning_rounds": self.rounds,
+        }
+
+    def __str__(self) -> str:
+        rows = []
+        for layer in self.layers:
+            reason = layer.reason
+            if layer.code:
+                where = f" at {layer.culprit_module or layer.culprit}" if (layer.culprit_module or layer.culprit) else ""
+                reason = f"{layer.code}: {reason}{where}. fix: {layer.fix}"
+            rows.append(
+                (
+                    layer.name,
+                    layer.module if layer.module != layer.name else "",
+                    layer.op,
+                    "x".join(map(str, layer.weight_shape)),
+                    layer.style,
+                    "x".join(map(str, layer.local_weight_shape)),
+                    _layer_comm(layer, self),
+                    reason,
+                )
+            )
+        headers = ("layer", "module", "op", "weight", "style", "local weight", "communication", "reason")
+        parts = [
+            f"fxtp plan: world_size {self.world_size}, rank {self.rank}",
+            tabulate(rows, headers=headers, tablefmt="simple", maxcolwidths=[None, 24, None, None, None, None, 22, 60]),
+        ]
+        if self.notes:
+            note_rows = [(n.code, n.module or "-", n.node, n.message, ", ".join(n.layers)) for n in self.notes]
+            parts.append(tabulate(note_rows, headers=("code", "module", "node", "why", "layers"), tablefmt="simple", maxcolwidths=[None, None, 50, 50, 40]))
+        parts.append(self.summary())
+        return "\n\n".join(parts)
+
+    def summary(self) -> str:
+        lines = []
+        failed = "; ".join(f"{f} failed: {r}" for f, r in self.attempts)
+        lines.append(f"capture: {self.frontend}" + (f" ({failed})" if failed else ""))
+        for phase in ("forward", "backward"):
+            stats = [c for c in self.collectives if c.phase == phase and c.count]
+            text = ", ".join(f"{c.count} {c.kind} ({_fmt_bytes(c.bytes)})" for c in stats) or "none"
+            lines.append(f"collectives per {phase}: {text}")
+        frac = self.param_bytes_per_rank / self.param_bytes if self.param_bytes else 1.0
+        lines.append(
+            f"parameter bytes per rank: {_fmt_bytes(self.param_bytes_per_rank)} of {_fmt_bytes(self.param_bytes)} ({frac:.1%})"
+        )
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<fxtp.Report world_size={self.world_size} layers={len(self.layers)} frontend={self.frontend}>"
+
+
+def _layer_comm(layer: LayerDecision, report: Report) -> str:
+    if layer.style == "colwise":
+        return "input grad all_reduce (f, bwd, shared)"
+    if layer.style == "rowwise":
+        return "all_reduce (g, fwd)"
+    return "-"
+
+
+def _nbytes(val: Any) -> int:
+    return int(val.numel() * val.element_size()) if isinstance(val, torch.Tensor) else 0
+
+
+def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, attempts, rank: int) -> Report:
+    """Assemble the report from the captured program and the plan (reads ``meta["val"]``)."""
+    nodes = {n.name: n for n in program.graph.nodes}
+    reduces = [nodes[name] for name in plan.reduces]
+    gathered = {p for (_, p), a in plan.edges.items() if a.kind == "gather"}
+    needs_grad = _needs_grad(program)
+    entered = {p for (_, p), a in plan.edges.items() if (a.kind == "enter" or a.enter) and p in needs_grad}
+    stats = (
+        CollectiveStat("forward", "all_reduce", len(reduces), sum(_nbytes(n.meta["val"]) for n in reduces)),
+        CollectiveStat("forward", "all_gather", len(gathered), sum(_nbytes(nodes[p].meta["val"]) for p in gathered)),
+        CollectiveStat("backward", "all_reduce", len(entered), sum(_nbytes(nodes[p].meta["val"]) for p in entered)),
+    )
+    total = per_rank = 0
+    seen: set[int] = set()
+    sig = program.graph_signature
+    for spec in sig.input_specs:
+        if spec.kind != InputKind.PARAMETER:
+            continue
+        tensor = program.state_dict[spec.target]
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        nbytes = _nbytes(tensor)
+        total += nbytes
+        placement = plan.params.get(spec.arg.name)
+        per_rank += nbytes * placement.local_size(plan.world_size) // placement.size if isinstance(placement, Shard) else nbytes
+    return Report(
+        world_size=plan.world_size,
+        rank=rank,
+        frontend=frontend,
+        attempts=tuple(attempts),
+        layers=plan.layers,
+        notes=_notes(plan, nodes),
+        collectives=stats,
+        param_bytes=total,
+        param_bytes_per_rank=per_rank,
+        rounds=plan.rounds,
+    )
+
+
+def _needs_grad(program: ExportedProgram) -> set[str]:
+    """Names of float values that depend on a trainable parameter: only their ``f`` operators
+    all_reduce in backward (user inputs are taken not to require grad)."""
+    trainable = {
+        spec.arg.name
+        for spec in program.graph_signature.input_specs
+        if spec.kind == InputKind.PARAMETER and program.state_dict[spec.target].requires_grad
+    }
+    out: set[str] = set()
+    for node in program.graph.nodes:
+        val = node.meta.get("val")
+        floating = isinstance(val, torch.Tensor) and val.is_floating_point()
+        if floating and (node.name in trainable or any(a.name in out for a in node.all_input_nodes)):
+            out.add(node.name)
+    return out
+
+
+def _notes(plan: ShardingPlan, nodes) -> tuple[Note, ...]:
+    by_culprit: dict[tuple[str, str], list[LayerDecision]] = {}
+    for layer in plan.layers:
+        if layer.code and layer.culprit and layer.code not in ("tied", "user-plan"):
+            by_culprit.setdefault((layer.code, layer.culprit), []).append(layer)
+    notes = [
+        Note(code, culprit, group[0].culprit_module or "", group[0].reason, tuple(layer.name for layer in group))
+        for (code, culprit), group in by_culprit.items()
+    ]
+    for (consumer, producer), action in plan.edges.items():
+        if action.kind == "gather":
+            node = nodes[consumer]
+            notes.append(Note("gather", node.format_node(), module_of(node), f"all_gather of {producer} forced by the user's plan", ()))
+    return tuple(notes)
+
+

@@ -1,0 +1,155 @@
+"""``ParallelModule``: the per-rank module ``fxtp.compile`` returns.
+
+It owns this rank's parameters (local shards of sharded ones, copies of replicated ones) under
+the original model's FQNs, and runs the rewritten graph with them. Inputs and outputs keep the
+original model's structure (``torch.export``'s pytree specs).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx import GraphModule
+
+from fxtp.errors import FxtpInputError, FxtpRuntimeError
+from fxtp.placement import REPLICATE, Placement, shard_tensor
+from fxtp.report import Report
+from passes.plan import ShardingPlan
+
+__all__ = ["ParallelModule"]
+
+_RESERVED = ("graph_module", "report", "plan", "_fxtp_constants")
+
+
+class ParallelModule(nn.Module):
+    """One rank's part of a tensor-parallel model.
+
+    Attributes:
+        graph_module: the rank's ``torch.fx.GraphModule`` (plain tensors and collectives; its
+            placeholders are the parameters, buffers and constants, then the flat user inputs).
+        report: why each layer got its style (:class:`fxtp.Report`).
+        plan: ``{layer: style}``, valid as ``fxtp.compile(..., plan=)``.
+        placements: ``{parameter FQN: Placement}``; a ``Shard`` parameter holds this rank's
+            slice (``fxtp.placement.shard_tensor`` of the full one).
+    """
+
+    def __init__(
+        self,
+        program: ExportedProgram,
+        graph_module: GraphModule,
+        sharding: ShardingPlan,
+        report: Report,
+        *,
+        rank: int,
+        world_size: int,
+        group_name: Optional[str],
+        example: tuple[tuple, dict],
+    ) -> None:
+        super().__init__()
+        self.graph_module = graph_module
+        self.report = report
+        self.plan = report.plan
+        self._rank, self._world_size, self._group_name = rank, world_size, group_name
+        self._in_spec, self._out_spec = program.call_spec.in_spec, program.call_spec.out_spec
+        self._example_shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(example)]
+        self._inputs: list[tuple[str, str]] = []  # (kind, key) per graph placeholder
+        self._output_kinds: list[tuple[OutputKind, Optional[str]]] = [
+            (spec.kind, spec.target) for spec in program.graph_signature.output_specs
+        ]
+        self.placements: dict[str, Placement] = {}
+        constants = nn.Module()
+        shared: dict[tuple[int, str], nn.Parameter] = {}  # tied parameters stay one Parameter
+        for spec in program.graph_signature.input_specs:
+            if spec.kind == InputKind.PARAMETER:
+                full = program.state_dict[spec.target]
+                placement = sharding.params.get(spec.arg.name, REPLICATE)
+                key = (id(full), str(placement))
+                if key not in shared:
+                    local = shard_tensor(full, placement, rank, world_size)
+                    shared[key] = nn.Parameter(local, requires_grad=full.requires_grad)
+                self._register(spec.target, shared[key])
+                self.placements[spec.target] = placement
+                self._inputs.append(("param", spec.target))
+            elif spec.kind == InputKind.BUFFER:
+                source = program.state_dict if spec.persistent else program.constants
+                self._register(spec.target, source[spec.target].detach().clone(), persistent=bool(spec.persistent))
+                self._inputs.append(("buffer", spec.target))
+            elif spec.kind == InputKind.CONSTANT_TENSOR:
+                key = f"c{len(constants._buffers)}"
+                constants.register_buffer(key, program.constants[spec.target].detach().clone(), persistent=False)
+                self._inputs.append(("buffer", f"_fxtp_constants.{key}"))
+            elif spec.kind == InputKind.USER_INPUT:
+                self._inputs.append(("user", ""))
+            else:
+                raise FxtpInputError(f"fxtp does not support graph inputs of kind {spec.kind.name} ({spec.arg.name})")
+        self._fxtp_constants = constants
+
+    def _register(self, fqn: str, value: torch.Tensor, persistent: bool = True) -> None:
+        *path, leaf = fqn.split(".")
+        if path and path[0] in _RESERVED or not path and leaf in _RESERVED:
+            raise FxtpInputError(f"parameter or buffer {fqn!r} clashes with a ParallelModule attribute; rename it")
+        owner: nn.Module = self
+        for part in path:
+            if part not in owner._modules:
+                owner.add_module(part, nn.Module())
+            owner = owner._modules[part]  # type: ignore[assignment]
+        if isinstance(value, nn.Parameter):
+            owner.register_parameter(leaf, value)
+        else:
+            owner.register_buffer(leaf, value, persistent=persistent)
+
+    def _flatten(self, args: tuple, kwargs: dict) -> list[Any]:
+        if self._in_spec.num_children == 2 and kwargs:
+            order = self._in_spec.children_specs[1].context or []
+            if set(order) == set(kwargs):
+                kwargs = {k: kwargs[k] for k in order}
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self._in_spec:
+            raise FxtpInputError(
+                f"inputs do not match the structure the module was compiled for: expected {self._in_spec}, got {spec}"
+            )
+        for i, (value, expected) in enumerate(zip(flat, self._example_shapes)):
+            if isinstance(value, torch.Tensor) and tuple(value.shape) != expected:
+                raise FxtpInputError(
+                    f"input {i} has shape {tuple(value.shape)} but the module was compiled for {expected}: "
+                    "fxtp specializes shapes to example_inputs; compile again with example inputs of this shape"
+                )
+        return flat
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Same signature and output structure as the original model; full outputs on every rank.
+
+        Raises:
+            FxtpRuntimeError: ``world_size > 1`` and no process group was initialized when
+                ``fxtp.compile`` ran.
+            FxtpInputError: inputs whose structure or shapes differ from the example inputs.
+        """
+        if self._world_size > 1 and self._group_name is None:
+            raise FxtpRuntimeError(
+                f"this module is rank {self._rank} of a world_size {self._world_size} tensor-parallel model, but no "
+                "process group was initialized when fxtp.compile ran, so it can only be inspected. fix: call "
+                "torch.distributed.init_process_group(...) (or pass group=) before fxtp.compile, on every rank"
+            )
+        user = iter(self._flatten(args, kwargs))
+        inputs = []
+        for kind, key in self._inputs:
+            if kind == "param":
+                inputs.append(self.get_parameter(key))
+            elif kind == "buffer":
+                inputs.append(self.get_buffer(key))
+            else:
+                inputs.append(next(user))
+        outputs = self.graph_module(*inputs)
+        user_outputs = []
+        for (kind, target), value in zip(self._output_kinds, outputs):
+            if kind == OutputKind.BUFFER_MUTATION:
+                with torch.no_grad():
+                    self.get_buffer(target).copy_(value)
+            else:
+                user_outputs.append(value)
+        return pytree.tree_unflatten(user_outputs, self._out_spec)

@@ -1,0 +1,363 @@
+"""Planning: choose every layer's style by propagating placements to a fixpoint.
+
+The planner starts optimistic: every ``linear`` with a replicated input is colwise, every
+``linear`` fed a feature-sharded value is rowwise. Each round runs ``propagate`` and resolves
+what it reports:
+
+* a rule that refuses a shard (a norm over the sharded dim, a view that cuts a head, a model
+  output) keeps the colwise layers whose shard reached it replicated ("a replicated producer":
+  no communication), or, where the user forced those layers, gathers the value instead;
+* a ``view``/``split`` that would be local under a finer layout refines the producing layer's
+  segments (NOTE: [segments]), e.g. the Q|K|V blocks of a fused projection;
+* consumers' wants on parameters become the parameters' placements.
+
+Demotions and refinements only grow, so the rounds end; the last, clean round is the plan.
+``plan_sharding`` reads ``node.meta["val"]`` and ``node.meta["nn_module_stack"]``; it does not
+modify the graph.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from torch.fx import Graph, Node
+
+from fxtp.errors import FxtpError, FxtpPlanError
+from fxtp.placement import Partial, Placement, Shard
+from passes.propagate import EdgeAction, ParamPiece, PlannerState, Propagation, param_root, propagate
+from passes.registry import Conflict, LayerNote, shape_of
+from passes.rules.matmul import LAYER_WEIGHT_ARG
+
+__all__ = ["LayerDecision", "ShardingPlan", "plan_sharding", "module_of", "STYLES"]
+
+STYLES = ("colwise", "rowwise", "replicate")
+
+
+@dataclass(frozen=True)
+class LayerDecision:
+    """One matmul-like layer's style and why; a row of the report."""
+
+    name: str  # plan key: weight FQN without ".weight" (a split piece adds "[start:end]")
+    node: str  # node name in the captured graph
+    module: str  # module FQN of the call
+    op: str  # "linear" or "embedding"
+    weight: str  # parameter FQN
+    weight_shape: tuple[int, ...]
+    style: str
+    local_weight_shape: tuple[int, ...]
+    reason: str
+    code: Optional[str] = None
+    fix: Optional[str] = None
+    culprit: Optional[str] = None  # format_node() of the node that decided it
+    culprit_module: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """What the rewrite applies; node names refer to the captured graph."""
+
+    world_size: int
+    placements: Mapping[str, Any]  # node name -> placement (tuple for multi-output nodes)
+    params: Mapping[str, Placement]  # placeholder name -> placement, sharded ones only
+    local_args: Mapping[str, tuple[Any, ...]]  # node name -> args with local shape literals
+    edges: Mapping[tuple[str, str], EdgeAction]  # (consumer, producer) -> local work
+    reduces: Mapping[str, Optional[str]]  # Partial node -> bias node added after the all_reduce
+    layers: tuple[LayerDecision, ...]
+    rounds: int
+
+    @property
+    def styles(self) -> dict[str, str]:
+        """``{layer name: style}``, valid as ``plan=`` input."""
+        return {layer.name: layer.style for layer in self.layers}
+
+
+def module_of(node: Node) -> str:
+    """FQN of the innermost module that called ``node`` (from export's ``nn_module_stack``)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return str(path)
+
+
+def plan_sharding(
+    graph: Graph,
+    param_fqns: Mapping[str, str],
+    world_size: int,
+    overrides: Optional[Mapping[str, str]] = None,
+) -> ShardingPlan:
+    """Choose placements for every value of ``graph`` (a captured ATen graph).
+
+    Args:
+        graph: the graph, parameters as placeholders, ``meta["val"]`` on every node.
+        param_fqns: parameter placeholder name -> parameter FQN.
+        world_size: the tensor-parallel degree, >= 1.
+        overrides: ``{fqn_or_glob: "colwise" | "rowwise" | "replicate"}`` matched against the
+            layer names (``LayerDecision.name``) and module FQNs.
+
+    Raises:
+        FxtpPlanError: an override names no layer or cannot be honoured.
+    """
+    param_names = frozenset(param_fqns)
+    layers = [n for n in graph.nodes if n.op == "call_function" and n.target in LAYER_WEIGHT_ARG]
+    names = _layer_names(layers, param_names, param_fqns)
+    state = PlannerState()
+    if world_size == 1:
+        for n in layers:
+            state.demoted[n.name] = LayerNote("replicate", "world_size is 1: nothing to shard")
+    _mark_tied(layers, names, param_names, state)
+    _apply_overrides(overrides or {}, layers, names, state)
+    max_rounds = 4 * len(layers) + 8
+    for rounds in range(1, max_rounds + 1):
+        res = propagate(graph, state, world_size, param_names)
+        if not _resolve(res, state, world_size):
+            break
+    else:  # pragma: no cover - demotions and refinements only grow
+        raise FxtpError(f"internal: planning did not converge in {max_rounds} rounds; please report this model")
+    decisions = tuple(_layer_decision(n, names[n], res, state, param_names, param_fqns, world_size) for n in layers)
+    _check_forced(decisions, state, names)
+    return ShardingPlan(
+        world_size=world_size,
+        placements={n.name: p for n, p in res.placements.items()},
+        params={k: v for k, v in state.params.items() if isinstance(v, Shard)},
+        local_args={n.name: d.local_args for n, d in res.decisions.items() if d.local_args is not None},
+        edges={(c.name, p.name): a for (c, p), a in res.edges.items()},
+        reduces={
+            n.name: (d.after_reduce.name if isinstance(d.after_reduce, Node) else None)
+            for n, d in res.decisions.items()
+            if isinstance(d.out, Partial)
+        },
+        layers=decisions,
+        rounds=rounds,
+    )
+
+
+def _layer_names(layers: list[Node], param_names: frozenset[str], param_fqns: Mapping[str, str]) -> dict[Node, str]:
+    """Stable, unique layer names: the module FQN, or where several layers share a module
+    (``nn.MultiheadAttention``'s functional projections) the weight's FQN, a split piece adding
+    ``[start:end]``."""
+    modules = {n: module_of(n) for n in layers}
+    counts: dict[str, int] = {}
+    for m in modules.values():
+        counts[m] = counts.get(m, 0) + 1
+    names: dict[Node, str] = {}
+    for n in layers:
+        if modules[n] and counts[modules[n]] == 1:
+            names[n] = modules[n]
+            continue
+        weight = n.args[LAYER_WEIGHT_ARG[n.target]]
+        piece = param_root(weight, param_names) if isinstance(weight, Node) else None
+        if piece is None:
+            names[n] = f"{modules[n] or 'model'}:{n.name}"
+            continue
+        fqn = param_fqns[piece.placeholder.name]
+        if piece.dim is not None:
+            names[n] = f"{fqn}[{piece.offset}:{piece.offset + piece.length}]"
+        else:
+            names[n] = fqn[: -len(".weight")] if fqn.endswith(".weight") else fqn
+    taken = list(names.values())
+    return {n: name if taken.count(name) == 1 else f"{name}:{n.name}" for n, name in names.items()}
+
+
+def _mark_tied(layers: list[Node], names, param_names, state: PlannerState) -> None:
+    """A parameter used as the weight of several layers gets one treatment: replicated."""
+    users: dict[tuple, list[Node]] = {}
+    for n in layers:
+        weight = n.args[LAYER_WEIGHT_ARG[n.target]]
+        piece = param_root(weight, param_names) if isinstance(weight, Node) else None
+        if piece is not None:
+            users.setdefault((piece.placeholder, piece.dim, piece.offset), []).append(n)
+    for group in users.values():
+        if len(group) > 1:
+            others = ", ".join(names[n] for n in group)
+            for n in group:
+                state.demoted.setdefault(
+                    n.name,
+                    LayerNote(
+                        "replicate",
+                        f"weight is tied: one parameter serves {others}; all keep it replicated",
+                        code="tied",
+                        fix="untie the weights to shard them (vocab-parallel tied heads are not supported yet)",
+                        node=n.format_node(),
+                        module=module_of(n),
+                    ),
+                )
+
+
+def _apply_overrides(overrides: Mapping[str, str], layers: list[Node], names, state: PlannerState) -> None:
+    for pattern, style in overrides.items():
+        hits = [n for n in layers if fnmatch.fnmatchcase(names[n], pattern) or fnmatch.fnmatchcase(module_of(n), pattern)]
+        if not hits:
+            known = ", ".join(sorted(names.values())) or "(none)"
+            raise FxtpPlanError(f"plan key {pattern!r} matches no layer; layers are: {known}")
+        for n in hits:
+            if style == "replicate":
+                state.demoted[n.name] = LayerNote(
+                    "replicate", "kept replicated by the user's plan", code="user-plan", fix="drop the plan entry to let fxtp shard it"
+                )
+            else:
+                state.forced[n.name] = style
+
+
+# Rejections a finer segment layout of the producing layer may cure (NOTE: [segments]).
+_LAYOUT_CODES = frozenset(
+    {"view-crosses-shard", "not-divisible", "split-crosses-shard", "indexes-sharded-dim", "splits-head", "layout-mismatch"}
+)
+_MAX_SEGMENTS = 8  # fused projections have few parts (Q|K|V, gate|up, K|V)
+
+
+def _resolve(res: Propagation, state: PlannerState, ws: int) -> bool:
+    """Apply one round's findings to ``state``; return whether anything changed.
+
+    Only rejections not downstream of an earlier one this round are acted on: a node after a
+    rejection saw a stand-in placement, so its own rejection may be an artifact.
+    """
+    changed = False
+    refined_now: set[Node] = set()  # one new layout per layer per round
+    for rej in res.conflicts:
+        if rej.tainted:
+            continue
+        c = rej.conflict
+        if not rej.culprits:
+            raise FxtpError(f"internal: {c} at {rej.node.format_node()} with no layer to keep replicated; please report")
+        note = LayerNote("replicate", c.message, code=c.code, fix=c.fix, node=rej.node.format_node(), module=module_of(rej.node))
+        demotable = [n for n in rej.culprits if state.forced.get(n.name) is None]
+        for n in demotable:
+            state.first.setdefault(n.name, note)
+        if c.code in _LAYOUT_CODES:
+            if refined_now & set(demotable):
+                continue
+            refined = {n: _next_segments(n, state, c.refine, ws) for n in demotable}
+            if any(seg is not None for seg in refined.values()):
+                refined_now.update(demotable)
+                for n, seg in refined.items():
+                    if seg is not None:
+                        state.segments[n.name] = seg
+                changed = True
+                continue
+        if not demotable:
+            for inp in rej.inputs:
+                key = (rej.node.name, inp.name)
+                if key not in state.gathers:
+                    state.gathers.add(key)
+                    changed = True
+            continue
+        for n in demotable:
+            if n.name not in state.demoted:
+                state.demoted[n.name] = state.first[n.name]
+                changed = True
+    params: dict[str, Placement] = {}
+    owners: dict[str, frozenset[str]] = {}
+    for placeholder, requests in res.requests.items():
+        requesters = frozenset(o for _, _, origins in requests for o in origins)
+        try:
+            params[placeholder.name] = _combine(requests)
+            owners[placeholder.name] = frozenset(o.name for o in requesters)
+        except Conflict as c:
+            if res.conflicts:
+                continue  # may be an artifact of this round's rejections; decide on a clean round
+            for n in requesters:
+                if n.name not in state.demoted and state.forced.get(n.name) is None:
+                    state.demoted[n.name] = LayerNote("replicate", c.message, code=c.code, fix=c.fix, node=placeholder.format_node())
+                    changed = True
+    if params != state.params:
+        state.params, state.param_owners = params, owners
+        changed = True
+    return changed
+
+
+def _next_segments(layer: Node, state: PlannerState, hint: Optional[tuple[int, ...]], ws: int) -> Optional[tuple[int, ...]]:
+    """The next untried segment layout for ``layer``'s output: the rule's hint, then k equal
+    segments for k = 2..8; ``None`` when all are tried."""
+    out = shape_of(layer)[-1]
+    tried = state.tried.setdefault(layer.name, {state.segments.get(layer.name, (out,))})
+    candidates = [hint] if hint is not None and sum(hint) == out and all(s % ws == 0 for s in hint) else []
+    candidates += [(out // k,) * k for k in range(2, _MAX_SEGMENTS + 1) if out % k == 0 and (out // k) % ws == 0]
+    for seg in candidates:
+        if seg not in tried:
+            tried.add(seg)
+            return seg
+    return None
+
+
+def _refines(coarse: tuple[int, ...], fine: tuple[int, ...]) -> bool:
+    def bounds(segs: tuple[int, ...]) -> set[int]:
+        out, acc = {0}, 0
+        for s in segs:
+            acc += s
+            out.add(acc)
+        return out
+
+    return bounds(coarse) < bounds(fine)
+
+
+def _combine(requests: list[tuple[ParamPiece, Shard, Any]]) -> Shard:
+    """One placement for a parameter from its consumers' wants (pieces of a split tile it)."""
+    wants = {(piece.dim, piece.offset, piece.length, want) for piece, want, _ in requests}
+    whole = {w for d, _, _, w in wants if d is None}
+    name = requests[0][0].placeholder.name
+    if whole:
+        if len(whole) > 1 or len(wants) > len(whole):
+            raise Conflict("tied", f"parameter {name} is wanted as {', '.join(sorted(map(str, whole)))} by different layers", "untie or replicate one use")
+        return next(iter(whole))
+    dims = {d for d, _, _, _ in wants}
+    pieces = sorted(wants, key=lambda t: t[1])
+    shards = {w for *_, w in pieces}
+    if len(dims) == 1 and len(shards) == 1 and next(iter(shards)).dim != next(iter(dims)):
+        return next(iter(shards))  # every piece wants the same shard across the split
+    if len(dims) != 1 or any(w.dim not in dims for w in shards):
+        raise Conflict("layout-mismatch", f"pieces of parameter {name} are wanted on different dims", "keep those layers replicated")
+    (dim,) = dims
+    total = requests[0][0].placeholder.meta["val"].shape[dim]
+    offset, segments = 0, []
+    for _, off, length, want in pieces:
+        if off != offset or want.size != length:
+            break
+        segments.extend(want.segments)
+        offset += length
+    if offset != total:
+        raise Conflict(
+            "layout-mismatch",
+            f"only part of parameter {name} (split along dim {dim}) can be sharded",
+            "keep the layers that use its pieces replicated",
+        )
+    return Shard(dim, tuple(segments))
+
+
+def _layer_decision(node: Node, name: str, res: Propagation, state: PlannerState, param_names, param_fqns, ws: int) -> LayerDecision:
+    note = res.layers.get(node) or state.demoted.get(node.name) or LayerNote("replicate", "inputs replicated")
+    weight = node.args[LAYER_WEIGHT_ARG[node.target]]
+    piece = param_root(weight, param_names) if isinstance(weight, Node) else None
+    wshape = shape_of(weight)
+    local = list(wshape)
+    wp = res.placements.get(weight)
+    if isinstance(wp, Shard):
+        local[wp.dim] = wp.local_size(ws)
+    return LayerDecision(
+        name=name,
+        node=node.name,
+        module=module_of(node),
+        op=str(node.target.__name__).split(".")[0],
+        weight=param_fqns[piece.placeholder.name] if piece is not None else weight.name,
+        weight_shape=wshape,
+        style=note.style,
+        local_weight_shape=tuple(local),
+        reason=note.reason,
+        code=note.code,
+        fix=note.fix,
+        culprit=note.node,
+        culprit_module=note.module,
+    )
+
+
+def _check_forced(decisions: tuple[LayerDecision, ...], state: PlannerState, names) -> None:
+    by_node = {d.node: d for d in decisions}
+    for node_name, style in state.forced.items():
+        d = by_node[node_name]
+        if d.style != style:
+            raise FxtpPlanError(
+                f"plan asks {d.name} to be {style}, but it can only be {d.style}: {d.reason} "
+                f"(its input is replicated for colwise, feature-sharded for rowwise); drop the entry"
+            )

@@ -1,0 +1,260 @@
+"""Dependency analysis: propagate placements through the graph once, under a planner state.
+
+``propagate(graph, state, world_size) -> Propagation`` walks the nodes in topological order and
+asks each op's rule (``passes.registry``) how the placements of its inputs flow to its output.
+It reads ``node.meta["val"]`` (static shapes from capture) and writes nothing into the graph:
+the result is plain data the planner (``passes.plan``) inspects and the rewrite consumes.
+
+Besides placements it derives, per (consumer, producer) edge, the local work the rewrite must
+insert:
+
+* ``enter``: a replicated float value feeding an op whose output is sharded. Its gradient on
+  each rank is only the local part, so it is wrapped in Megatron-LM's ``f`` operator (identity
+  forward, all_reduce backward). One ``f`` per producer is shared by all such consumers.
+* ``slice``: a replicated value a rule wants sharded (not a parameter): sliced locally.
+* ``gather``: a sharded value a forced plan keeps sharded into a consumer that needs it whole.
+
+Parameter placements are *requested* by consumers (a colwise linear wants its weight
+``Shard(0)``) and become the parameter's placement in the planner's next round.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch.fx import Graph, Node
+from torch.fx.node import map_aggregate
+
+from fxtp.placement import REPLICATE, Partial, Placement, Replicate, Shard
+from passes.registry import Conflict, Decision, LayerNote, LayerState, RuleContext, get_rule, is_tensor_node
+from passes.rules._common import norm_dim, tensor_inputs
+from passes.rules.matmul import LAYER_WEIGHT_ARG
+
+__all__ = ["EdgeAction", "PlannerState", "Propagation", "Rejection", "ParamPiece", "propagate", "param_root"]
+
+aten = torch.ops.aten
+_SPLITS = (aten.split_with_sizes.default, aten.split.Tensor)
+
+
+@dataclass(frozen=True)
+class EdgeAction:
+    """Local work on one (consumer, producer) edge; see the module docstring."""
+
+    kind: str  # "enter" | "slice" | "gather"
+    placement: Optional[Shard] = None  # slice: the wanted shard; gather: the producer's shard
+    enter: bool = False  # slice/gather: also wrap in f (float value into a sharded op)
+
+
+@dataclass(frozen=True)
+class ParamPiece:
+    """A parameter, or the piece of it a ``split`` hands to a layer (MultiheadAttention)."""
+
+    placeholder: Node
+    dim: Optional[int] = None  # split dim; None for the whole parameter
+    offset: int = 0
+    length: int = 0
+
+
+@dataclass
+class PlannerState:
+    """What the planner has decided so far; ``propagate`` reads it, the planner updates it.
+
+    Keys are node names of the captured graph.
+    """
+
+    demoted: dict[str, LayerNote] = field(default_factory=dict)
+    forced: dict[str, str] = field(default_factory=dict)
+    segments: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    params: dict[str, Placement] = field(default_factory=dict)
+    param_owners: dict[str, frozenset[str]] = field(default_factory=dict)
+    gathers: set[tuple[str, str]] = field(default_factory=set)
+    tried: dict[str, set[tuple[int, ...]]] = field(default_factory=dict)  # segment layouts tried per layer
+    first: dict[str, LayerNote] = field(default_factory=dict)  # first rejection per layer (the reason shown)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A rule that refused its inputs: the node, why, the layers whose shard reached it, and
+    the sharded inputs (what a gather would fix)."""
+
+    node: Node
+    conflict: Conflict
+    culprits: frozenset[Node]
+    inputs: tuple[Node, ...]
+    tainted: bool = False  # downstream of an earlier rejection this round: maybe an artifact of it
+
+
+@dataclass
+class Propagation:
+    """The result of one propagation round."""
+
+    placements: dict[Node, Any] = field(default_factory=dict)
+    decisions: dict[Node, Decision] = field(default_factory=dict)
+    edges: dict[tuple[Node, Node], EdgeAction] = field(default_factory=dict)
+    layers: dict[Node, LayerNote] = field(default_factory=dict)
+    conflicts: list[Rejection] = field(default_factory=list)
+    requests: dict[Node, list[tuple[ParamPiece, Shard, frozenset[Node]]]] = field(default_factory=dict)
+    origins: dict[Node, frozenset[Node]] = field(default_factory=dict)
+    tainted: set[Node] = field(default_factory=set)  # nodes downstream of a rejection
+
+    def reject(self, node: Node, conflict: Conflict, culprits: frozenset[Node], inputs: tuple[Node, ...]) -> None:
+        tainted = any(a in self.tainted for a in node.all_input_nodes)
+        self.conflicts.append(Rejection(node, conflict, culprits, inputs, tainted))
+        self.tainted.add(node)
+
+
+def param_root(node: Node, param_names: frozenset[str]) -> Optional[ParamPiece]:
+    """The parameter ``node`` is, or a ``split`` piece of one; ``None`` for computed values."""
+    if node.op == "placeholder":
+        return ParamPiece(node) if node.name in param_names else None
+    if node.target is operator.getitem:
+        src, index = node.args
+        if isinstance(src, Node) and src.target in _SPLITS and isinstance(src.args[0], Node):
+            base = src.args[0]
+            if base.op == "placeholder" and base.name in param_names:
+                dim = norm_dim(src.args[2] if len(src.args) > 2 else 0, base.meta["val"].dim())
+                sizes = [int(v.shape[dim]) for v in src.meta["val"]]
+                return ParamPiece(base, dim, sum(sizes[:index]), sizes[index])
+    return None
+
+
+def _is_float(node: Node) -> bool:
+    return node.meta["val"].is_floating_point()
+
+
+def _replicated_like(node: Node) -> Any:
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return (REPLICATE,) * len(val)
+    return REPLICATE
+
+
+def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: frozenset[str]) -> Propagation:
+    """One round of placement propagation under ``state``; see the module docstring."""
+    res = Propagation()
+    by_name = {n.name: n for n in graph.nodes}
+
+    def effective(inp: Node, consumer: Node) -> Any:
+        if (consumer.name, inp.name) in state.gathers:
+            return REPLICATE
+        p = res.placements[inp]
+        return REPLICATE if isinstance(p, Partial) else p  # Partial is all_reduced right away
+
+    def sharded_origins(node: Node) -> frozenset[Node]:
+        out: set[Node] = set()
+        for a in tensor_inputs(node):
+            if isinstance(effective(a, node), Shard):
+                out |= res.origins.get(a, frozenset())
+        return frozenset(out)
+
+    def layer_state(node: Node) -> LayerState:
+        return LayerState(state.demoted.get(node.name), state.forced.get(node.name), state.segments.get(node.name))
+
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            res.placements[node] = state.params.get(node.name, REPLICATE)
+            owners = state.param_owners.get(node.name, frozenset())
+            res.origins[node] = frozenset(by_name[o] for o in owners)
+            continue
+        if node.op == "get_attr":
+            res.placements[node] = REPLICATE
+            continue
+        if node.op == "output":
+            _check_outputs(node, res, effective, state)
+            continue
+        assert node.op == "call_function", node.format_node()
+        if any(a in res.tainted for a in node.all_input_nodes):
+            res.tainted.add(node)
+        inputs = tensor_inputs(node)
+        is_layer = node.target in LAYER_WEIGHT_ARG
+        any_sharded = any(not isinstance(effective(a, node), Replicate) for a in inputs)
+        if node.target is operator.getitem:
+            any_sharded = not all(isinstance(p, Replicate) for p in res.placements[node.args[0]])
+        if not is_layer and not any_sharded:
+            res.placements[node] = _replicated_like(node)
+            continue
+        rule = get_rule(node.target)
+        ctx = RuleContext(node, world_size, lambda a, _n=node: effective(a, _n) if is_tensor_node(a) else res.placements[a], layer_state)
+        try:
+            if rule is None:
+                raise Conflict(
+                    "unsupported-op",
+                    f"op {node.target} has no sharding rule and consumes a sharded value",
+                    "keep the producing layer replicated (fxtp does), or file an issue for the op",
+                )
+            dec = rule(ctx)
+        except Conflict as c:
+            culprits = frozenset(c.culprits) if c.culprits is not None else sharded_origins(node)
+            sharded = tuple(a for a in inputs if isinstance(effective(a, node), Shard))
+            res.reject(node, c, culprits, sharded)
+            res.placements[node] = _replicated_like(node)
+            continue
+        res.decisions[node] = dec
+        res.placements[node] = dec.out
+        if dec.layer is not None:
+            res.layers[node] = dec.layer
+        origins = sharded_origins(node)
+        if dec.layer is not None and dec.layer.style == "colwise":
+            origins |= {node}
+        outs = dec.out if isinstance(dec.out, tuple) else (dec.out,)
+        sharded_out = any(isinstance(p, (Shard, Partial)) for p in outs)
+        res.origins[node] = origins if any(isinstance(p, Shard) for p in outs) else frozenset()
+        _apply_wants(node, dec, res, effective, origins, param_names)
+        if sharded_out:
+            _mark_entries(node, dec, res, effective, state, param_names)
+    return res
+
+
+def _apply_wants(node, dec, res, effective, origins, param_names) -> None:
+    for inp, want in dec.wants.items():
+        if not is_tensor_node(inp):
+            continue
+        piece = param_root(inp, param_names)
+        if piece is not None and isinstance(want, Shard):
+            # The planner stores the parameter sharded (recorded every round, also when it
+            # already is, so the planner can tell when no consumer wants the shard any more).
+            res.requests.setdefault(piece.placeholder, []).append((piece, want, origins))
+            continue
+        cur = effective(inp, node)
+        if cur == want:
+            continue
+        if isinstance(cur, Replicate) and isinstance(want, Shard):
+            res.edges[(node, inp)] = EdgeAction("slice", want, enter=_is_float(inp))
+            continue
+        code = "needs-gather" if isinstance(want, Replicate) else "layout-mismatch"
+        conflict = Conflict(code, f"{node.target} needs input {inp.name} as {want}, it is {cur}", "keep the producer replicated")
+        res.reject(node, conflict, res.origins.get(inp, frozenset()), (inp,))
+
+
+def _mark_entries(node, dec, res, effective, state, param_names) -> None:
+    for inp in tensor_inputs(node):
+        if inp is dec.after_reduce or (node, inp) in res.edges:
+            continue
+        if (node.name, inp.name) in state.gathers:
+            res.edges[(node, inp)] = EdgeAction("gather", res.placements[inp], enter=_is_float(inp))
+            continue
+        if not isinstance(effective(inp, node), Replicate) or not _is_float(inp):
+            continue
+        if inp in dec.wants and param_root(inp, param_names) is not None:
+            continue  # becomes a sharded parameter next round
+        res.edges[(node, inp)] = EdgeAction("enter")
+
+
+def _check_outputs(node: Node, res: Propagation, effective, state: PlannerState) -> None:
+    def visit(a: Any) -> Any:
+        if is_tensor_node(a):
+            if (node.name, a.name) in state.gathers:
+                res.edges[(node, a)] = EdgeAction("gather", res.placements[a])
+            elif isinstance(effective(a, node), Shard):
+                conflict = Conflict(
+                    "needs-gather",
+                    f"model output {a.name} would be sharded; returning it whole needs an all_gather",
+                    "nothing: fxtp keeps the layer replicated; force plan={fqn: 'colwise'} to gather instead",
+                )
+                res.reject(node, conflict, res.origins.get(a, frozenset()), (a,))
+        return a
+
+    map_aggregate(node.args, visit)

@@ -1,0 +1,194 @@
+"""The op rule registry: how placements flow through each ATen op.
+
+A rule is a small function ``rule(ctx: RuleContext) -> Decision`` registered for one or more
+``OpOverload``s (or ``operator.getitem``). It reads the placements of the node's tensor inputs
+and the static shapes in ``node.meta["val"]`` and answers:
+
+* the placement of the output (or of each output, for ops returning tuples),
+* which replicated inputs must be sliced locally to a shard (``wants``), e.g. a colwise
+  ``linear`` wants its weight ``Shard(0)``,
+* the node's args rewritten with local shape literals (``local_args``), e.g. ``view`` sizes,
+* for matmul-like layers, the layer's style (colwise / rowwise / replicate) for the report.
+
+A rule that cannot accept its inputs raises :class:`Conflict` with a stable code; the planner
+then keeps the producers replicated (or refines their layout, see NOTE: [segments]).
+
+Registering an op twice is an error (DTensor's registry silently overwrites; we refuse).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+from torch.fx import Node
+
+from fxtp.placement import REPLICATE, Placement
+
+__all__ = [
+    "Conflict",
+    "Decision",
+    "LayerNote",
+    "LayerState",
+    "RuleContext",
+    "Rule",
+    "register_rule",
+    "get_rule",
+    "registered_ops",
+    "is_tensor_node",
+    "shape_of",
+]
+
+OpKey = Union[torch._ops.OpOverload, Callable[..., Any]]
+Outputs = Union[Placement, tuple[Placement, ...]]
+
+
+@dataclass(frozen=True)
+class LayerNote:
+    """What a matmul-like layer became, for the report.
+
+    ``style`` is ``colwise``, ``rowwise`` or ``replicate``; ``code`` is a stable rejection code
+    (``None`` when the layer is sharded or simply needs nothing).
+    """
+
+    style: str
+    reason: str
+    code: Optional[str] = None
+    fix: Optional[str] = None
+    node: Optional[str] = None  # format_node() of the node that forced the decision
+    module: Optional[str] = None  # that node's module FQN
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A rule's answer for one node.
+
+    Attributes:
+        out: placement of the output, or a tuple with one placement per output.
+        wants: input node -> placement it must have. A replicated input that is wanted sharded
+            is sliced locally (a parameter is stored sharded instead).
+        local_args: the node's args with shape literals made local, or ``None`` to keep them.
+        after_reduce: inputs applied after the all_reduce of a ``Partial`` output (the bias of
+            a rowwise linear, see NOTE: [rowwise bias]).
+        layer: set by matmul-like rules.
+    """
+
+    out: Outputs
+    wants: dict[Node, Placement] = field(default_factory=dict)
+    local_args: Optional[tuple[Any, ...]] = None
+    after_reduce: Optional[Node] = None
+    layer: Optional[LayerNote] = None
+
+
+class Conflict(Exception):
+    """A rule cannot accept the placements of its inputs.
+
+    Args:
+        code: stable rejection code (documented in the README).
+        message: what is wrong, in the user's terms.
+        fix: what the user can do.
+        refine: a finer segment layout (NOTE: [segments]) for the sharded input that would make
+            the rule succeed, if one exists.
+        culprits: the layers to keep replicated; default: the layers whose shard reached here.
+    """
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        fix: str = "",
+        *,
+        refine: Optional[tuple[int, ...]] = None,
+        culprits: Optional[Sequence[Node]] = None,
+    ) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.fix = fix
+        self.refine = refine
+        self.culprits = tuple(culprits) if culprits is not None else None
+
+
+class RuleContext:
+    """What a rule may ask about its node: input placements, static shapes, world_size, state."""
+
+    def __init__(
+        self,
+        node: Node,
+        world_size: int,
+        placement_of: Callable[[Node], Any],
+        layer_state: Callable[[Node], "LayerState"],
+    ) -> None:
+        self.node = node
+        self.world_size = world_size
+        self._placement_of = placement_of
+        self._layer_state = layer_state
+
+    def placement(self, arg: Any) -> Placement:
+        """Placement of an argument; non-tensor arguments are replicated."""
+        if is_tensor_node(arg):
+            return self._placement_of(arg)
+        return REPLICATE
+
+    def tuple_placement(self, arg: Node) -> tuple[Placement, ...]:
+        """Placements of a multi-output node (``split``, ``unbind``, ``native_dropout``)."""
+        p = self._placement_of(arg)
+        assert isinstance(p, tuple), (arg, p)
+        return p
+
+    def layer(self) -> "LayerState":
+        """The planner's current state for this node as a layer (demoted? forced? segments?)."""
+        return self._layer_state(self.node)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return shape_of(self.node)
+
+
+@dataclass(frozen=True)
+class LayerState:
+    """The planner's state for one layer node, read by matmul-like rules."""
+
+    demoted: Optional[LayerNote]  # why it must stay replicated, if it must
+    forced: Optional[str]  # the style a user plan asks for
+    segments: Optional[tuple[int, ...]]  # refined output segments, NOTE: [segments]
+
+
+Rule = Callable[[RuleContext], Decision]
+_RULES: dict[OpKey, Rule] = {}
+
+
+def register_rule(*ops: OpKey) -> Callable[[Rule], Rule]:
+    """Register ``fn`` as the rule of each op in ``ops``.
+
+    Raises:
+        KeyError: an op already has a rule.
+    """
+
+    def wrap(fn: Rule) -> Rule:
+        for op in ops:
+            if op in _RULES:
+                raise KeyError(f"op {op} already has a rule: {_RULES[op].__name__}")
+            _RULES[op] = fn
+        return fn
+
+    return wrap
+
+
+def get_rule(op: OpKey) -> Optional[Rule]:
+    return _RULES.get(op)
+
+
+def registered_ops() -> list[OpKey]:
+    return list(_RULES)
+
+
+def is_tensor_node(arg: Any) -> bool:
+    return isinstance(arg, Node) and isinstance(arg.meta.get("val"), torch.Tensor)
+
+
+def shape_of(node: Node) -> tuple[int, ...]:
+    return tuple(int(s) for s in node.meta["val"].shape)
+
+

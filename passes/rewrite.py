@@ -1,0 +1,121 @@
+"""Rewrite: apply a :class:`~passes.plan.ShardingPlan` to the captured graph for one rank.
+
+Reads ``plan`` only; writes ``node.meta["fxtp_placement"]`` (the global placement, as text) on
+every node it knows. Parameters stay placeholders: the runtime feeds their local shards.
+
+For each node, in order:
+
+* shape literals become local (``view(x, [2, 16, 4, 8])`` -> ``view(x, [2, 16, 2, 8])``);
+* inputs get the edge's local work: ``f`` for a replicated float value entering sharded
+  computation (one per producer), a local slice, or a gather;
+* a ``Partial`` output gets ``g`` (all_reduce) right after it and the bias added after that::
+
+      linear = aten.linear.default(reshape, p_wo_weight, p_wo_bias)
+  becomes
+      linear = aten.linear.default(reshape, p_wo_weight)
+      reduce_from_tp = fxtp.collectives.reduce_from_tp(linear, '0')
+      add = aten.add.Tensor(reduce_from_tp, p_wo_bias)
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.node import map_arg
+
+from fxtp import collectives
+from fxtp.placement import Shard, local_ranges
+from passes.plan import ShardingPlan
+from passes.propagate import EdgeAction
+
+__all__ = ["rewrite"]
+
+aten = torch.ops.aten
+
+
+def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) -> GraphModule:
+    """Return a new GraphModule computing rank ``rank``'s part; ``gm`` is not modified."""
+    graph, nodes = _copy_graph(gm.graph)
+    old_name = {new: old for old, new in nodes.items()}
+    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    ws = plan.world_size
+    cache: dict[tuple, Node] = {}
+
+    def after(node: Node):
+        return graph.inserting_after(last_placeholder if node.op == "placeholder" else node)
+
+    def enter(value: Node) -> Node:
+        key = ("enter", value)
+        if key not in cache:
+            with after(value):
+                cache[key] = graph.call_function(collectives.copy_to_tp, (value, group_name))
+        return cache[key]
+
+    def local_slice(value: Node, shard: Shard) -> Node:
+        key = ("slice", value, shard)
+        if key not in cache:
+            with after(value):
+                pieces = [graph.call_function(aten.slice.Tensor, (value, shard.dim, s, s + n)) for s, n in local_ranges(shard, rank, ws)]
+            if len(pieces) == 1:
+                cache[key] = pieces[0]
+            else:
+                with graph.inserting_after(pieces[-1]):
+                    cache[key] = graph.call_function(aten.cat.default, (pieces, shard.dim))
+        return cache[key]
+
+    def gather(value: Node, shard: Shard) -> Node:
+        key = ("gather", value)
+        if key not in cache:
+            with after(value):
+                cache[key] = graph.call_function(
+                    collectives.gather_from_tp, (value, shard.dim, shard.segments, rank, ws, group_name)
+                )
+        return cache[key]
+
+    def materialize(value: Node, action: EdgeAction) -> Node:
+        if action.kind == "enter":
+            return enter(value)
+        if action.kind == "slice":
+            assert action.placement is not None
+            return local_slice(enter(value) if action.enter else value, action.placement)
+        assert action.kind == "gather" and action.placement is not None
+        gathered = gather(value, action.placement)
+        return enter(gathered) if action.enter else gathered
+
+    for node in list(old_name):
+        name = old_name[node]
+        placement = plan.placements.get(name)
+        if placement is not None:
+            node.meta["fxtp_placement"] = str(placement) if not isinstance(placement, tuple) else ", ".join(map(str, placement))
+        if name in plan.local_args:
+            node.args = map_arg(plan.local_args[name], lambda n: nodes[n.name])
+        for inp in list(node.all_input_nodes):
+            action = plan.edges.get((name, old_name.get(inp, "")))
+            if action is not None:
+                node.replace_input_with(inp, materialize(inp, action))
+        if name in plan.reduces:
+            with graph.inserting_after(node):
+                reduced = graph.call_function(collectives.reduce_from_tp, (node, group_name))
+            final = reduced
+            bias = plan.reduces[name]
+            if bias is not None:
+                with graph.inserting_after(reduced):
+                    final = graph.call_function(aten.add.Tensor, (reduced, nodes[bias]))
+            node.replace_all_uses_with(final, delete_user_cb=lambda user: user is not reduced)
+            reduced.meta["fxtp_placement"] = final.meta["fxtp_placement"] = "R"
+    graph.eliminate_dead_code()
+    graph.lint()
+    return GraphModule(gm, graph)
+
+
+def _copy_graph(source: Graph) -> tuple[Graph, dict[str, Node]]:
+    """A copy of ``source`` and a map from its node names to the copies (copying may rename)."""
+    graph = Graph()
+    graph._codegen = copy.deepcopy(source._codegen)
+    val_map: dict[Node, Node] = {}
+    out = graph.graph_copy(source, val_map)
+    old_output = next(n for n in reversed(source.nodes) if n.op == "output")
+    val_map[old_output] = graph.output(out)
+    return graph, {old.name: new for old, new in val_map.items()}

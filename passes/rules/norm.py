@@ -1,0 +1,74 @@
+"""Norms, softmax and reductions: local unless they reduce over the sharded dim.
+
+Reducing over the sharded dim would need a collective (or distributed statistics); the rule
+raises ``reduces-sharded-dim`` and the planner keeps the producer replicated instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxtp.placement import REPLICATE, Shard
+from passes.registry import Conflict, Decision, RuleContext, register_rule
+from passes.rules._common import ndim, norm_dim
+
+__all__: list[str] = []
+
+aten = torch.ops.aten
+
+
+def _reduces(ctx: RuleContext, what: str, dim: int) -> Conflict:
+    return Conflict(
+        "reduces-sharded-dim",
+        f"{what} reduces over dim {dim}, which is sharded",
+        "keep the producing layer replicated (fxtp does this by itself), or reorder the norm",
+    )
+
+
+@register_rule(aten.layer_norm.default, aten.rms_norm.default)
+def norm_rule(ctx: RuleContext) -> Decision:
+    """``layer_norm``/``rms_norm`` over the last ``len(normalized_shape)`` dims."""
+    x, normalized_shape = ctx.node.args[:2]
+    p = ctx.placement(x)
+    if not isinstance(p, Shard):
+        return Decision(REPLICATE)
+    if p.dim >= ndim(x) - len(normalized_shape):
+        raise _reduces(ctx, str(ctx.node.target.__name__), p.dim)
+    return Decision(p)
+
+
+@register_rule(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
+def softmax_rule(ctx: RuleContext) -> Decision:
+    x, dim = ctx.node.args[:2]
+    p = ctx.placement(x)
+    if not isinstance(p, Shard):
+        return Decision(REPLICATE)
+    if norm_dim(dim, ndim(x)) == p.dim:
+        raise _reduces(ctx, "softmax", p.dim)
+    return Decision(p)
+
+
+@register_rule(
+    aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.var.correction, aten.std.correction
+)
+def reduction_rule(ctx: RuleContext) -> Decision:
+    """Reductions over a dim list; ``keepdim`` decides whether the sharded dim moves."""
+    x = ctx.node.args[0]
+    p = ctx.placement(x)
+    if not isinstance(p, Shard):
+        return Decision(REPLICATE)
+    nd = ndim(x)
+    dims = ctx.node.args[1] if len(ctx.node.args) > 1 else ctx.node.kwargs.get("dim")
+    dims = list(range(nd)) if dims is None or dims == [] else [norm_dim(d, nd) for d in dims]
+    keepdim = len(ctx.out_shape) == nd
+    if p.dim in dims:
+        raise _reduces(ctx, str(ctx.node.target.__name__), p.dim)
+    return Decision(p if keepdim else p.with_dim(p.dim - sum(d < p.dim for d in dims)))
+
+
+@register_rule(aten.sum.default, aten.mean.default)
+def full_reduction_rule(ctx: RuleContext) -> Decision:
+    p = ctx.placement(ctx.node.args[0])
+    if isinstance(p, Shard):
+        raise _reduces(ctx, str(ctx.node.target.__name__), p.dim)
+    return Decision(REPLICATE)

@@ -1,0 +1,92 @@
+"""Elementwise ops with broadcasting: a shard flows through unchanged.
+
+A replicated operand that is broadcast along the sharded dim (size 1, or fewer dims) is used as
+is; one that has the full size there is sliced locally to the same shard. Two sharded operands
+must agree on dim and segments.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from fxtp.placement import REPLICATE, Placement, Shard
+from passes.registry import Conflict, Decision, RuleContext, register_rule, shape_of
+from passes.rules._common import ndim, sharded_inputs, tensor_inputs
+
+__all__ = ["broadcast_rule"]
+
+aten = torch.ops.aten
+
+_POINTWISE_NAMES = sorted(
+    """
+    abs.default add.Tensor add.Scalar sub.Tensor sub.Scalar rsub.Scalar rsub.Tensor mul.Tensor
+    mul.Scalar div.Tensor div.Scalar div.Tensor_mode neg.default reciprocal.default
+    relu.default gelu.default silu.default sigmoid.default tanh.default exp.default log.default
+    sqrt.default rsqrt.default pow.Tensor_Scalar pow.Tensor_Tensor pow.Scalar erf.default
+    sin.default cos.default clamp.default clamp_min.default clamp_max.default maximum.default
+    minimum.default eq.Tensor eq.Scalar ne.Tensor ne.Scalar gt.Tensor gt.Scalar lt.Tensor
+    lt.Scalar ge.Tensor ge.Scalar le.Tensor le.Scalar logical_not.default logical_and.default
+    logical_or.default bitwise_not.default where.self masked_fill.Scalar masked_fill.Tensor
+    dropout.default alpha_dropout.default feature_dropout.default to.dtype to.dtype_layout
+    to.device _to_copy.default type_as.default contiguous.default clone.default alias.default
+    detach.default lift_fresh_copy.default leaky_relu.default hardtanh.default elu.default
+    softplus.default mish.default hardswish.default hardsigmoid.default tanh_backward.default
+    """.split()
+)
+
+
+def _overload(name: str) -> "torch._ops.OpOverload | None":
+    packet, _, overload = name.partition(".")
+    return getattr(getattr(aten, packet, None), overload, None)
+
+
+POINTWISE_OPS = tuple(op for op in map(_overload, _POINTWISE_NAMES) if op is not None)
+
+
+@register_rule(*POINTWISE_OPS)
+def broadcast_rule(ctx: RuleContext) -> Decision:
+    """Output shard = the operands' common shard, aligned from the right (broadcasting)."""
+    out_nd = len(ctx.out_shape)
+    out: "Shard | None" = None
+    for a, p in sharded_inputs(ctx):
+        aligned = p.with_dim(p.dim + out_nd - ndim(a))
+        if out is None:
+            out = aligned
+        elif aligned != out:
+            raise Conflict(
+                "layout-mismatch",
+                f"operands of {ctx.node.target} are sharded differently ({out} vs {aligned})",
+                "keep one of the producing layers replicated with plan={fqn: 'replicate'}",
+            )
+    if out is None:
+        return Decision(REPLICATE)
+    wants: dict = {}
+    for a in tensor_inputs(ctx.node):
+        if isinstance(ctx.placement(a), Shard):
+            continue
+        dim = out.dim - (out_nd - ndim(a))
+        if dim >= 0 and shape_of(a)[dim] != 1:
+            wants[a] = Shard(dim, out.segments)
+    return Decision(out, wants)
+
+
+@register_rule(aten._assert_tensor_metadata.default, getattr)
+def no_output_rule(ctx: RuleContext) -> Decision:
+    """Ops that return no tensor (metadata asserts, ``getattr(x, "device")``): nothing flows."""
+    return Decision(REPLICATE)
+
+
+@register_rule(aten.native_dropout.default)
+def native_dropout_rule(ctx: RuleContext) -> Decision:
+    """``(out, mask)``: both keep the input's placement."""
+    p: Placement = ctx.placement(ctx.node.args[0])
+    return Decision((p, p))
+
+
+@register_rule(operator.getitem)
+def getitem_rule(ctx: RuleContext) -> Decision:
+    """An element of a multi-output node keeps that output's placement (recorded by the producer)."""
+    source, index = ctx.node.args
+    return Decision(ctx.tuple_placement(source)[index])

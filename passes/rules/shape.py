@@ -1,0 +1,319 @@
+"""Shape ops: views, permutations, indexing, split and cat.
+
+The view rule is the general one (NOTE: [view of a sharded dim]); squeeze/unsqueeze/flatten/
+unflatten are views and use it too. Size literals of views, expands and splits are rewritten to
+the local sizes, so a ``-1`` that would absorb a shard becomes explicit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from fxtp.placement import REPLICATE, Shard
+from passes.registry import Conflict, Decision, RuleContext, register_rule, shape_of
+from passes.rules._common import local_shape, ndim, norm_dim
+
+__all__ = ["view_placement", "group_dims"]
+
+aten = torch.ops.aten
+
+
+def group_dims(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of dims of ``a`` and ``b`` with equal products (how a view regroups dims)."""
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(a) or j < len(b):
+        ins: list[int] = []
+        outs: list[int] = []
+        pa = pb = 1
+        if i < len(a):
+            ins.append(i)
+            pa *= a[i]
+            i += 1
+        if j < len(b):
+            outs.append(j)
+            pb *= b[j]
+            j += 1
+        while pa != pb:
+            if pa < pb and i < len(a):
+                ins.append(i)
+                pa *= a[i]
+                i += 1
+            elif j < len(b):
+                outs.append(j)
+                pb *= b[j]
+                j += 1
+            else:
+                raise AssertionError(f"shapes {a} and {b} have different numel")
+        groups.append((ins, outs))
+    return groups
+
+
+# NOTE: [view of a sharded dim]
+# Think of the flat index of the dims a view regroups. With equal segments of size s, the
+# sharded input dim d contributes the digits (segment, rank, local) and the rank digit has flat
+# stride R = (s / world_size) * inner, inner = product of the grouped input dims after d. The
+# view is local iff one output dim j holds the whole rank digit: stride_j <= R, stride_j | R,
+# and the block q*ws (q = R / stride_j) divides size_j. The output is then Shard(j) with
+# segments of size q*ws. Example: (L, N, 64) S(2) -> (L, N*4, 16) at ws 2 gives S(1) with
+# segments (4, 4): each batch element's 4 heads split 2 | 2.
+
+
+def view_placement(shard: Shard, in_shape: tuple[int, ...], out_shape: tuple[int, ...], ws: int) -> Shard:
+    """Placement of ``x.view(out_shape)`` for ``x`` of ``in_shape`` sharded as ``shard``.
+
+    Raises:
+        Conflict: the view splits the shard unevenly; ``refine`` proposes finer segments when
+            they would make it local.
+    """
+    group = next(g for g in group_dims(in_shape, out_shape) if shard.dim in g[0])
+    ins, outs = group
+    big_in = [i for i in ins if in_shape[i] != 1]
+    big_out = [o for o in outs if out_shape[o] != 1]
+    if big_in == [shard.dim] and len(big_out) == 1:
+        return Shard(big_out[0], shard.segments)
+    s = shard.segments[0]
+    if any(seg != s for seg in shard.segments):
+        raise Conflict(
+            "view-crosses-shard",
+            f"view {list(in_shape)} -> {list(out_shape)} regroups a dim with unequal segments {list(shard.segments)}",
+            "keep the producing layer replicated",
+        )
+    inner = math.prod(in_shape[i] for i in ins if i > shard.dim)
+    rank_stride = (s // ws) * inner
+    strides = {o: math.prod(out_shape[k] for k in outs if k > o) for o in outs}
+    for o in outs:
+        st, n = strides[o], out_shape[o]
+        if st <= rank_stride < st * n:
+            q, rem = divmod(rank_stride, st)
+            if rem == 0 and n % (q * ws) == 0:
+                return Shard(o, (q * ws,) * (n // (q * ws)))
+            break
+    else:  # pragma: no cover - the rank digit always lies in some output dim
+        raise AssertionError((shard, in_shape, out_shape))
+    code = "not-divisible" if n % ws else "view-crosses-shard"
+    raise Conflict(
+        code,
+        f"view {list(in_shape)} -> {list(out_shape)} would split output dim {o} of size {n} "
+        f"(e.g. a head count) across world_size {ws} inside its elements",
+        f"use a world_size that divides {n}, or keep the producing layer replicated",
+        refine=_refine_for_view(shard, in_shape, out_shape, group, ws),
+    )
+
+
+def _refine_for_view(shard: Shard, in_shape, out_shape, group, ws: int) -> Optional[tuple[int, ...]]:
+    """Largest finer equal segmentation of the sharded dim under which the view is local."""
+    ins, outs = group
+    inner = math.prod(in_shape[i] for i in ins if i > shard.dim)
+    s = shard.segments[0]
+    for o in outs:  # outer to inner: the first hit is the largest segment
+        span = math.prod(out_shape[k] for k in outs if k >= o)
+        if span % inner:
+            continue
+        s2 = span // inner
+        if s2 < s and s % s2 == 0 and s2 % ws == 0 and out_shape[o] % ws == 0:
+            refined = Shard(shard.dim, (s2,) * (shard.size // s2))
+            try:
+                view_placement(refined, in_shape, out_shape, ws)
+            except Conflict:
+                continue
+            return refined.segments
+    return None
+
+
+def _view_decision(ctx: RuleContext, size_arg: Optional[int]) -> Decision:
+    x = ctx.node.args[0]
+    p = ctx.placement(x)
+    if not isinstance(p, Shard):
+        return Decision(REPLICATE)
+    out = view_placement(p, shape_of(x), ctx.out_shape, ctx.world_size)
+    if size_arg is None:
+        return Decision(out)
+    args = list(ctx.node.args)
+    args[size_arg] = local_shape(ctx.out_shape, out, ctx.world_size)
+    return Decision(out, local_args=tuple(args))
+
+
+@register_rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+def view_rule(ctx: RuleContext) -> Decision:
+    """``view(x, size)``: sizes become the local output shape (no ``-1`` left)."""
+    return _view_decision(ctx, size_arg=1)
+
+
+@register_rule(
+    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default, aten.flatten.using_ints
+)
+def squeeze_rule(ctx: RuleContext) -> Decision:
+    """Dim-only views: the args name dims, not sizes, so nothing is rewritten."""
+    return _view_decision(ctx, size_arg=None)
+
+
+@register_rule(aten.unflatten.int)
+def unflatten_rule(ctx: RuleContext) -> Decision:
+    """``unflatten(x, dim, sizes)``: sizes become local."""
+    x, dim, sizes = ctx.node.args[:3]
+    p = ctx.placement(x)
+    if not isinstance(p, Shard):
+        return Decision(REPLICATE)
+    out = view_placement(p, shape_of(x), ctx.out_shape, ctx.world_size)
+    start = norm_dim(dim, ndim(x))
+    local = local_shape(ctx.out_shape, out, ctx.world_size)[start : start + len(sizes)]
+    return Decision(out, local_args=(x, dim, local))
+
+
+@register_rule(aten.transpose.int)
+def transpose_rule(ctx: RuleContext) -> Decision:
+    x, d0, d1 = ctx.node.args
+    p = ctx.placement(x)
+    if not isinstance(p, Shard):
+        return Decision(REPLICATE)
+    nd = ndim(x)
+    d0, d1 = norm_dim(d0, nd), norm_dim(d1, nd)
+    swap = {d0: d1, d1: d0}
+    return Decision(p.with_dim(swap.get(p.dim, p.dim)))
+
+
+@register_rule(aten.t.default)
+def t_rule(ctx: RuleContext) -> Decision:
+    p = ctx.placement(ctx.node.args[0])
+    if not isinstance(p, Shard):
+        return Decision(REPLICATE)
+    return Decision(p.with_dim(1 - p.dim) if ndim(ctx.node.args[0]) == 2 else p)
+
+
+@register_rule(aten.permute.default)
+def permute_rule(ctx: RuleContext) -> Decision:
+    x, dims = ctx.node.args
+    p = ctx.placement(x)
+    if not isinstance(p, Shard):
+        return Decision(REPLICATE)
+    nd = ndim(x)
+    return Decision(p.with_dim([norm_dim(d, nd) for d in dims].index(p.dim)))
+
+
+@register_rule(aten.select.int)
+def select_rule(ctx: RuleContext) -> Decision:
+    x, dim, _ = ctx.node.args
+    p = ctx.placement(x)
+    if not isinstance(p, Shard):
+        return Decision(REPLICATE)
+    dim = norm_dim(dim, ndim(x))
+    if dim == p.dim:
+        raise Conflict("indexes-sharded-dim", f"select on the sharded dim {dim}", "keep the producing layer replicated")
+    return Decision(p.with_dim(p.dim - (dim < p.dim)))
+
+
+@register_rule(aten.slice.Tensor)
+def slice_rule(ctx: RuleContext) -> Decision:
+    x = ctx.node.args[0]
+    p = ctx.placement(x)
+    if not isinstance(p, Shard):
+        return Decision(REPLICATE)
+    dim = norm_dim(ctx.node.args[1] if len(ctx.node.args) > 1 else 0, ndim(x))
+    if dim == p.dim and shape_of(x)[dim] != ctx.out_shape[dim]:
+        raise Conflict("indexes-sharded-dim", f"slice of the sharded dim {dim}", "keep the producing layer replicated")
+    return Decision(p)
+
+
+@register_rule(aten.expand.default)
+def expand_rule(ctx: RuleContext) -> Decision:
+    """``expand(x, sizes)``: the sharded dim keeps its local size."""
+    x = ctx.node.args[0]
+    p = ctx.placement(x)
+    if not isinstance(p, Shard):
+        return Decision(REPLICATE)
+    out = p.with_dim(p.dim + len(ctx.out_shape) - ndim(x))
+    return Decision(out, local_args=(x, local_shape(ctx.out_shape, out, ctx.world_size), *ctx.node.args[2:]))
+
+
+def _split_pieces(shard: Shard, sizes: list[int], ws: int) -> list[Shard]:
+    """Segments of each split piece; raise Conflict (with a refinement) if a piece cuts a segment."""
+    bounds = {0}
+    acc = 0
+    for seg in shard.segments:
+        acc += seg
+        bounds.add(acc)
+    cuts = {0}
+    acc = 0
+    for size in sizes:
+        acc += size
+        cuts.add(acc)
+    if cuts <= bounds:
+        pieces, segs, acc, i = [], list(shard.segments), 0, 0
+        for size in sizes:
+            take = []
+            while sum(take) < size:
+                take.append(segs[i])
+                i += 1
+            pieces.append(Shard(shard.dim, tuple(take)))
+        return pieces
+    merged = sorted(bounds | cuts)
+    refined = tuple(b - a for a, b in zip(merged, merged[1:]))
+    ok = all(seg % ws == 0 for seg in refined)
+    raise Conflict(
+        "split-crosses-shard" if ok else "not-divisible",
+        f"split sizes {sizes} cross the shard boundaries of segments {list(shard.segments)} at world_size {ws}",
+        "use a world_size that divides every split size, or keep the producing layer replicated",
+        refine=refined if ok else None,
+    )
+
+
+@register_rule(aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default)
+def split_rule(ctx: RuleContext) -> Decision:
+    """Split along the sharded dim works segment-wise (fused QKV); sizes become local."""
+    x = ctx.node.args[0]
+    p = ctx.placement(x)
+    pieces_val = ctx.node.meta["val"]
+    n = len(pieces_val)
+    if not isinstance(p, Shard):
+        return Decision((REPLICATE,) * n)
+    dim = norm_dim(ctx.node.args[2] if len(ctx.node.args) > 2 else ctx.node.kwargs.get("dim", 0), ndim(x))
+    if dim != p.dim:
+        return Decision((p,) * n)
+    sizes = [int(v.shape[dim]) for v in pieces_val]
+    pieces = _split_pieces(p, sizes, ctx.world_size)
+    local = [piece.local_size(ctx.world_size) for piece in pieces]
+    if ctx.node.target is aten.split_with_sizes.default:
+        return Decision(tuple(pieces), local_args=(x, local, *ctx.node.args[2:]))
+    if len(set(local[:-1])) > 1 or local[-1] > local[0]:
+        raise Conflict("split-crosses-shard", f"split into {sizes} has no equal local split", "keep the producing layer replicated")
+    if ctx.node.target is aten.split.Tensor:
+        return Decision(tuple(pieces), local_args=(x, local[0], *ctx.node.args[2:]))
+    return Decision(tuple(pieces))  # chunk: the count is unchanged
+
+
+@register_rule(aten.unbind.int)
+def unbind_rule(ctx: RuleContext) -> Decision:
+    x = ctx.node.args[0]
+    p = ctx.placement(x)
+    n = len(ctx.node.meta["val"])
+    if not isinstance(p, Shard):
+        return Decision((REPLICATE,) * n)
+    dim = norm_dim(ctx.node.args[1] if len(ctx.node.args) > 1 else 0, ndim(x))
+    if dim == p.dim:
+        raise Conflict("indexes-sharded-dim", f"unbind of the sharded dim {dim}", "keep the producing layer replicated")
+    return Decision((p.with_dim(p.dim - (dim < p.dim)),) * n)
+
+
+@register_rule(aten.cat.default)
+def cat_rule(ctx: RuleContext) -> Decision:
+    """Cat along the sharded dim concatenates segments; along another dim the shard is kept."""
+    tensors = list(ctx.node.args[0])
+    dim = norm_dim(ctx.node.args[1] if len(ctx.node.args) > 1 else 0, len(ctx.out_shape))
+    placements = [ctx.placement(t) for t in tensors]
+    shards = [p for p in placements if isinstance(p, Shard)]
+    if not shards:
+        return Decision(REPLICATE)
+    if any(p.dim != shards[0].dim for p in shards):
+        raise Conflict("layout-mismatch", "cat of tensors sharded on different dims", "keep one producer replicated")
+    if shards[0].dim == dim:
+        if len(shards) != len(tensors):
+            raise Conflict("layout-mismatch", "cat along the sharded dim of sharded and replicated tensors", "keep the producers replicated")
+        return Decision(Shard(dim, tuple(s for p in shards for s in p.segments)))
+    if any(p != shards[0] for p in shards):
+        raise Conflict("layout-mismatch", "cat of tensors sharded differently", "keep one producer replicated")
+    wants = {t: shards[0] for t, p in zip(tensors, placements) if not isinstance(p, Shard)}
+    return Decision(shards[0], wants)

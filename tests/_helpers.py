@@ -1,0 +1,97 @@
+"""Helpers shared by the tests: collective counting and single-device comparisons."""
+
+from __future__ import annotations
+
+import collections
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fxtp
+from fxtp.placement import shard_tensor
+
+__all__ = ["CollectiveCounter", "loss_of", "compare_training", "count_graph_collectives"]
+
+_KINDS = {
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+}
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts functional collectives dispatched while active: ``counts[kind]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional":
+            kind = _KINDS.get(func._opname)
+            if kind is not None:
+                self.counts[kind] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """A deterministic scalar from any output structure (sum of mean squares)."""
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return sum((t.float() ** 2).mean() for t in leaves)
+
+
+def count_graph_collectives(pm: fxtp.ParallelModule) -> collections.Counter[str]:
+    """Collective call sites in the emitted graph, by function name."""
+    return collections.Counter(
+        n.target.__name__ for n in pm.graph_module.graph.nodes if n.op == "call_function" and n.target.__module__ == "fxtp.collectives"
+    )
+
+
+def compare_training(model, inputs, *, steps: int = 3, lr: float = 0.1, **compile_kwargs) -> dict[str, Any]:
+    """Compile ``model`` over the default process group and check it against ``model`` itself:
+    outputs, every gradient (shard against the matching slice), and outputs after ``steps`` SGD
+    steps on both. Also checks the user's model was not mutated by compile. Returns the plan and
+    the collectives counted in the first forward and backward."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    ref = copy.deepcopy(model)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    pm = fxtp.compile(model, ws, inputs, **compile_kwargs)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), f"fxtp.compile mutated the user's {k}"
+
+    with CollectiveCounter() as fwd:
+        out = pm(*inputs)
+    ref_out = ref(*inputs)
+    torch.testing.assert_close(out, ref_out)
+    with CollectiveCounter() as bwd:
+        loss_of(out).backward()
+    loss_of(ref_out).backward()
+    for fqn, p in pm.named_parameters():
+        ref_grad = ref.get_parameter(fqn).grad
+        if ref_grad is None:
+            assert p.grad is None or not p.grad.any(), fqn
+            continue
+        expected = shard_tensor(ref_grad, pm.placements[fqn], rank, ws)
+        torch.testing.assert_close(p.grad, expected, msg=lambda m: f"gradient of {fqn}: {m}")
+
+    opt = torch.optim.SGD(pm.parameters(), lr=lr)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    for step in range(steps):
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        out, ref_out = pm(*inputs), ref(*inputs)
+        torch.testing.assert_close(out, ref_out, msg=lambda m: f"after SGD step {step + 1}: {m}")
+        loss_of(out).backward()
+        loss_of(ref_out).backward()
+    return {
+        "plan": pm.plan,
+        "forward": dict(fwd.counts),
+        "backward": dict(bwd.counts),
+        "report": pm.report.to_dict(),
+    }

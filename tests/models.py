@@ -1,0 +1,46 @@
+"""Tiny test models, each built from a fixed seed: ``build(name) -> (model, example_inputs)``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fxtp.examples import mlp, tiny_gpt
+
+__all__ = ["build", "MODELS"]
+
+
+def linear100():
+    torch.manual_seed(0)
+    return nn.Linear(100, 10), (torch.randn(8, 100),)
+
+
+def reference_transformer():
+    """torch's own TP reference model (weight tying on)."""
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    args = ModelArgs(n_layers=2, vocab_size=64, max_seq_len=16, dim=32, n_heads=4, dropout_p=0.0)
+    return Transformer(args), (torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1)),)
+
+
+def nn_transformer():
+    torch.manual_seed(0)
+    model = nn.Transformer(
+        d_model=64, nhead=4, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=128, dropout=0.0
+    )
+    gen = torch.Generator().manual_seed(1)
+    return model, (torch.randn(10, 2, 64, generator=gen), torch.randn(7, 2, 64, generator=gen))
+
+
+MODELS = {
+    "linear100": linear100,
+    "mlp": mlp,
+    "reference_transformer": reference_transformer,
+    "nn_transformer": nn_transformer,
+    "tiny_gpt": tiny_gpt,
+}
+
+
+def build(name: str):
+    return MODELS[name]()

@@ -1,0 +1,90 @@
+"""Tests for the RankPool harness in tests/_dist.py, on real gloo process groups."""
+from __future__ import annotations
+
+import pickle
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import RankError, RankPool
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"world{n}")
+def pool(request: pytest.FixtureRequest):
+    with RankPool(request.param) as p:
+        yield p
+
+
+# Functions sent to the ranks are defined here, in the test module itself.
+
+def _whoami() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _all_reduce_rank_plus_one() -> float:
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _fail_on_rank(bad_rank: int) -> str:
+    # Raises before any collective, so the other ranks are never left blocked.
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"boom from the bad rank {bad_rank}")
+    return "ok"
+
+
+def _scaled_broadcast(scale: float, *, offset: int = 0) -> list[float]:
+    t = torch.arange(4, dtype=torch.float32) * scale + offset if dist.get_rank() == 0 else torch.zeros(4)
+    dist.broadcast(t, src=0)
+    return t.tolist()
+
+
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_rank_and_world_size_in_order(pool: RankPool) -> None:
+    n = pool.world_size
+    assert pool.run(_whoami) == [(r, n) for r in range(n)]
+
+
+def test_all_reduce_sum(pool: RankPool) -> None:
+    n = pool.world_size
+    assert pool.run(_all_reduce_rank_plus_one) == [n * (n + 1) / 2] * n
+
+
+def test_exception_on_one_rank_reports_traceback(pool: RankPool) -> None:
+    with pytest.raises(RankError) as info:
+        pool.run(_fail_on_rank, 1)
+    msg = str(info.value)
+    assert "rank 1" in msg and "rank 0 ---" not in msg
+    assert "ValueError: boom from the bad rank 1" in msg
+    assert "Traceback" in msg and "_fail_on_rank" in msg
+    # The pool stays usable, collectives included.
+    assert pool.run(_whoami) == [(r, pool.world_size) for r in range(pool.world_size)]
+    assert pool.run(_all_reduce_rank_plus_one)[0] == pool.world_size * (pool.world_size + 1) / 2
+
+
+def test_module_local_function_with_args_and_kwargs(pool: RankPool) -> None:
+    assert pool.run(_scaled_broadcast, 2.0, offset=1) == [[1.0, 3.0, 5.0, 7.0]] * pool.world_size
+
+
+def test_unpicklable_function_fails_fast_in_parent(pool: RankPool) -> None:
+    with pytest.raises((AttributeError, pickle.PicklingError), match="pickle"):
+        pool.run(lambda: 0)
+    assert pool.run(_whoami)[0] == (0, pool.world_size)
+
+
+def test_hung_rank_raises_and_tears_down() -> None:
+    p = RankPool(2, timeout_s=2.0)
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"ranks \[0, 1\] did not answer within 2.0s"):
+        p.run(_sleep, 60.0)
+    assert time.monotonic() - start < 15.0
+    assert all(not proc.is_alive() for proc in p._procs)
+    with pytest.raises(RankError, match="closed"):
+        p.run(_whoami)
+    p.close()  # idempotent

@@ -1,0 +1,145 @@
+"""Numerics on real gloo process groups: fxtp against the single-device model.
+
+The ranks start once per world size (module-scoped pool); each test runs one check in them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import RankPool
+from _helpers import compare_training
+from models import build
+
+import fxtp
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda ws: f"ws{ws}")
+def pool(request):
+    with RankPool(request.param, timeout_s=300) as p:
+        yield p
+
+
+def _train(name: str, **kwargs):
+    model, inputs = build(name)
+    return compare_training(model, inputs, **kwargs)
+
+
+def test_linear_single_layer(pool):
+    (rank0, *_) = pool.run(_train, "linear100")
+    (layer,) = rank0["report"]["layers"]
+    assert layer["style"] == "replicate"
+    # 10 out_features: world_size 4 does not divide them; at 2 the output would need a gather.
+    assert layer["code"] == ("not-divisible" if pool.world_size == 4 else "needs-gather")
+    assert rank0["forward"] == {} and rank0["backward"] == {}
+
+
+def test_mlp(pool):
+    (rank0, *_) = pool.run(_train, "mlp")
+    assert rank0["plan"] == {"0": "colwise", "2": "rowwise"}
+    assert rank0["forward"] == {"all_reduce": 1}
+    # The MLP's input needs no gradient, so f's backward all_reduce never runs.
+    assert rank0["backward"] == {}
+    assert rank0["report"]["collectives"][2] == {"phase": "backward", "kind": "all_reduce", "count": 0, "bytes": 0}
+
+
+def test_reference_transformer_finds_the_hand_plan(pool):
+    """torch's Transformer.parallelize plan (no sequence parallel), found by analysis."""
+    (rank0, *_) = pool.run(_train, "reference_transformer")
+    plan = rank0["plan"]
+    for i in range(2):
+        prefix = f"layers.{i}."
+        for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1"):
+            assert plan[prefix + name] == "colwise", name
+        for name in ("attention.wo", "feed_forward.w2"):
+            assert plan[prefix + name] == "rowwise", name
+    # Megatron's floor: 2 all_reduce per block forward, 2 backward, nothing else.
+    assert rank0["forward"] == {"all_reduce": 4}
+    assert rank0["backward"] == {"all_reduce": 4}
+    tied = {row["name"]: row for row in rank0["report"]["layers"] if row["code"] == "tied"}
+    assert set(tied) == {"tok_embeddings", "output"}
+    assert all(row["style"] == "replicate" for row in tied.values())
+
+
+def test_nn_transformer_packed_in_proj(pool):
+    (rank0, *_) = pool.run(_train, "nn_transformer")
+    layers = {row["name"]: row for row in rank0["report"]["layers"]}
+    assert rank0["report"]["capture"]["frontend"] == "export"
+    assert [f["frontend"] for f in rank0["report"]["capture"]["failed"]] == ["fx"]
+    ws = pool.world_size
+    for attn in ("encoder.layers.0.self_attn", "decoder.layers.0.self_attn"):
+        packed = layers[f"{attn}.in_proj_weight"]
+        assert packed["style"] == "colwise"
+        assert packed["local_weight_shape"] == [192 // ws, 64]
+        assert "[64, 64, 64]" in packed["reason"]  # head-aligned Q|K|V segments
+        assert layers[f"{attn}.out_proj"]["style"] == "rowwise"
+    cross = "decoder.layers.0.multihead_attn"
+    assert layers[f"{cross}.in_proj_weight[0:64]"]["style"] == "colwise"
+    assert layers[f"{cross}.in_proj_weight[64:192]"]["style"] == "colwise"
+    # one all_reduce per rowwise layer (3 attention + 2 MLP) and nothing else
+    assert rank0["forward"] == {"all_reduce": 5}
+
+
+def test_tiny_gpt(pool):
+    (rank0, *_) = pool.run(_train, "tiny_gpt")
+    assert rank0["forward"] == {"all_reduce": 4}
+    assert rank0["backward"] == {"all_reduce": 4}
+    assert rank0["plan"]["head"] == "replicate"
+
+
+def _identical_across_ranks():
+    model, inputs = build("tiny_gpt")
+    pm = fxtp.compile(model, dist.get_world_size(), inputs)
+    out = pm(*inputs)
+    gathered = [torch.empty_like(out) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, out)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def test_outputs_bitwise_equal_across_ranks(pool):
+    assert all(pool.run(_identical_across_ranks))
+
+
+def _on_device_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    model, inputs = build("mlp")
+    return compare_training(model, inputs, group=mesh["tp"])["forward"]
+
+
+def test_device_mesh_group(pool):
+    assert pool.run(_on_device_mesh)[0] == {"all_reduce": 1}
+
+
+def _on_sub_groups():
+    """TP=2 inside a larger job: ranks {0,1} and {2,3} are separate tensor-parallel groups."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    groups = [dist.new_group([r, r + 1]) for r in range(0, ws, 2)]
+    group = groups[rank // 2]
+    model, inputs = build("mlp")
+    ref = model(*inputs)
+    pm = fxtp.compile(model, 2, inputs, group=group)
+    torch.testing.assert_close(pm(*inputs), ref)
+    return pm.report.to_dict()["layers"][0]["local_weight_shape"]
+
+
+def test_sub_group(pool):
+    if pool.world_size != 4:
+        pytest.skip("needs 4 ranks for two groups of 2")
+    assert pool.run(_on_sub_groups) == [[128, 64]] * 4
+
+
+def _mismatched_world_size():
+    model, inputs = build("mlp")
+    try:
+        fxtp.compile(model, dist.get_world_size() * 2, inputs)
+    except fxtp.FxtpConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def test_world_size_must_match_group(pool):
+    msg = pool.run(_mismatched_world_size)[0]
+    assert f"the process group has {pool.world_size} ranks" in msg
