@@ -19,6 +19,7 @@ shapes.
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -61,10 +62,19 @@ _FRONTEND_FNS: dict[str, Callable[[nn.Module, tuple, dict], torch.export.Exporte
 }
 
 
+_USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in \w+\n\s*(.+)')
+
+
 def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    first = next((line for line in text if line.strip()), "")
-    return f"{type(exc).__name__}: {first}"[:300]
+    """``Type: first line`` of an exception, plus the user's source line it points at, if any."""
+    text = str(exc).strip()
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    frames = [m for m in _USER_FRAME.finditer(text) if "/torch/" not in m.group(1)]
+    where = ""
+    if frames:
+        path, line, code = frames[-1].groups()
+        where = f" (at {path.rsplit('/', 1)[-1]}:{line}: {code.strip()})"
+    return f"{type(exc).__name__}: {first[:240]}{where}"
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict, how: str = "auto") -> Captured:
@@ -79,7 +89,10 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, how: str = "auto") -> C
     attempts: list[tuple[str, str]] = []
     for name in order:
         try:
-            program = _FRONTEND_FNS[name](model, args, kwargs)
+            # Grad mode on: fused inference fast paths (nn.TransformerEncoderLayer, nn.MultiheadAttention)
+            # only run without grad, and would hide the linears inside one opaque op.
+            with torch.enable_grad():
+                program = _FRONTEND_FNS[name](model, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - every frontend failure is reported, none is fatal
             attempts.append((name, _one_line(exc)))
             continue

@@ -20,6 +20,8 @@ from passes.plan import LayerDecision, ShardingPlan, module_of
 
 __all__ = ["Report", "CollectiveStat", "Note", "build_report"]
 
+_DROPOUTS = (torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default)
+
 
 @dataclass(frozen=True)
 class CollectiveStat:
@@ -105,28 +107,22 @@ class Report:
         }
 
     def __str__(self) -> str:
+        show_module = any(layer.module != layer.name for layer in self.layers)
         rows = []
         for layer in self.layers:
             reason = layer.reason
             if layer.code:
-                where = f" at {layer.culprit_module or layer.culprit}" if (layer.culprit_module or layer.culprit) else ""
-                reason = f"{layer.code}: {reason}{where}. fix: {layer.fix}"
-            rows.append(
-                (
-                    layer.name,
-                    layer.module if layer.module != layer.name else "",
-                    layer.op,
-                    "x".join(map(str, layer.weight_shape)),
-                    layer.style,
-                    "x".join(map(str, layer.local_weight_shape)),
-                    _layer_comm(layer, self),
-                    reason,
-                )
-            )
-        headers = ("layer", "module", "op", "weight", "style", "local weight", "communication", "reason")
+                where = layer.culprit_module if layer.culprit_module not in (None, "", layer.module) else None
+                reason = f"{layer.code}: {reason}" + (f" (at {where})" if where else "") + f". fix: {layer.fix}"
+            row = [layer.name, layer.module] if show_module else [layer.name]
+            row += [layer.op, "x".join(map(str, layer.weight_shape)), layer.style, "x".join(map(str, layer.local_weight_shape))]
+            rows.append((*row, _layer_comm(layer), reason))
+        headers = ["layer", "module"] if show_module else ["layer"]
+        headers += ["op", "weight", "style", "local weight", "communication", "reason"]
+        widths = [None] * (len(headers) - 1) + [64]
         parts = [
             f"fxtp plan: world_size {self.world_size}, rank {self.rank}",
-            tabulate(rows, headers=headers, tablefmt="simple", maxcolwidths=[None, 24, None, None, None, None, 22, 60]),
+            tabulate(rows, headers=headers, tablefmt="simple", maxcolwidths=widths),
         ]
         if self.notes:
             note_rows = [(n.code, n.module or "-", n.node, n.message, ", ".join(n.layers)) for n in self.notes]
@@ -152,11 +148,11 @@ class Report:
         return f"<fxtp.Report world_size={self.world_size} layers={len(self.layers)} frontend={self.frontend}>"
 
 
-def _layer_comm(layer: LayerDecision, report: Report) -> str:
+def _layer_comm(layer: LayerDecision) -> str:
     if layer.style == "colwise":
-        return "input grad all_reduce (f, bwd, shared)"
+        return "f: all_reduce bwd"
     if layer.style == "rowwise":
-        return "all_reduce (g, fwd)"
+        return "g: all_reduce fwd"
     return "-"
 
 
@@ -230,6 +226,19 @@ def _notes(plan: ShardingPlan, nodes) -> tuple[Note, ...]:
         Note(code, culprit, group[0].culprit_module or "", group[0].reason, tuple(layer.name for layer in group))
         for (code, culprit), group in by_culprit.items()
     ]
+    for name, placement in plan.placements.items():
+        node = nodes[name]
+        if node.target in _DROPOUTS and isinstance(placement, Shard) and node.args[2] is True:
+            notes.append(
+                Note(
+                    "dropout-on-shard",
+                    node.format_node(),
+                    module_of(node),
+                    "dropout on a sharded value: each rank draws the mask of its own slice from its generator "
+                    "(replicated values get identical masks when ranks share a seed)",
+                    (),
+                )
+            )
     for (consumer, producer), action in plan.edges.items():
         if action.kind == "gather":
             node = nodes[consumer]

@@ -18,6 +18,7 @@ modify the graph.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
@@ -116,7 +117,8 @@ def plan_sharding(
             break
     else:  # pragma: no cover - demotions and refinements only grow
         raise FxtpError(f"internal: planning did not converge in {max_rounds} rounds; please report this model")
-    decisions = tuple(_layer_decision(n, names[n], res, state, param_names, param_fqns, world_size) for n in layers)
+    feeds = _rowwise_feeds(layers, names, res)
+    decisions = tuple(_layer_decision(n, names[n], res, state, param_names, param_fqns, world_size, feeds) for n in layers)
     _check_forced(decisions, state, names)
     return ShardingPlan(
         world_size=world_size,
@@ -326,8 +328,25 @@ def _combine(requests: list[tuple[ParamPiece, Shard, Any]]) -> Shard:
     return Shard(dim, tuple(segments))
 
 
-def _layer_decision(node: Node, name: str, res: Propagation, state: PlannerState, param_names, param_fqns, ws: int) -> LayerDecision:
+def _rowwise_feeds(layers: list[Node], names: Mapping[Node, str], res: Propagation) -> dict[Node, list[str]]:
+    """colwise layer -> names of the rowwise layers its shard reaches, and the reverse."""
+    feeds: dict[Node, list[str]] = {}
+    for n in layers:
+        note = res.layers.get(n)
+        if note is not None and note.style == "rowwise":
+            for origin in sorted(res.origins.get(n.args[0], frozenset()), key=lambda o: o.name):
+                feeds.setdefault(origin, []).append(names[n])
+                feeds.setdefault(n, []).append(names[origin])
+    return feeds
+
+
+def _layer_decision(node: Node, name: str, res: Propagation, state: PlannerState, param_names, param_fqns, ws: int, feeds) -> LayerDecision:
     note = res.layers.get(node) or state.demoted.get(node.name) or LayerNote("replicate", "inputs replicated")
+    partners = ", ".join(feeds.get(node, []))
+    if note.style == "colwise" and partners:
+        note = dataclasses.replace(note, reason=note.reason.replace("a rowwise layer", partners))
+    elif note.style == "rowwise" and partners:
+        note = dataclasses.replace(note, reason=f"input sharded by {partners}; " + note.reason)
     weight = node.args[LAYER_WEIGHT_ARG[node.target]]
     piece = param_root(weight, param_names) if isinstance(weight, Node) else None
     wshape = shape_of(weight)
@@ -346,7 +365,7 @@ def _layer_decision(node: Node, name: str, res: Propagation, state: PlannerState
         local_weight_shape=tuple(local),
         reason=note.reason,
         code=note.code,
-        fix=note.fix,
+        fix=note.fix.replace("{layer}", name) if note.fix else None,
         culprit=note.node,
         culprit_module=note.module,
     )

@@ -143,9 +143,9 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
         p = res.placements[inp]
         return REPLICATE if isinstance(p, Partial) else p  # Partial is all_reduced right away
 
-    def sharded_origins(node: Node) -> frozenset[Node]:
+    def sharded_origins(node: Node, among: "tuple[Node, ...] | None" = None) -> frozenset[Node]:
         out: set[Node] = set()
-        for a in tensor_inputs(node):
+        for a in among if among is not None else tensor_inputs(node):
             if isinstance(effective(a, node), Shard):
                 out |= res.origins.get(a, frozenset())
         return frozenset(out)
@@ -187,8 +187,8 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
                 )
             dec = rule(ctx)
         except Conflict as c:
-            culprits = frozenset(c.culprits) if c.culprits is not None else sharded_origins(node)
-            sharded = tuple(a for a in inputs if isinstance(effective(a, node), Shard))
+            culprits = frozenset(c.culprits) if c.culprits is not None else sharded_origins(node, c.blame)
+            sharded = tuple(a for a in c.blame or inputs if isinstance(effective(a, node), Shard))
             res.reject(node, c, culprits, sharded)
             res.placements[node] = _replicated_like(node)
             continue
@@ -252,7 +252,7 @@ def _check_outputs(node: Node, res: Propagation, effective, state: PlannerState)
                 conflict = Conflict(
                     "needs-gather",
                     f"model output {a.name} would be sharded; returning it whole needs an all_gather",
-                    "nothing: fxtp keeps the layer replicated; force plan={fqn: 'colwise'} to gather instead",
+                    "none needed: fxtp keeps the layer replicated; plan={'{layer}': 'colwise'} all_gathers its output instead",
                 )
                 res.reject(node, conflict, res.origins.get(a, frozenset()), (a,))
         return a

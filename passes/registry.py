@@ -91,6 +91,8 @@ class Conflict(Exception):
         refine: a finer segment layout (NOTE: [segments]) for the sharded input that would make
             the rule succeed, if one exists.
         culprits: the layers to keep replicated; default: the layers whose shard reached here.
+        blame: the inputs whose shard is at fault (default: every sharded input); the layers
+            kept replicated are those whose shard reached these.
     """
 
     def __init__(
@@ -101,6 +103,7 @@ class Conflict(Exception):
         *,
         refine: Optional[tuple[int, ...]] = None,
         culprits: Optional[Sequence[Node]] = None,
+        blame: Optional[Sequence[Node]] = None,
     ) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
@@ -108,6 +111,7 @@ class Conflict(Exception):
         self.fix = fix
         self.refine = refine
         self.culprits = tuple(culprits) if culprits is not None else None
+        self.blame = tuple(blame) if blame is not None else None
 
 
 class RuleContext:

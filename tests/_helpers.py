@@ -94,4 +94,6 @@ def compare_training(model, inputs, *, steps: int = 3, lr: float = 0.1, **compil
         "forward": dict(fwd.counts),
         "backward": dict(bwd.counts),
         "report": pm.report.to_dict(),
+        "code": pm.graph_module.code,
+        "out_shapes": [tuple(t.shape) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)],
     }

@@ -44,6 +44,17 @@ def test_mlp(pool):
     assert rank0["report"]["collectives"][2] == {"phase": "backward", "kind": "all_reduce", "count": 0, "bytes": 0}
 
 
+def test_forced_plans_gather_or_slice(pool):
+    """A plan that forces a layer colwise gathers its output (all_gather forward, local slice
+    backward); one that forces the first layer rowwise slices its replicated input."""
+    (colwise, *_) = pool.run(_train, "mlp", plan={"2": "colwise"})
+    assert colwise["plan"] == {"0": "replicate", "2": "colwise"}
+    assert colwise["forward"] == {"all_gather": 1}
+    (rowwise, *_) = pool.run(_train, "mlp", plan={"0": "rowwise"})
+    assert rowwise["plan"] == {"0": "rowwise", "2": "replicate"}
+    assert rowwise["forward"] == {"all_reduce": 1}
+
+
 def test_reference_transformer_finds_the_hand_plan(pool):
     """torch's Transformer.parallelize plan (no sequence parallel), found by analysis."""
     (rank0, *_) = pool.run(_train, "reference_transformer")

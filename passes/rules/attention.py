@@ -34,11 +34,13 @@ def sdpa_rule(ctx: RuleContext) -> Decision:
     first = next(iter(shards.values()))
     if len(dims) > 1 or first.dim >= nd - 2:
         heads = shape_of(q)[nd - 3] if nd >= 3 else 1
+        inside = [t for t, p in shards.items() if p.dim >= nd - 2]
         raise Conflict(
             "splits-head",
             f"attention inputs are sharded inside a head or differently ({', '.join(map(str, shards.values()))}); "
             f"q has {heads} heads and world_size is {ctx.world_size}",
             f"use a world_size that divides the head count {heads}",
+            blame=inside or None,
         )
     dim = first.dim
     nseg = len(first.segments)

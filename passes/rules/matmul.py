@@ -45,16 +45,21 @@ def linear_rule(ctx: RuleContext) -> Decision:
     state = ctx.layer()
     if isinstance(px, Shard) and px.dim < last:
         return Decision(px, layer=LayerNote("replicate", f"input is sharded on dim {px.dim}, not on features"))
+    if isinstance(px, Shard) and (state.demoted is not None or state.forced == "colwise"):
+        # The user's plan wants this layer's input whole: keep the producers replicated.
+        if state.demoted is not None:
+            code, why = state.demoted.code or "user-plan", f"consumer stays replicated ({state.demoted.reason})"
+        else:
+            code, why = "user-plan", "the plan makes the consumer colwise"
+        raise Conflict(code, f"{why}, so its input must be replicated", "drop the plan entry for the consumer")
     if isinstance(px, Shard) or state.forced == "rowwise":
-        if state.demoted is not None and isinstance(px, Shard):
-            raise Conflict(state.demoted.code or "user-plan", state.demoted.reason, state.demoted.fix or "")
         shard = px if isinstance(px, Shard) else Shard(last, (in_features,))
         if not shard.divisible(ctx.world_size):
             return Decision(REPLICATE, layer=_not_divisible("in_features", in_features, ctx.world_size))
         wants = {w: Shard(1, shard.segments)}
         if not isinstance(px, Shard):
             wants[x] = shard
-        reason = "input arrives sharded on features; one all_reduce after, bias added once"
+        reason = "all_reduce after it, bias added once after that"
         return Decision(Partial(), wants, local_args=(x, w), after_reduce=b, layer=LayerNote("rowwise", reason))
     if state.demoted is not None:
         return Decision(REPLICATE, layer=state.demoted)
@@ -90,9 +95,9 @@ def embedding_rule(ctx: RuleContext) -> Decision:
         raise Conflict("tied", "the embedding table is also used by a sharded layer", "keep the tied layer replicated")
     note = ctx.layer().demoted or LayerNote(
         "replicate",
-        "vocab-parallel embedding is not supported yet; the table stays replicated",
+        "vocab-parallel embedding is not supported yet",
         code="replicated-embedding",
-        fix="none needed; the lookup is exact and needs no communication",
+        fix="none needed: a replicated lookup needs no communication",
     )
     p = ctx.placement(indices)
     return Decision(p.with_dim(p.dim) if isinstance(p, Shard) else REPLICATE, layer=note)

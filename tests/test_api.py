@@ -1,0 +1,176 @@
+"""The public API without process groups: arguments, errors, capture, world_size 1, plans."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from _helpers import count_graph_collectives
+from models import build
+from torch import nn
+
+import fxtp
+
+
+@pytest.mark.parametrize("bad", [0, -1, "2", 2.5, True, None])
+def test_world_size_must_be_a_positive_int(bad):
+    model, inputs = build("mlp")
+    with pytest.raises(fxtp.FxtpConfigError, match=r"world_size must be an int >= 1"):
+        fxtp.compile(model, bad, inputs)
+    with pytest.raises(fxtp.FxtpConfigError, match=r"world_size must be an int >= 1"):
+        fxtp.analyze(model, bad, inputs)
+
+
+def test_example_inputs_that_do_not_fit_name_the_module_and_shape():
+    """The seed feeds a (100, 10) tensor to Linear(100, 10)."""
+    model = nn.Sequential(nn.Linear(100, 10))
+    with pytest.raises(fxtp.FxtpInputError) as info:
+        fxtp.compile(model, 2, (torch.randn(100, 10),))
+    msg = str(info.value)
+    assert "module '0'" in msg and "(100, 10)" in msg and "expects (..., 100)" in msg
+    assert "Traceback" not in msg
+
+
+def test_missing_example_inputs():
+    with pytest.raises(fxtp.FxtpInputError, match="example_inputs are required"):
+        fxtp.compile(nn.Linear(4, 4), 2)
+
+
+def test_not_a_module():
+    with pytest.raises(fxtp.FxtpConfigError, match="must be a torch.nn.Module"):
+        fxtp.compile(lambda x: x, 2, (torch.randn(2),))
+
+
+class _ValueDependent(nn.Module):
+    """Python control flow on a tensor's values: no frontend can capture it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.sum() > 0:
+            return h.relu()
+        return h
+
+
+def test_uncapturable_model_lists_every_frontend():
+    with pytest.raises(fxtp.FxtpCaptureError) as info:
+        fxtp.compile(_ValueDependent(), 2, (torch.randn(2, 8),))
+    msg = str(info.value)
+    for frontend in ("fx", "export", "dynamo"):
+        assert re.search(rf"^  - {frontend}: \w+", msg, re.M), msg
+    assert "fix:" in msg
+
+
+def test_bad_capture_and_plan_arguments():
+    model, inputs = build("mlp")
+    with pytest.raises(fxtp.FxtpConfigError, match="capture must be one of"):
+        fxtp.compile(model, 2, inputs, capture="jit")
+    with pytest.raises(fxtp.FxtpConfigError, match="style must be one of"):
+        fxtp.compile(model, 2, inputs, plan={"0": "diagonal"})
+    with pytest.raises(fxtp.FxtpPlanError, match="matches no layer; layers are: 0, 2"):
+        fxtp.compile(model, 2, inputs, plan={"fc*": "replicate"})
+    with pytest.raises(fxtp.FxtpConfigError, match="outside world_size"):
+        fxtp.compile(model, 2, inputs, rank=2)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export", "dynamo"])
+def test_each_frontend(frontend):
+    model, inputs = build("tiny_gpt")
+    report = fxtp.analyze(model, 2, inputs, capture=frontend)
+    assert report.frontend == frontend and report.attempts == ()
+    assert report.count("forward", "all_reduce") == 4
+
+
+def test_auto_falls_back_and_says_why():
+    model, inputs = build("reference_transformer")
+    report = fxtp.analyze(model, 2, inputs)
+    assert report.frontend == "export"
+    assert [f for f, _ in report.attempts] == ["fx"]
+    assert "TraceError" in report.attempts[0][1]
+    assert "capture: export (fx failed: TraceError" in str(report)
+
+
+def test_world_size_1_is_an_exact_no_op():
+    model, inputs = build("tiny_gpt")
+    pm = fxtp.compile(model, 1, inputs)
+    assert count_graph_collectives(pm) == {}
+    out, ref = pm(*inputs), model(*inputs)
+    assert torch.equal(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    for fqn, p in pm.named_parameters():
+        assert torch.equal(p.grad, model.get_parameter(fqn).grad), fqn
+    assert all(layer.style == "replicate" for layer in pm.report.layers)
+
+
+def test_without_a_process_group_it_compiles_for_inspection_and_refuses_to_run():
+    model, inputs = build("mlp")
+    pm = fxtp.compile(model, 2, inputs)
+    assert count_graph_collectives(pm) == {"copy_to_tp": 1, "reduce_from_tp": 1}
+    assert pm.get_parameter("0.weight").shape == (128, 64)
+    with pytest.raises(fxtp.FxtpRuntimeError, match="no process group was initialized"):
+        pm(*inputs)
+
+
+def test_compile_never_mutates_the_model():
+    model, inputs = build("nn_transformer")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = {k: id(v) for k, v in model.named_parameters()}
+    pm = fxtp.compile(model, 2, inputs)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert {k: id(v) for k, v in model.named_parameters()} == ids
+    assert all(p.data_ptr() != model.get_parameter(k).data_ptr() for k, p in pm.named_parameters())
+
+
+def test_shape_literals_are_localized():
+    """Head counts in views become local; the -1 of the reshape is made explicit."""
+    model, inputs = build("reference_transformer")
+    code = fxtp.compile(model, 2, inputs).graph_module.code
+    assert "aten.view.default(linear, [2, 16, 2, 8])" in code
+    assert "aten.reshape.default(transpose_3, [2, 16, 16])" in code
+    assert "-1" not in code
+
+
+def test_emitted_graph_hard_codes_no_device():
+    model, inputs = build("tiny_gpt")
+    code = fxtp.compile(model, 2, inputs).graph_module.code
+    assert "device(type=" not in code
+    assert "arange.default(16, device = getattr_1" in code and "getattr_1 = p_tok_weight.device" in code
+
+
+def test_runtime_inputs_must_match_the_compiled_shapes():
+    model, inputs = build("mlp")
+    pm = fxtp.compile(model, 1, inputs)
+    with pytest.raises(fxtp.FxtpInputError, match=r"input 0 has shape \(4, 64\) but the module was compiled for \(8, 64\)"):
+        pm(torch.randn(4, 64))
+
+
+def test_report_table_dict_and_plan_round_trip():
+    model, inputs = build("reference_transformer")
+    pm = fxtp.compile(model, 4, inputs)
+    text = str(pm.report)
+    for needle in ("layer", "style", "local weight", "communication", "reason", "collectives per forward: 4 all_reduce"):
+        assert needle in text
+    assert "parameter bytes per rank" in text
+    data = json.loads(json.dumps(pm.report.to_dict()))
+    wq = next(row for row in data["layers"] if row["name"] == "layers.0.attention.wq")
+    assert wq["style"] == "colwise" and wq["local_weight_shape"] == [8, 32]
+    again = fxtp.compile(model, 4, inputs, plan=pm.plan)
+    assert again.plan == pm.plan
+
+
+def test_user_plan_replicate_and_colwise():
+    model, inputs = build("mlp")
+    pm = fxtp.compile(model, 2, inputs, plan={"0": "replicate"})
+    assert pm.plan == {"0": "replicate", "2": "replicate"}
+    assert pm.report.layers[0].code == "user-plan"
+    forced = fxtp.compile(model, 2, inputs, plan={"2": "colwise"})
+    assert forced.plan == {"0": "replicate", "2": "colwise"}
+    assert count_graph_collectives(forced) == {"copy_to_tp": 1, "gather_from_tp": 1}
+    assert forced.report.count("forward", "all_gather") == 1
