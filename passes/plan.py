@@ -226,9 +226,9 @@ def _resolve(res: Propagation, state: PlannerState, ws: int) -> bool:
             raise FxtpError(f"internal: {c} at {rej.node.format_node()} with no layer to keep replicated; please report")
         note = LayerNote("replicate", c.message, code=c.code, fix=c.fix, node=rej.node.format_node(), module=module_of(rej.node))
         demotable = [n for n in rej.culprits if state.forced.get(n.name) is None]
-        for n in demotable:
-            state.first.setdefault(n.name, note)
         if c.code in _LAYOUT_CODES:
+            for n in demotable:  # the first layout rejection explains best why no layout fits
+                state.first.setdefault(n.name, note)
             if refined_now & set(demotable):
                 continue
             refined = {n: _next_segments(n, state, c.refine, ws) for n in demotable}
@@ -248,7 +248,7 @@ def _resolve(res: Propagation, state: PlannerState, ws: int) -> bool:
             continue
         for n in demotable:
             if n.name not in state.demoted:
-                state.demoted[n.name] = state.first[n.name]
+                state.demoted[n.name] = state.first.get(n.name, note) if c.code in _LAYOUT_CODES else note
                 changed = True
     params: dict[str, Placement] = {}
     owners: dict[str, frozenset[str]] = {}

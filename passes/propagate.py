@@ -72,7 +72,7 @@ class PlannerState:
     param_owners: dict[str, frozenset[str]] = field(default_factory=dict)
     gathers: set[tuple[str, str]] = field(default_factory=set)
     tried: dict[str, set[tuple[int, ...]]] = field(default_factory=dict)  # segment layouts tried per layer
-    first: dict[str, LayerNote] = field(default_factory=dict)  # first rejection per layer (the reason shown)
+    first: dict[str, LayerNote] = field(default_factory=dict)  # first layout rejection per layer
 
 
 @dataclass(frozen=True)
@@ -145,8 +145,9 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
 
     def sharded_origins(node: Node, among: "tuple[Node, ...] | None" = None) -> frozenset[Node]:
         out: set[Node] = set()
-        for a in among if among is not None else tensor_inputs(node):
-            if isinstance(effective(a, node), Shard):
+        for a in among if among is not None else node.all_input_nodes:
+            p = effective(a, node)
+            if isinstance(p, Shard) or isinstance(p, tuple) and any(isinstance(x, Shard) for x in p):
                 out |= res.origins.get(a, frozenset())
         return frozenset(out)
 
@@ -213,10 +214,11 @@ def _apply_wants(node, dec, res, effective, origins, param_names) -> None:
         if not is_tensor_node(inp):
             continue
         piece = param_root(inp, param_names)
-        if piece is not None and isinstance(want, Shard):
-            # The planner stores the parameter sharded (recorded every round, also when it
-            # already is, so the planner can tell when no consumer wants the shard any more).
-            res.requests.setdefault(piece.placeholder, []).append((piece, want, origins))
+        if piece is not None:
+            # The planner stores the parameter as wanted. Requests are recorded every round, also
+            # when it already is sharded: a parameter nobody wants sharded is replicated next round.
+            if isinstance(want, Shard):
+                res.requests.setdefault(piece.placeholder, []).append((piece, want, origins))
             continue
         cur = effective(inp, node)
         if cur == want:

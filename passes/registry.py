@@ -67,7 +67,8 @@ class Decision:
     Attributes:
         out: placement of the output, or a tuple with one placement per output.
         wants: input node -> placement it must have. A replicated input that is wanted sharded
-            is sliced locally (a parameter is stored sharded instead).
+            is sliced locally (a parameter is stored sharded instead). Rules list every sharded
+            input they accept, too: that is how a parameter stays sharded from round to round.
         local_args: the node's args with shape literals made local, or ``None`` to keep them.
         after_reduce: inputs applied after the all_reduce of a ``Partial`` output (the bias of
             a rowwise linear, see NOTE: [rowwise bias]).
@@ -171,10 +172,10 @@ def register_rule(*ops: OpKey) -> Callable[[Rule], Rule]:
     """
 
     def wrap(fn: Rule) -> Rule:
-        for op in ops:
-            if op in _RULES:
-                raise KeyError(f"op {op} already has a rule: {_RULES[op].__name__}")
-            _RULES[op] = fn
+        taken = [op for op in ops if op in _RULES]
+        if taken:
+            raise KeyError(f"op {taken[0]} already has a rule: {_RULES[taken[0]].__name__}")
+        _RULES.update((op, fn) for op in ops)
         return fn
 
     return wrap

@@ -97,12 +97,6 @@ def test_view_split_heads():
     assert view_placement(S(2, 512), (2, 16, 512), (2, 16, 8, 64), 8) == S(2, 8)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: view_placement blames the wrong output dim when the rank digit spills out of "
-    "head_dim: 8 heads at world_size 16 gives code 'view-crosses-shard' with fix 'use a "
-    "world_size that divides 64' (16 already does) instead of 'not-divisible' for the head dim of size 8",
-)
 def test_view_split_heads_more_ranks_than_heads_is_not_divisible():
     c = conflict_of(view_placement, S(2, 512), (2, 16, 512), (2, 16, 8, 64), 16)
     assert c.code == "not-divisible"
@@ -279,12 +273,6 @@ def _fake_op_2(*args):
     raise AssertionError("never called")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: register_rule(new_op, taken_op) is not atomic: new_op is registered before the "
-    "KeyError for taken_op, so a corrected retry fails (passes/registry.py wrap(): the check and "
-    "the insert share one loop)",
-)
 def test_register_rule_duplicate_is_atomic():
     def rule(ctx):
         return Decision(REPLICATE)
@@ -418,12 +406,6 @@ class AddBiasParam(nn.Module):
         return self.down(torch.relu(self.up(x) + self.b))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: planning oscillates and raises FxtpError 'did not converge': broadcast_rule "
-    "(passes/rules/pointwise.py) only wants *replicated* operands sharded, so once p_b is stored "
-    "S(0) no consumer requests it and _resolve drops it again, every other round",
-)
 def test_pointwise_broadcast_parameter_becomes_sharded():
     placements, plan, _, layers = analyze(AddBiasParam(), torch.randn(2, 4, 16))
     assert plan.params["p_b"] == S(0, 32)
@@ -601,12 +583,6 @@ def test_six_heads_at_world_size_four_is_replicated_with_a_reason():
     assert all(p == REPLICATE for p in placements.values())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: FxtpError 'internal: ... with no layer to keep replicated': a conflict downstream "
-    "of chunk/split has no culprits, because propagate.sharded_origins walks tensor_inputs(), which "
-    "skips the multi-output chunk node, so getitem's origins are empty (passes/propagate.py)",
-)
 def test_six_heads_fused_at_world_size_four_is_replicated_with_a_reason():
     placements, plan, _, layers = analyze(Attention(dim=96, heads=6, fused=True), torch.randn(2, 5, 96), ws=4)
     assert layers["qkv"].style == "replicate"
@@ -625,11 +601,6 @@ class ChunkThenNorm(nn.Module):
         return F.layer_norm(a, (64,)) + b + c
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: same as the fused 6-heads case, minimal: chunk of a colwise linear, then a "
-    "layer_norm over the feature dim of one piece -> FxtpError 'no layer to keep replicated'",
-)
 def test_conflict_after_chunk_replicates_the_fused_producer():
     placements, plan, _, layers = analyze(ChunkThenNorm(), torch.randn(2, 64))
     assert layers["qkv"].style == "replicate"
@@ -681,12 +652,6 @@ class CatParam(nn.Module):
         return self.down(torch.cat([self.prefix, self.up(x)], dim=1))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: same oscillation as the pointwise bias: cat_rule (passes/rules/shape.py) wants only "
-    "the unsharded operands, so the parameter is requested S(2) in one round and dropped the next; "
-    "FxtpError 'did not converge'",
-)
 def test_cat_with_parameter_along_other_dim_shards_the_parameter():
     placements, plan, _, layers = analyze(CatParam(), torch.randn(2, 4, 16))
     assert plan.params["p_prefix"] == S(2, 32)

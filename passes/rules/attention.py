@@ -46,7 +46,7 @@ def sdpa_rule(ctx: RuleContext) -> Decision:
     nseg = len(first.segments)
     if any(len(p.segments) != nseg for p in shards.values()):
         raise Conflict("layout-mismatch", "q, k, v sharded with different segment counts", "keep the producers replicated")
-    wants = {}
+    wants: dict = dict(shards)
     for t in (q, k, v):
         if t not in shards:
             size = shape_of(t)[dim]

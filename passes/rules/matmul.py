@@ -105,8 +105,8 @@ def embedding_rule(ctx: RuleContext) -> Decision:
 
 @register_rule(aten.matmul.default, aten.bmm.default, aten.mm.default)
 def matmul_rule(ctx: RuleContext) -> Decision:
-    """``a @ b`` between activations: batch dims, rows of ``a``, columns of ``b``, or the
-    contraction dim (then the output is ``Partial`` and gets one all_reduce)."""
+    """``a @ b`` between activations: a shard on batch dims, rows of ``a`` or columns of ``b``
+    flows to the output; a sharded contraction dim is refused (``splits-head``)."""
     a, b = ctx.node.args[:2]
     pa, pb = ctx.placement(a), ctx.placement(b)
     na, nb, nout = ndim(a), ndim(b), len(ctx.out_shape)
@@ -118,10 +118,10 @@ def matmul_rule(ctx: RuleContext) -> Decision:
     amap = {d: d + nout - na for d in range(na - 1)}
     bmap = {d: d + nout - nb for d in range(nb - 2)}
     bmap[nb - 1] = nout - 1
-    if isinstance(pa, Shard) and isinstance(pb, Shard) and pa.dim == na - 1 and pb.dim == nb - 2:
-        if pa.segments != pb.segments:
-            raise Conflict("layout-mismatch", "contraction dims sharded differently", "keep one producer replicated")
-        return Decision(Partial())
+    if isinstance(pa, Shard) and pa.dim == na - 1 or isinstance(pb, Shard) and pb.dim == nb - 2:
+        # A Partial product would need an all_reduce of activations (e.g. attention scores):
+        # dearer than keeping the producers replicated.
+        raise Conflict("splits-head", "matmul contracts over the sharded dim", "keep the producing layers replicated")
     out = None
     for p, dmap in ((pa, amap), (pb, bmap)):
         if isinstance(p, Shard):
@@ -136,6 +136,7 @@ def matmul_rule(ctx: RuleContext) -> Decision:
     wants = {}
     for node, p, dmap, n in ((a, pa, amap, na), (b, pb, bmap, nb)):
         if isinstance(p, Shard):
+            wants[node] = p
             continue
         inv = {o: d for d, o in dmap.items()}
         d = inv.get(out.dim)

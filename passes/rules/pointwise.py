@@ -64,7 +64,9 @@ def broadcast_rule(ctx: RuleContext) -> Decision:
         return Decision(REPLICATE)
     wants: dict = {}
     for a in tensor_inputs(ctx.node):
-        if isinstance(ctx.placement(a), Shard):
+        p = ctx.placement(a)
+        if isinstance(p, Shard):
+            wants[a] = p
             continue
         dim = out.dim - (out_nd - ndim(a))
         if dim >= 0 and shape_of(a)[dim] != 1:

@@ -85,7 +85,7 @@ def view_placement(shard: Shard, in_shape: tuple[int, ...], out_shape: tuple[int
     inner = math.prod(in_shape[i] for i in ins if i > shard.dim)
     rank_stride = (s // ws) * inner
     strides = {o: math.prod(out_shape[k] for k in outs if k > o) for o in outs}
-    for o in outs:
+    for i, o in enumerate(outs):
         st, n = strides[o], out_shape[o]
         if st <= rank_stride < st * n:
             q, rem = divmod(rank_stride, st)
@@ -94,7 +94,10 @@ def view_placement(shard: Shard, in_shape: tuple[int, ...], out_shape: tuple[int
             break
     else:  # pragma: no cover - the rank digit always lies in some output dim
         raise AssertionError((shard, in_shape, out_shape))
-    code = "not-divisible" if n % ws else "view-crosses-shard"
+    spills = rem == 0 and q * ws > n and i > 0  # the ranks run on into the next outer dim
+    if spills:
+        o, n = outs[i - 1], out_shape[outs[i - 1]]
+    code = "not-divisible" if spills or n % ws else "view-crosses-shard"
     raise Conflict(
         code,
         f"view {list(in_shape)} -> {list(out_shape)} would split output dim {o} of size {n} "
@@ -312,8 +315,7 @@ def cat_rule(ctx: RuleContext) -> Decision:
     if shards[0].dim == dim:
         if len(shards) != len(tensors):
             raise Conflict("layout-mismatch", "cat along the sharded dim of sharded and replicated tensors", "keep the producers replicated")
-        return Decision(Shard(dim, tuple(s for p in shards for s in p.segments)))
+        return Decision(Shard(dim, tuple(s for p in shards for s in p.segments)), dict(zip(tensors, shards)))
     if any(p != shards[0] for p in shards):
         raise Conflict("layout-mismatch", "cat of tensors sharded differently", "keep one producer replicated")
-    wants = {t: shards[0] for t, p in zip(tensors, placements) if not isinstance(p, Shard)}
-    return Decision(shards[0], wants)
+    return Decision(shards[0], {t: shards[0] for t in tensors})
