@@ -197,9 +197,10 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
         res.placements[node] = dec.out
         if dec.layer is not None:
             res.layers[node] = dec.layer
-        origins = sharded_origins(node)
         if dec.layer is not None and dec.layer.style == "colwise":
-            origins |= {node}
+            origins = frozenset({node})  # its weight's shard comes from it, not the other way round
+        else:
+            origins = sharded_origins(node)
         outs = dec.out if isinstance(dec.out, tuple) else (dec.out,)
         sharded_out = any(isinstance(p, (Shard, Partial)) for p in outs)
         res.origins[node] = origins if any(isinstance(p, Shard) for p in outs) else frozenset()
