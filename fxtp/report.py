@@ -10,12 +10,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import networkx as nx
 import torch
 from tabulate import tabulate
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from fxtp.placement import Shard
+from fxtp.placement import Partial, Shard
 from passes.plan import LayerDecision, ShardingPlan, module_of
 
 __all__ = ["Report", "CollectiveStat", "Note", "build_report"]
@@ -68,6 +69,7 @@ class Report:
         param_bytes: int,
         param_bytes_per_rank: int,
         rounds: int,
+        regions: tuple[tuple[str, ...], ...] = (),
     ) -> None:
         self.world_size = world_size
         self.rank = rank
@@ -79,6 +81,7 @@ class Report:
         self.param_bytes = param_bytes
         self.param_bytes_per_rank = param_bytes_per_rank
         self.rounds = rounds
+        self.regions = regions
 
     @property
     def plan(self) -> dict[str, str]:
@@ -104,6 +107,7 @@ class Report:
             "collectives": [dataclasses.asdict(c) for c in self.collectives],
             "param_bytes": {"total": self.param_bytes, "per_rank": self.param_bytes_per_rank},
             "planning_rounds": self.rounds,
+            "regions": [list(r) for r in self.regions],
         }
 
     def __str__(self) -> str:
@@ -138,6 +142,8 @@ class Report:
             stats = [c for c in self.collectives if c.phase == phase and c.count]
             text = ", ".join(f"{c.count} {c.kind} ({_fmt_bytes(c.bytes)})" for c in stats) or "none"
             lines.append(f"collectives per {phase}: {text}")
+        if self.regions:
+            lines.append(f"tensor-parallel regions: {len(self.regions)} (entered through f, left through g)")
         frac = self.param_bytes_per_rank / self.param_bytes if self.param_bytes else 1.0
         lines.append(
             f"parameter bytes per rank: {_fmt_bytes(self.param_bytes_per_rank)} of {_fmt_bytes(self.param_bytes)} ({frac:.1%})"
@@ -197,7 +203,31 @@ def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, at
         param_bytes=total,
         param_bytes_per_rank=per_rank,
         rounds=plan.rounds,
+        regions=_regions(program, plan),
     )
+
+
+def _regions(program: ExportedProgram, plan: ShardingPlan) -> tuple[tuple[str, ...], ...]:
+    """The tensor-parallel regions: connected sets of sharded values, between replicated
+    points; each as the names of the sharded layers in it, in graph order."""
+    sharded = {
+        name
+        for name, p in plan.placements.items()
+        if isinstance(p, (Shard, Partial)) or isinstance(p, tuple) and any(isinstance(x, Shard) for x in p)
+    }
+    graph = nx.Graph()
+    graph.add_nodes_from(sharded)
+    for node in program.graph.nodes:
+        if node.name in sharded:
+            graph.add_edges_from((node.name, a.name) for a in node.all_input_nodes if a.name in sharded)
+    order = {n.name: i for i, n in enumerate(program.graph.nodes)}
+    by_node = {layer.node: layer.name for layer in plan.layers if layer.style in ("colwise", "rowwise")}
+    regions = []
+    for component in nx.connected_components(graph):
+        layers = tuple(by_node[n] for n in sorted(component, key=order.__getitem__) if n in by_node)
+        if layers:
+            regions.append((min(order[n] for n in component), layers))
+    return tuple(layers for _, layers in sorted(regions))
 
 
 def _needs_grad(program: ExportedProgram) -> set[str]:

@@ -144,6 +144,14 @@ def test_emitted_graph_hard_codes_no_device():
     assert "arange.default(16, device = getattr_1" in code and "getattr_1 = p_tok_weight.device" in code
 
 
+def test_the_module_follows_its_parameters_to_another_device():
+    """Nothing in the graph pins the capture device: moved to `meta`, it runs on `meta`."""
+    model, inputs = build("tiny_gpt")
+    pm = fxtp.compile(model, 1, inputs).to("meta")
+    out = pm(*(t.to("meta") for t in inputs))
+    assert out.device.type == "meta" and out.shape == (2, 16, 128)
+
+
 def test_runtime_inputs_must_match_the_compiled_shapes():
     model, inputs = build("mlp")
     pm = fxtp.compile(model, 1, inputs)
@@ -163,6 +171,14 @@ def test_report_table_dict_and_plan_round_trip():
     assert wq["style"] == "colwise" and wq["local_weight_shape"] == [8, 32]
     again = fxtp.compile(model, 4, inputs, plan=pm.plan)
     assert again.plan == pm.plan
+    # Megatron's regions: attention and MLP of each block, each entered through f, left through g.
+    assert data["regions"] == [
+        [f"layers.{i}.attention.wq", f"layers.{i}.attention.wk", f"layers.{i}.attention.wv", f"layers.{i}.attention.wo"]
+        if j == 0
+        else [f"layers.{i}.feed_forward.w1", f"layers.{i}.feed_forward.w2"]
+        for i in range(2)
+        for j in range(2)
+    ]
 
 
 def test_user_plan_replicate_and_colwise():
