@@ -40,7 +40,7 @@ STYLES = ("colwise", "rowwise", "replicate")
 class LayerDecision:
     """One matmul-like layer's style and why; a row of the report."""
 
-    name: str  # plan key: weight FQN without ".weight" (a split piece adds "[start:end]")
+    name: str  # plan key: the module FQN, else the weight FQN (a split piece adds "[start:end]")
     node: str  # node name in the captured graph
     module: str  # module FQN of the call
     op: str  # "linear" or "embedding"
@@ -67,11 +67,6 @@ class ShardingPlan:
     reduces: Mapping[str, Optional[str]]  # Partial node -> bias node added after the all_reduce
     layers: tuple[LayerDecision, ...]
     rounds: int
-
-    @property
-    def styles(self) -> dict[str, str]:
-        """``{layer name: style}``, valid as ``plan=`` input."""
-        return {layer.name: layer.style for layer in self.layers}
 
 
 def module_of(node: Node) -> str:
@@ -110,7 +105,7 @@ def plan_sharding(
             state.demoted[n.name] = LayerNote("replicate", "world_size is 1: nothing to shard")
     _mark_tied(layers, names, param_names, state)
     _apply_overrides(overrides or {}, layers, names, state)
-    max_rounds = 4 * len(layers) + 8
+    max_rounds = (_MAX_SEGMENTS + 4) * len(layers) + 8
     for rounds in range(1, max_rounds + 1):
         res = propagate(graph, state, world_size, param_names)
         if not _resolve(res, state, world_size):
