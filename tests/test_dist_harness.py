@@ -11,11 +11,7 @@ import torch.distributed as dist
 from _dist import RankError, RankPool
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"world{n}")
-def pool(request: pytest.FixtureRequest):
-    with RankPool(request.param) as p:
-        yield p
-
+# `pool` (world sizes 2 and 4) comes from conftest.py.
 
 # Functions sent to the ranks are defined here, in the test module itself.
 

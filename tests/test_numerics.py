@@ -8,17 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import RankPool
 from _helpers import compare_training
 from models import build
 
 import fxtp
-
-
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda ws: f"ws{ws}")
-def pool(request):
-    with RankPool(request.param, timeout_s=300) as p:
-        yield p
 
 
 def _train(name: str, **kwargs):
