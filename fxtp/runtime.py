@@ -105,7 +105,7 @@ class ParallelModule(nn.Module):
 
     def _flatten(self, args: tuple, kwargs: dict) -> list[Any]:
         if self._in_spec.num_children == 2 and kwargs:
-            order = self._in_spec.children_specs[1].context or []
+            order = self._in_spec.child(1).context or []
             if set(order) == set(kwargs):
                 kwargs = {k: kwargs[k] for k in order}
         flat, spec = pytree.tree_flatten((args, kwargs))

@@ -152,6 +152,37 @@ def test_the_module_follows_its_parameters_to_another_device():
     assert out.device.type == "meta" and out.shape == (2, 16, 128)
 
 
+def test_buffer_mutations_update_the_modules_buffers_not_the_users():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 8)).train()
+    x = torch.randn(4, 8)
+    user_mean = model[1].running_mean.clone()
+    pm = fxtp.compile(model, 1, (x,))
+    assert torch.equal(model[1].running_mean, user_mean)
+    pm(x)
+    assert not torch.equal(pm.get_buffer("1.running_mean"), user_mean)
+    model(x)  # the single-device model takes the same step
+    torch.testing.assert_close(pm.get_buffer("1.running_mean"), model[1].running_mean)
+
+
+def test_kwargs_and_dict_outputs():
+    class Heads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x, *, scale):
+            return {"y": self.down(self.up(x).relu()) * scale, "aux": (x.sum(),)}
+
+    torch.manual_seed(0)
+    model, x, scale = Heads(), torch.randn(2, 8), torch.tensor(2.0)
+    pm = fxtp.compile(model, 1, (x,), example_kwargs={"scale": scale})
+    out, ref = pm(x, scale=scale), model(x, scale=scale)
+    assert set(out) == {"y", "aux"} and isinstance(out["aux"], tuple)
+    torch.testing.assert_close(out, ref)
+    assert fxtp.analyze(model, 2, (x,), example_kwargs={"scale": scale}).plan == {"up": "colwise", "down": "rowwise"}
+
+
 def test_runtime_inputs_must_match_the_compiled_shapes():
     model, inputs = build("mlp")
     pm = fxtp.compile(model, 1, inputs)
