@@ -56,13 +56,16 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
     def local_slice(value: Node, shard: Shard) -> Node:
         key = ("slice", value, shard)
         if key not in cache:
-            with after(value):
-                pieces = [graph.call_function(aten.slice.Tensor, (value, shard.dim, s, s + n)) for s, n in local_ranges(shard, rank, ws)]
-            if len(pieces) == 1:
-                cache[key] = pieces[0]
-            else:
-                with graph.inserting_after(pieces[-1]):
-                    cache[key] = graph.call_function(aten.cat.default, (pieces, shard.dim))
+            anchor = last_placeholder if value.op == "placeholder" else value
+            pieces = []
+            for start, length in local_ranges(shard, rank, ws):  # one slice per segment, in order
+                with graph.inserting_after(anchor):
+                    anchor = graph.call_function(aten.slice.Tensor, (value, shard.dim, start, start + length))
+                pieces.append(anchor)
+            if len(pieces) > 1:
+                with graph.inserting_after(anchor):
+                    anchor = graph.call_function(aten.cat.default, (pieces, shard.dim))
+            cache[key] = anchor
         return cache[key]
 
     def gather(value: Node, shard: Shard) -> Node:

@@ -33,12 +33,31 @@ def nn_transformer():
     return model, (torch.randn(10, 2, 64, generator=gen), torch.randn(7, 2, 64, generator=gen))
 
 
+class CatPlusInput(nn.Module):
+    """Two colwise layers concatenated (segments (32, 32)) plus a replicated input sliced to
+    match: the input's local slice has two pieces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.down = nn.Linear(16, 32), nn.Linear(16, 32), nn.Linear(64, 16)
+
+    def forward(self, x, r):
+        return self.down(torch.cat([self.a(x), self.b(x)], -1) + r)
+
+
+def cat_plus_input():
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    return CatPlusInput(), (torch.randn(2, 4, 16, generator=gen), torch.randn(2, 4, 64, generator=gen))
+
+
 MODELS = {
     "linear100": linear100,
     "mlp": mlp,
     "reference_transformer": reference_transformer,
     "nn_transformer": nn_transformer,
     "tiny_gpt": tiny_gpt,
+    "cat_plus_input": cat_plus_input,
 }
 
 

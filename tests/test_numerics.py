@@ -92,6 +92,13 @@ def test_tiny_gpt(pool):
     assert rank0["plan"]["head"] == "replicate"
 
 
+def test_replicated_input_sliced_in_segments(pool):
+    (rank0, *_) = pool.run(_train, "cat_plus_input")
+    assert rank0["plan"] == {"a": "colwise", "b": "colwise", "down": "rowwise"}
+    assert rank0["forward"] == {"all_reduce": 1}
+    assert rank0["code"].count("aten.slice.Tensor(") == 2  # [r_a | r_b] of this rank, then cat
+
+
 def _identical_across_ranks():
     model, inputs = build("tiny_gpt")
     pm = fxtp.compile(model, dist.get_world_size(), inputs)
