@@ -26,7 +26,7 @@ from typing import Any, Mapping, Optional
 from torch.fx import Graph, Node
 
 from fxtp.errors import FxtpError, FxtpPlanError
-from fxtp.placement import Partial, Placement, Shard
+from fxtp.placement import REPLICATE, Partial, Placement, Shard
 from passes.propagate import EdgeAction, ParamPiece, PlannerState, Propagation, param_root, propagate
 from passes.registry import Conflict, LayerNote, shape_of
 from passes.rules.matmul import LAYER_WEIGHT_ARG
@@ -190,6 +190,9 @@ def _apply_overrides(overrides: Mapping[str, str], layers: list[Node], names, st
             known = ", ".join(sorted(names.values())) or "(none)"
             raise FxtpPlanError(f"plan key {pattern!r} matches no layer; layers are: {known}")
         for n in hits:
+            tied = state.demoted.get(n.name)
+            if style != "replicate" and tied is not None and tied.code == "tied":
+                raise FxtpPlanError(f"plan asks {names[n]} to be {style}, but {tied.reason}; drop the entry")
             if style == "replicate":
                 state.demoted[n.name] = LayerNote(
                     "replicate", "kept replicated by the user's plan", code="user-plan", fix="drop the plan entry to let fxtp shard it"
@@ -255,10 +258,15 @@ def _resolve(res: Propagation, state: PlannerState, ws: int) -> bool:
         except Conflict as c:
             if res.conflicts:
                 continue  # may be an artifact of this round's rejections; decide on a clean round
-            for n in requesters:
-                if n.name not in state.demoted and state.forced.get(n.name) is None:
-                    state.demoted[n.name] = LayerNote("replicate", c.message, code=c.code, fix=c.fix, node=placeholder.format_node())
-                    changed = True
+            sharded_by = [
+                n for n in requesters if n.name not in state.demoted and getattr(res.layers.get(n), "style", None) != "replicate"
+            ]
+            forced = [n for n in sharded_by if state.forced.get(n.name) is not None]
+            if forced:
+                raise FxtpPlanError(f"plan cannot be honoured for {', '.join(n.name for n in forced)}: {c.message}; drop the entry")
+            for n in sharded_by:
+                state.demoted[n.name] = LayerNote("replicate", c.message, code=c.code, fix=c.fix, node=placeholder.format_node())
+                changed = True
     if params != state.params:
         state.params, state.param_owners = params, owners
         changed = True
@@ -290,11 +298,16 @@ def _refines(coarse: tuple[int, ...], fine: tuple[int, ...]) -> bool:
     return bounds(coarse) < bounds(fine)
 
 
-def _combine(requests: list[tuple[ParamPiece, Shard, Any]]) -> Shard:
+def _combine(requests: list[tuple[ParamPiece, Placement, Any]]) -> Placement:
     """One placement for a parameter from its consumers' wants (pieces of a split tile it)."""
+    name = requests[0][0].placeholder.name
+    whole_uses = [want for _, want, _ in requests if not isinstance(want, Shard)]
+    if len(whole_uses) == len(requests):
+        return REPLICATE
+    if whole_uses:
+        raise Conflict("tied", f"parameter {name} is used whole by one layer and sharded by another", "untie the weights to shard them")
     wants = {(piece.dim, piece.offset, piece.length, want) for piece, want, _ in requests}
     whole = {w for d, _, _, w in wants if d is None}
-    name = requests[0][0].placeholder.name
     if whole:
         if len(whole) > 1 or len(wants) > len(whole):
             raise Conflict("tied", f"parameter {name} is wanted as {', '.join(sorted(map(str, whole)))} by different layers", "untie or replicate one use")
@@ -371,7 +384,4 @@ def _check_forced(decisions: tuple[LayerDecision, ...], state: PlannerState, nam
     for node_name, style in state.forced.items():
         d = by_node[node_name]
         if d.style != style:
-            raise FxtpPlanError(
-                f"plan asks {d.name} to be {style}, but it can only be {d.style}: {d.reason} "
-                f"(its input is replicated for colwise, feature-sharded for rowwise); drop the entry"
-            )
+            raise FxtpPlanError(f"plan asks {d.name} to be {style}, but it can only be {d.style}: {d.reason}; drop the entry")

@@ -96,7 +96,7 @@ class Propagation:
     edges: dict[tuple[Node, Node], EdgeAction] = field(default_factory=dict)
     layers: dict[Node, LayerNote] = field(default_factory=dict)
     conflicts: list[Rejection] = field(default_factory=list)
-    requests: dict[Node, list[tuple[ParamPiece, Shard, frozenset[Node]]]] = field(default_factory=dict)
+    requests: dict[Node, list[tuple[ParamPiece, Placement, frozenset[Node]]]] = field(default_factory=dict)
     origins: dict[Node, frozenset[Node]] = field(default_factory=dict)
     tainted: set[Node] = field(default_factory=set)  # nodes downstream of a rejection
 
@@ -176,9 +176,16 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
             any_sharded = not all(isinstance(p, Replicate) for p in res.placements[node.args[0]])
         if not is_layer and not any_sharded:
             res.placements[node] = _replicated_like(node)
+            _mark_gathers(node, res, state, sharded_out=False)
             continue
         rule = get_rule(node.target)
-        ctx = RuleContext(node, world_size, lambda a, _n=node: effective(a, _n) if is_tensor_node(a) else res.placements[a], layer_state)
+        ctx = RuleContext(
+            node,
+            world_size,
+            lambda a, _n=node: effective(a, _n) if is_tensor_node(a) else res.placements[a],
+            layer_state,
+            lambda a: param_root(a, param_names) is not None,
+        )
         try:
             if rule is None:
                 raise Conflict(
@@ -205,21 +212,23 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
         sharded_out = any(isinstance(p, (Shard, Partial)) for p in outs)
         res.origins[node] = origins if any(isinstance(p, Shard) for p in outs) else frozenset()
         _apply_wants(node, dec, res, effective, origins, param_names)
+        _mark_gathers(node, res, state, sharded_out)
         if sharded_out:
             _mark_entries(node, dec, res, effective, state, param_names)
     return res
 
 
 def _apply_wants(node, dec, res, effective, origins, param_names) -> None:
+    requesters = origins | {node} if dec.layer is not None else origins
     for inp, want in dec.wants.items():
         if not is_tensor_node(inp):
             continue
         piece = param_root(inp, param_names)
         if piece is not None:
-            # The planner stores the parameter as wanted. Requests are recorded every round, also
-            # when it already is sharded: a parameter nobody wants sharded is replicated next round.
-            if isinstance(want, Shard):
-                res.requests.setdefault(piece.placeholder, []).append((piece, want, origins))
+            # The planner stores the parameter as wanted, every round (also when it already is),
+            # so a parameter nobody wants sharded is replicated next round, and one wanted both
+            # whole and sharded is a conflict the planner sees.
+            res.requests.setdefault(piece.placeholder, []).append((piece, want, requesters))
             continue
         cur = effective(inp, node)
         if cur == want:
@@ -232,12 +241,15 @@ def _apply_wants(node, dec, res, effective, origins, param_names) -> None:
         res.reject(node, conflict, res.origins.get(inp, frozenset()), (inp,))
 
 
+def _mark_gathers(node, res, state, sharded_out: bool) -> None:
+    for inp in tensor_inputs(node):
+        if (node.name, inp.name) in state.gathers:
+            res.edges[(node, inp)] = EdgeAction("gather", res.placements[inp], enter=sharded_out and _is_float(inp))
+
+
 def _mark_entries(node, dec, res, effective, state, param_names) -> None:
     for inp in tensor_inputs(node):
         if inp is dec.after_reduce or (node, inp) in res.edges:
-            continue
-        if (node.name, inp.name) in state.gathers:
-            res.edges[(node, inp)] = EdgeAction("gather", res.placements[inp], enter=_is_float(inp))
             continue
         if not isinstance(effective(inp, node), Replicate) or not _is_float(inp):
             continue

@@ -124,11 +124,13 @@ class RuleContext:
         world_size: int,
         placement_of: Callable[[Node], Any],
         layer_state: Callable[[Node], "LayerState"],
+        is_param: Callable[[Node], bool] = lambda n: False,
     ) -> None:
         self.node = node
         self.world_size = world_size
         self._placement_of = placement_of
         self._layer_state = layer_state
+        self.is_param = is_param  # is the input a parameter (or a split piece of one)?
 
     def placement(self, arg: Any) -> Placement:
         """Placement of an argument; non-tensor arguments are replicated."""

@@ -51,6 +51,23 @@ def cat_plus_input():
     return CatPlusInput(), (torch.randn(2, 4, 16, generator=gen), torch.randn(2, 4, 64, generator=gen))
 
 
+class SumOfHidden(nn.Module):
+    """A hidden value used twice: by a rowwise layer and summed over its features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return {"out": self.b(h), "hsum": h.sum(-1), "head": h[..., :8]}
+
+
+def sum_of_hidden():
+    torch.manual_seed(0)
+    return SumOfHidden(), (torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1)),)
+
+
 MODELS = {
     "linear100": linear100,
     "mlp": mlp,
@@ -58,6 +75,7 @@ MODELS = {
     "nn_transformer": nn_transformer,
     "tiny_gpt": tiny_gpt,
     "cat_plus_input": cat_plus_input,
+    "sum_of_hidden": sum_of_hidden,
 }
 
 

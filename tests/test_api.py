@@ -78,6 +78,62 @@ def test_bad_capture_and_plan_arguments():
         fxtp.compile(model, 2, inputs, rank=2)
 
 
+def test_a_plan_on_a_shared_weight_is_refused():
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.a(torch.relu(self.a(x)))
+
+    x = torch.randn(2, 16)
+    assert fxtp.analyze(Twice(), 2, (x,)).plan == {"a:linear": "replicate", "a:linear_1": "replicate"}
+    with pytest.raises(fxtp.FxtpPlanError, match="plan asks a:linear to be rowwise, but weight is tied"):
+        fxtp.compile(Twice(), 2, (x,), plan={"a:linear": "rowwise"})
+
+
+class _HFRMSNorm(nn.Module):
+    """RMSNorm written out as pow/mean/rsqrt, as Hugging Face Llama does."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class _GQABlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n1, self.n2, self.nf = _HFRMSNorm(64), _HFRMSNorm(64), _HFRMSNorm(64)
+        self.q, self.k, self.v, self.o = (nn.Linear(64, d, bias=False) for d in (64, 16, 16, 64))
+        self.gate, self.up = nn.Linear(64, 128, bias=False), nn.Linear(64, 128, bias=False)
+        self.down, self.head = nn.Linear(128, 64, bias=False), nn.Linear(64, 32, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.n1(x)
+        q = self.q(h).view(b, t, 8, 8).transpose(1, 2)
+        k, v = (m(h).view(b, t, 2, 8).transpose(1, 2)[:, :, None].expand(b, 2, 4, t, 8).reshape(b, 8, t, 8) for m in (self.k, self.v))
+        x = x + self.o(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 64))
+        h = self.n2(x)
+        x = x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+        return self.head(self.nf(x))
+
+
+def test_fewer_kv_heads_than_ranks_keeps_the_megatron_plan():
+    """2 kv heads at world_size 4: k/v replicated, everything else as Megatron; a norm weight
+    sharded in an intermediate planning round must not sustain its own shard."""
+    report = fxtp.analyze(_GQABlock(), 4, (torch.randn(2, 8, 64),))
+    assert report.plan == {
+        "q": "colwise", "k": "replicate", "v": "replicate", "o": "rowwise",
+        "gate": "colwise", "up": "colwise", "down": "rowwise", "head": "replicate",
+    }  # fmt: skip
+    assert report.count("forward", "all_reduce") == 2
+
+
 @pytest.mark.parametrize("frontend", ["fx", "export", "dynamo"])
 def test_each_frontend(frontend):
     model, inputs = build("tiny_gpt")

@@ -48,6 +48,15 @@ def test_forced_plans_gather_or_slice(pool):
     assert rowwise["forward"] == {"all_reduce": 1}
 
 
+def test_forced_colwise_gathers_for_every_whole_consumer(pool):
+    """A forced shard that meets a reduction and a slice over its features is gathered there."""
+    (auto, *_) = pool.run(_train, "sum_of_hidden")
+    assert auto["plan"] == {"a": "replicate", "b": "replicate"}
+    (forced, *_) = pool.run(_train, "sum_of_hidden", plan={"a": "colwise"})
+    assert forced["plan"] == {"a": "colwise", "b": "rowwise"}
+    assert forced["forward"] == {"all_reduce": 1, "all_gather": 1}
+
+
 def test_reference_transformer_finds_the_hand_plan(pool):
     """torch's Transformer.parallelize plan (no sequence parallel), found by analysis."""
     (rank0, *_) = pool.run(_train, "reference_transformer")

@@ -7,10 +7,10 @@ from typing import Any, Iterator
 from torch.fx import Node
 from torch.fx.node import map_aggregate
 
-from fxtp.placement import Shard
+from fxtp.placement import REPLICATE, Shard
 from passes.registry import RuleContext, is_tensor_node, shape_of
 
-__all__ = ["tensor_inputs", "sharded_inputs", "norm_dim", "local_shape", "ndim"]
+__all__ = ["tensor_inputs", "sharded_inputs", "activation_placement", "norm_dim", "local_shape", "ndim"]
 
 
 def tensor_inputs(node: Node) -> list[Node]:
@@ -31,6 +31,13 @@ def sharded_inputs(ctx: RuleContext) -> Iterator[tuple[Node, Shard]]:
         p = ctx.placement(a)
         if isinstance(p, Shard):
             yield a, p
+
+
+def activation_placement(ctx: RuleContext, node: Node):
+    """``node``'s placement, but a parameter counts as replicated: parameters are sharded because
+    the activations they meet are, never on their own (a shard kept from an earlier planning round
+    would otherwise sustain itself). The rule then *wants* the parameter sharded if it must be."""
+    return REPLICATE if ctx.is_param(node) else ctx.placement(node)
 
 
 def ndim(node: Node) -> int:

@@ -19,7 +19,7 @@ import torch
 
 from fxtp.placement import REPLICATE, Partial, Shard
 from passes.registry import Conflict, Decision, LayerNote, RuleContext, register_rule, shape_of
-from passes.rules._common import ndim
+from passes.rules._common import activation_placement, ndim
 
 __all__ = ["LAYER_WEIGHT_ARG"]
 
@@ -43,8 +43,9 @@ def linear_rule(ctx: RuleContext) -> Decision:
     px = ctx.placement(x)
     last = ndim(x) - 1
     state = ctx.layer()
+    whole = {t: REPLICATE for t in (w, b) if t is not None}  # a replicated layer needs its full weight
     if isinstance(px, Shard) and px.dim < last:
-        return Decision(px, layer=LayerNote("replicate", f"input is sharded on dim {px.dim}, not on features"))
+        return Decision(px, whole, layer=LayerNote("replicate", f"input is sharded on dim {px.dim}, not on features"))
     if isinstance(px, Shard) and (state.demoted is not None or state.forced == "colwise"):
         # The user's plan wants this layer's input whole: keep the producers replicated.
         if state.demoted is not None:
@@ -55,17 +56,17 @@ def linear_rule(ctx: RuleContext) -> Decision:
     if isinstance(px, Shard) or state.forced == "rowwise":
         shard = px if isinstance(px, Shard) else Shard(last, (in_features,))
         if not shard.divisible(ctx.world_size):
-            return Decision(REPLICATE, layer=_not_divisible("in_features", in_features, ctx.world_size))
+            return Decision(REPLICATE, whole, layer=_not_divisible("in_features", in_features, ctx.world_size))
         wants = {w: Shard(1, shard.segments)}
         if not isinstance(px, Shard):
             wants[x] = shard
         reason = "all_reduce after it, bias added once after that"
         return Decision(Partial(), wants, local_args=(x, w), after_reduce=b, layer=LayerNote("rowwise", reason))
     if state.demoted is not None:
-        return Decision(REPLICATE, layer=state.demoted)
+        return Decision(REPLICATE, whole, layer=state.demoted)
     segments = state.segments or (out_features,)
     if any(s % ctx.world_size for s in segments):
-        return Decision(REPLICATE, layer=_not_divisible("out_features", out_features, ctx.world_size))
+        return Decision(REPLICATE, whole, layer=_not_divisible("out_features", out_features, ctx.world_size))
     out = Shard(last, segments)
     wants = {w: Shard(0, segments)}
     if b is not None:
@@ -100,7 +101,7 @@ def embedding_rule(ctx: RuleContext) -> Decision:
         fix="none needed: a replicated lookup needs no communication",
     )
     p = ctx.placement(indices)
-    return Decision(p.with_dim(p.dim) if isinstance(p, Shard) else REPLICATE, layer=note)
+    return Decision(p if isinstance(p, Shard) else REPLICATE, {weight: REPLICATE}, layer=note)
 
 
 @register_rule(aten.matmul.default, aten.bmm.default, aten.mm.default)
@@ -108,7 +109,7 @@ def matmul_rule(ctx: RuleContext) -> Decision:
     """``a @ b`` between activations: a shard on batch dims, rows of ``a`` or columns of ``b``
     flows to the output; a sharded contraction dim is refused (``splits-head``)."""
     a, b = ctx.node.args[:2]
-    pa, pb = ctx.placement(a), ctx.placement(b)
+    pa, pb = activation_placement(ctx, a), activation_placement(ctx, b)
     na, nb, nout = ndim(a), ndim(b), len(ctx.out_shape)
     if na < 2 or nb < 2:
         if isinstance(pa, Shard) or isinstance(pb, Shard):

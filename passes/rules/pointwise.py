@@ -47,10 +47,16 @@ POINTWISE_OPS = tuple(op for op in map(_overload, _POINTWISE_NAMES) if op is not
 
 @register_rule(*POINTWISE_OPS)
 def broadcast_rule(ctx: RuleContext) -> Decision:
-    """Output shard = the operands' common shard, aligned from the right (broadcasting)."""
+    """Output shard = the activations' common shard, aligned from the right (broadcasting).
+
+    Parameters follow the activations: a parameter is sharded because an activation it meets
+    is, never on its own (else a shard kept from an earlier planning round would sustain itself).
+    """
     out_nd = len(ctx.out_shape)
     out: "Shard | None" = None
     for a, p in sharded_inputs(ctx):
+        if ctx.is_param(a):
+            continue
         aligned = p.with_dim(p.dim + out_nd - ndim(a))
         if out is None:
             out = aligned
@@ -61,11 +67,11 @@ def broadcast_rule(ctx: RuleContext) -> Decision:
                 "keep one of the producing layers replicated with plan={fqn: 'replicate'}",
             )
     if out is None:
-        return Decision(REPLICATE)
+        return Decision(REPLICATE, {a: REPLICATE for a, _ in sharded_inputs(ctx)})
     wants: dict = {}
     for a in tensor_inputs(ctx.node):
         p = ctx.placement(a)
-        if isinstance(p, Shard):
+        if isinstance(p, Shard) and not ctx.is_param(a):
             wants[a] = p
             continue
         dim = out.dim - (out_nd - ndim(a))

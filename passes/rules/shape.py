@@ -14,7 +14,7 @@ import torch
 
 from fxtp.placement import REPLICATE, Shard
 from passes.registry import Conflict, Decision, RuleContext, register_rule, shape_of
-from passes.rules._common import local_shape, ndim, norm_dim
+from passes.rules._common import activation_placement, local_shape, ndim, norm_dim
 
 __all__ = ["view_placement", "group_dims"]
 
@@ -306,7 +306,7 @@ def cat_rule(ctx: RuleContext) -> Decision:
     """Cat along the sharded dim concatenates segments; along another dim the shard is kept."""
     tensors = list(ctx.node.args[0])
     dim = norm_dim(ctx.node.args[1] if len(ctx.node.args) > 1 else 0, len(ctx.out_shape))
-    placements = [ctx.placement(t) for t in tensors]
+    placements = [activation_placement(ctx, t) for t in tensors]
     shards = [p for p in placements if isinstance(p, Shard)]
     if not shards:
         return Decision(REPLICATE)
