@@ -147,6 +147,8 @@ def _check_plan(plan: Any) -> dict[str, str]:
 
 def _resolve_group(ws: int, rank: Optional[int], group: Group) -> tuple[Optional[str], int]:
     """(group name for the collectives or None, this rank)."""
+    if group is not None and not isinstance(group, dist.ProcessGroup) and not hasattr(group, "get_group"):
+        raise FxtpConfigError(f"group must be a ProcessGroup or a 1-D DeviceMesh, got {type(group).__name__}")
     if group is not None and hasattr(group, "get_group"):  # DeviceMesh
         if group.ndim != 1:
             raise FxtpConfigError(f"group must be a 1-D DeviceMesh (the tp sub-mesh), got {group.ndim}-D; pass mesh['tp']")
@@ -160,9 +162,8 @@ def _resolve_group(ws: int, rank: Optional[int], group: Group) -> tuple[Optional
         return None, rank
     size = dist.get_world_size(group)
     if size != ws:
-        raise FxtpConfigError(
-            f"world_size is {ws} but the process group has {size} ranks; pass world_size={size}, or group= a sub-group of {ws} ranks"
-        )
+        sub = f", or group= a sub-group of {ws} ranks" if ws < size else ""
+        raise FxtpConfigError(f"world_size is {ws} but the process group has {size} ranks; pass world_size={size}{sub}")
     group_rank = dist.get_rank(group)
     if rank is not None and rank != group_rank:
         raise FxtpConfigError(f"rank={rank} but this process is rank {group_rank} of the group; drop rank=")

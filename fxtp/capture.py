@@ -18,10 +18,13 @@ shapes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
+import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -65,6 +68,23 @@ _FRONTEND_FNS: dict[str, Callable[[nn.Module, tuple, dict], torch.export.Exporte
 _USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in \w+\n\s*(.+)')
 
 
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """Silence torch's own logging and prints while a frontend runs: a failed attempt is reported
+    by fxtp in one line, not by torch's tracebacks and graph dumps."""
+    loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n == "torch" or n.startswith("torch.")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    sink = io.StringIO()  # export prints the partial graph of a failed trace
+    try:
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def _one_line(exc: BaseException) -> str:
     """``Type: first line`` of an exception, plus the user's source line it points at, if any."""
     text = str(exc).strip()
@@ -91,7 +111,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, how: str = "auto") -> C
         try:
             # Grad mode on: fused inference fast paths (nn.TransformerEncoderLayer, nn.MultiheadAttention)
             # only run without grad, and would hide the linears inside one opaque op.
-            with torch.enable_grad():
+            with torch.enable_grad(), _quiet_torch_logs():
                 program = _FRONTEND_FNS[name](model, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - every frontend failure is reported, none is fatal
             attempts.append((name, _one_line(exc)))
@@ -145,10 +165,11 @@ def diagnose_inputs(model: nn.Module, args: tuple, kwargs: dict) -> Optional[str
     if not failing:
         return f"example inputs do not fit {type(model).__name__}: {error}"
     name, module, inputs = failing[-1]
-    shapes = ", ".join(str(tuple(t.shape)) for t in inputs if isinstance(t, torch.Tensor)) or "no tensors"
+    shapes = ", ".join(str(tuple(t.shape)) for t in inputs if isinstance(t, torch.Tensor))
     where = f"module '{name}' ({module})" if name else f"the model ({type(module).__name__})"
+    received = f"received input of shape {shapes}" if shapes else "received no tensor input"
     return (
-        f"example inputs do not fit the model: {where} received input of shape {shapes}"
+        f"example inputs do not fit the model: {where} {received}"
         f"{_expected(module)}: {error}. fix: pass example_inputs shaped like the model's real inputs"
     )
 

@@ -22,6 +22,16 @@ from passes.plan import LayerDecision, ShardingPlan, module_of
 __all__ = ["Report", "CollectiveStat", "Note", "build_report"]
 
 _DROPOUTS = (torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default)
+_aten = torch.ops.aten
+_OTHER_MATMULS = (_aten.mm.default, _aten.addmm.default, _aten.matmul.default, _aten.bmm.default, _aten.einsum.default)
+_VIEWS = (_aten.t.default, _aten.transpose.int, _aten.permute.default, _aten.view.default, _aten.reshape.default, _aten.expand.default)
+
+
+def _param_operand(node, param_names: set[str]) -> bool:
+    """Is ``node`` a parameter, seen through transposes and views?"""
+    while node.op == "call_function" and node.target in _VIEWS:
+        node = node.args[0]
+    return node.op == "placeholder" and node.name in param_names
 
 
 @dataclass(frozen=True)
@@ -126,7 +136,7 @@ class Report:
         widths = [None] * (len(headers) - 1) + [64]
         parts = [
             f"fxtp plan: world_size {self.world_size}, rank {self.rank}",
-            tabulate(rows, headers=headers, tablefmt="simple", maxcolwidths=widths),
+            tabulate(rows, headers=headers, tablefmt="simple", maxcolwidths=widths, disable_numparse=True),
         ]
         if self.notes:
             note_rows = [(n.code, n.module or "-", n.node, n.message, ", ".join(n.layers)) for n in self.notes]
@@ -198,7 +208,7 @@ def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, at
         frontend=frontend,
         attempts=tuple(attempts),
         layers=plan.layers,
-        notes=_notes(plan, nodes),
+        notes=_notes(plan, nodes, {s.arg.name for s in sig.input_specs if s.kind == InputKind.PARAMETER}),
         collectives=stats,
         param_bytes=total,
         param_bytes_per_rank=per_rank,
@@ -247,7 +257,7 @@ def _needs_grad(program: ExportedProgram) -> set[str]:
     return out
 
 
-def _notes(plan: ShardingPlan, nodes) -> tuple[Note, ...]:
+def _notes(plan: ShardingPlan, nodes, param_names: set[str]) -> tuple[Note, ...]:
     by_culprit: dict[tuple[str, str], list[LayerDecision]] = {}
     for layer in plan.layers:
         if layer.code and layer.culprit and layer.code not in ("tied", "user-plan"):
@@ -266,6 +276,18 @@ def _notes(plan: ShardingPlan, nodes) -> tuple[Note, ...]:
                     module_of(node),
                     "dropout on a sharded value: each rank draws the mask of its own slice from its generator "
                     "(replicated values get identical masks when ranks share a seed)",
+                    (),
+                )
+            )
+    for node in nodes.values():
+        if node.op == "call_function" and node.target in _OTHER_MATMULS and any(_param_operand(a, param_names) for a in node.all_input_nodes):
+            notes.append(
+                Note(
+                    "unsupported-layer",
+                    node.format_node(),
+                    module_of(node),
+                    f"{node.target.__name__} with a parameter operand is not sharded yet (only linear is); it stays replicated. "
+                    "fix: call it as F.linear(x, weight)",
                     (),
                 )
             )

@@ -23,6 +23,12 @@ from passes.plan import ShardingPlan
 
 __all__ = ["ParallelModule"]
 
+
+def _describe(spec: pytree.TreeSpec) -> str:
+    """``2 positional input(s) and keywords ['scale']`` for an ``(args, kwargs)`` spec."""
+    args, kwargs = spec.child(0), spec.child(1)
+    return f"{args.num_children} positional input(s) and keywords {sorted(kwargs.context or [])}"
+
 _RESERVED = ("graph_module", "report", "plan", "_fxtp_constants")
 
 
@@ -56,7 +62,10 @@ class ParallelModule(nn.Module):
         self.plan = report.plan
         self._rank, self._world_size, self._group_name = rank, world_size, group_name
         self._in_spec, self._out_spec = program.call_spec.in_spec, program.call_spec.out_spec
-        self._example_shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(example)]
+        # What the graph was specialized to, per flat input: (shape, dtype) of a tensor, or the value.
+        self._example_leaves = [
+            (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in pytree.tree_leaves(example)
+        ]
         self._inputs: list[tuple[str, str]] = []  # (kind, key) per graph placeholder
         self._output_kinds: list[tuple[OutputKind, Optional[str]]] = [
             (spec.kind, spec.target) for spec in program.graph_signature.output_specs
@@ -111,14 +120,19 @@ class ParallelModule(nn.Module):
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._in_spec:
             raise FxtpInputError(
-                f"inputs do not match the structure the module was compiled for: expected {self._in_spec}, got {spec}"
+                f"inputs do not match the call the module was compiled for: {_describe(self._in_spec)} expected, "
+                f"got {_describe(spec)}; call it like the example inputs"
             )
-        for i, (value, expected) in enumerate(zip(flat, self._example_shapes)):
-            if isinstance(value, torch.Tensor) and tuple(value.shape) != expected:
-                raise FxtpInputError(
-                    f"input {i} has shape {tuple(value.shape)} but the module was compiled for {expected}: "
-                    "fxtp specializes shapes to example_inputs; compile again with example inputs of this shape"
-                )
+        again = "fxtp specializes the graph to example_inputs; compile again with example inputs like these"
+        for i, (value, expected) in enumerate(zip(flat, self._example_leaves)):
+            if isinstance(value, torch.Tensor):
+                if (tuple(value.shape), value.dtype) != expected:
+                    raise FxtpInputError(
+                        f"input {i} is {tuple(value.shape)} {value.dtype} but the module was compiled for "
+                        f"{expected[0]} {expected[1]}: {again}"
+                    )
+            elif value != expected:
+                raise FxtpInputError(f"input {i} is {value!r} but the module was compiled with {expected!r}: {again}")
         return flat
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -144,7 +158,13 @@ class ParallelModule(nn.Module):
                 inputs.append(self.get_buffer(key))
             else:
                 inputs.append(next(user))
-        outputs = self.graph_module(*inputs)
+        try:
+            outputs = self.graph_module(*inputs)
+        except RuntimeError as exc:
+            raise FxtpRuntimeError(
+                f"rank {self._rank}: the parallel graph failed: {str(exc).splitlines()[0]}. Inputs, parameters and "
+                "process group must be on one device type (gloo: cpu, nccl: cuda); if they are, please report this"
+            ) from exc
         user_outputs = []
         for (kind, target), value in zip(self._output_kinds, outputs):
             if kind == OutputKind.BUFFER_MUTATION:

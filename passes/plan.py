@@ -203,7 +203,15 @@ def _apply_overrides(overrides: Mapping[str, str], layers: list[Node], names, st
 
 # Rejections a finer segment layout of the producing layer may cure (NOTE: [segments]).
 _LAYOUT_CODES = frozenset(
-    {"view-crosses-shard", "not-divisible", "split-crosses-shard", "indexes-sharded-dim", "splits-head", "layout-mismatch"}
+    {
+        "view-crosses-shard",
+        "not-divisible",
+        "split-crosses-shard",
+        "indexes-sharded-dim",
+        "splits-head",
+        "contracts-sharded-dim",
+        "layout-mismatch",
+    }
 )
 _MAX_SEGMENTS = 8  # fused projections have few parts (Q|K|V, gate|up, K|V)
 

@@ -242,8 +242,34 @@ def test_kwargs_and_dict_outputs():
 def test_runtime_inputs_must_match_the_compiled_shapes():
     model, inputs = build("mlp")
     pm = fxtp.compile(model, 1, inputs)
-    with pytest.raises(fxtp.FxtpInputError, match=r"input 0 has shape \(4, 64\) but the module was compiled for \(8, 64\)"):
+    with pytest.raises(fxtp.FxtpInputError, match=r"input 0 is \(4, 64\) torch.float32 but the module was compiled for \(8, 64\)"):
         pm(torch.randn(4, 64))
+    with pytest.raises(fxtp.FxtpInputError, match=r"input 0 is \(8, 64\) torch.float64 but"):
+        pm(inputs[0].double())
+    with pytest.raises(fxtp.FxtpInputError, match=r"1 positional input\(s\) and keywords \[\] expected, got 2"):
+        pm(*inputs, inputs[0])
+
+
+def test_non_tensor_arguments_are_checked_not_silently_reused():
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x, scale):
+            return self.fc(x) * scale
+
+    x = torch.randn(2, 8)
+    pm = fxtp.compile(Scaled(), 1, (x, 2.0))
+    pm(x, 2.0)
+    with pytest.raises(fxtp.FxtpInputError, match="input 1 is 3.0 but the module was compiled with 2.0"):
+        pm(x, 3.0)
+
+
+def test_group_must_be_a_process_group_or_mesh():
+    model, inputs = build("mlp")
+    with pytest.raises(fxtp.FxtpConfigError, match="group must be a ProcessGroup or a 1-D DeviceMesh, got str"):
+        fxtp.compile(model, 2, inputs, group="world")
 
 
 def test_report_table_dict_and_plan_round_trip():

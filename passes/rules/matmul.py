@@ -107,7 +107,7 @@ def embedding_rule(ctx: RuleContext) -> Decision:
 @register_rule(aten.matmul.default, aten.bmm.default, aten.mm.default)
 def matmul_rule(ctx: RuleContext) -> Decision:
     """``a @ b`` between activations: a shard on batch dims, rows of ``a`` or columns of ``b``
-    flows to the output; a sharded contraction dim is refused (``splits-head``)."""
+    flows to the output; a sharded contraction dim is refused (``contracts-sharded-dim``)."""
     a, b = ctx.node.args[:2]
     pa, pb = activation_placement(ctx, a), activation_placement(ctx, b)
     na, nb, nout = ndim(a), ndim(b), len(ctx.out_shape)
@@ -122,7 +122,7 @@ def matmul_rule(ctx: RuleContext) -> Decision:
     if isinstance(pa, Shard) and pa.dim == na - 1 or isinstance(pb, Shard) and pb.dim == nb - 2:
         # A Partial product would need an all_reduce of activations (e.g. attention scores):
         # dearer than keeping the producers replicated.
-        raise Conflict("splits-head", "matmul contracts over the sharded dim", "keep the producing layers replicated")
+        raise Conflict("contracts-sharded-dim", "matmul contracts over the sharded dim", "keep the producing layers replicated")
     out = None
     for p, dmap in ((pa, amap), (pb, bmap)):
         if isinstance(p, Shard):
