@@ -108,6 +108,24 @@ def test_replicated_input_sliced_in_segments(pool):
     assert rank0["code"].count("aten.slice.Tensor(") == 2  # [r_a | r_b] of this rank, then cat
 
 
+@pytest.mark.parametrize("frontend", ["fx", "export", "dynamo"])
+def test_each_capture_frontend_trains(pool, frontend):
+    (rank0, *_) = pool.run(_train, "tiny_gpt", capture=frontend)
+    assert rank0["report"]["capture"] == {"frontend": frontend, "failed": []}
+    assert rank0["forward"] == {"all_reduce": 4}
+
+
+def _world_size_1_inside_a_job():
+    model, inputs = build("tiny_gpt")
+    pm = fxtp.compile(model, 1, inputs)
+    out, ref = pm(*inputs), model(*inputs)
+    return torch.equal(out, ref)
+
+
+def test_world_size_1_inside_a_larger_job_is_bitwise_equal(pool):
+    assert all(pool.run(_world_size_1_inside_a_job))
+
+
 def _identical_across_ranks():
     model, inputs = build("tiny_gpt")
     pm = fxtp.compile(model, dist.get_world_size(), inputs)
