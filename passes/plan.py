@@ -295,17 +295,6 @@ def _next_segments(layer: Node, state: PlannerState, hint: Optional[tuple[int, .
     return None
 
 
-def _refines(coarse: tuple[int, ...], fine: tuple[int, ...]) -> bool:
-    def bounds(segs: tuple[int, ...]) -> set[int]:
-        out, acc = {0}, 0
-        for s in segs:
-            acc += s
-            out.add(acc)
-        return out
-
-    return bounds(coarse) < bounds(fine)
-
-
 def _combine(requests: list[tuple[ParamPiece, Placement, Any]]) -> Placement:
     """One placement for a parameter from its consumers' wants (pieces of a split tile it)."""
     name = requests[0][0].placeholder.name

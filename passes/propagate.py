@@ -211,16 +211,21 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
         outs = dec.out if isinstance(dec.out, tuple) else (dec.out,)
         sharded_out = any(isinstance(p, (Shard, Partial)) for p in outs)
         res.origins[node] = origins if any(isinstance(p, Shard) for p in outs) else frozenset()
-        _apply_wants(node, dec, res, effective, origins, param_names)
+        _apply_wants(node, dec, res, effective, origins, param_names, sharded_out)
         _mark_gathers(node, res, state, sharded_out)
         if sharded_out:
             _mark_entries(node, dec, res, effective, state, param_names)
     return res
 
 
-def _apply_wants(node, dec, res, effective, origins, param_names) -> None:
+def _apply_wants(node, dec, res, effective, origins, param_names, sharded_out: bool) -> None:
     requesters = origins | {node} if dec.layer is not None else origins
-    for inp, want in dec.wants.items():
+    wants = dict(dec.wants)
+    if not sharded_out:  # a replicated result used its parameters whole, whatever the rule said
+        for a in tensor_inputs(node):
+            if a not in wants and isinstance(effective(a, node), Shard) and param_root(a, param_names) is not None:
+                wants[a] = REPLICATE
+    for inp, want in wants.items():
         if not is_tensor_node(inp):
             continue
         piece = param_root(inp, param_names)

@@ -123,6 +123,24 @@ class _GQABlock(nn.Module):
         return self.head(self.nf(x))
 
 
+def test_a_parameter_used_whole_elsewhere_keeps_its_layer_replicated():
+    """`a.bias` is also a layer_norm weight: sharding it for the colwise `a` would hand the
+    norm a slice."""
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+        def forward(self, x):
+            h = self.b(torch.relu(self.a(x)))
+            return torch.nn.functional.layer_norm(h, (32,), weight=self.a.bias)
+
+    report = fxtp.analyze(Shared(), 2, (torch.randn(2, 32),))
+    assert report.plan == {"a": "replicate", "b": "replicate"}
+    assert report.layers[0].code == "tied"
+
+
 def test_fewer_kv_heads_than_ranks_keeps_the_megatron_plan():
     """2 kv heads at world_size 4: k/v replicated, everything else as Megatron; a norm weight
     sharded in an intermediate planning round must not sustain its own shard."""

@@ -13,7 +13,7 @@ import torch
 
 from fxtp.placement import REPLICATE, Placement, Shard
 from passes.registry import Conflict, Decision, RuleContext, register_rule, shape_of
-from passes.rules._common import ndim, sharded_inputs, tensor_inputs
+from passes.rules._common import activation_placement, ndim, tensor_inputs
 
 __all__ = ["broadcast_rule"]
 
@@ -49,13 +49,14 @@ POINTWISE_OPS = tuple(op for op in map(_overload, _POINTWISE_NAMES) if op is not
 def broadcast_rule(ctx: RuleContext) -> Decision:
     """Output shard = the activations' common shard, aligned from the right (broadcasting).
 
-    Parameters follow the activations: a parameter is sharded because an activation it meets
-    is, never on its own (else a shard kept from an earlier planning round would sustain itself).
+    Parameters follow the activations (``activation_placement``): a parameter is sharded
+    because an activation it meets is, never on its own.
     """
     out_nd = len(ctx.out_shape)
+    placements = {a: activation_placement(ctx, a) for a in tensor_inputs(ctx.node)}
     out: "Shard | None" = None
-    for a, p in sharded_inputs(ctx):
-        if ctx.is_param(a):
+    for a, p in placements.items():
+        if not isinstance(p, Shard):
             continue
         aligned = p.with_dim(p.dim + out_nd - ndim(a))
         if out is None:
@@ -67,11 +68,10 @@ def broadcast_rule(ctx: RuleContext) -> Decision:
                 "keep one of the producing layers replicated with plan={fqn: 'replicate'}",
             )
     if out is None:
-        return Decision(REPLICATE, {a: REPLICATE for a, _ in sharded_inputs(ctx)})
+        return Decision(REPLICATE)
     wants: dict = {}
-    for a in tensor_inputs(ctx.node):
-        p = ctx.placement(a)
-        if isinstance(p, Shard) and not ctx.is_param(a):
+    for a, p in placements.items():
+        if isinstance(p, Shard):
             wants[a] = p
             continue
         dim = out.dim - (out_nd - ndim(a))
