@@ -221,7 +221,7 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
 def _apply_wants(node, dec, res, effective, origins, param_names, sharded_out: bool) -> None:
     requesters = origins | {node} if dec.layer is not None else origins
     wants = dict(dec.wants)
-    if not sharded_out:  # a replicated result used its parameters whole, whatever the rule said
+    if not sharded_out and is_tensor_node(node):  # a replicated result used its parameters whole
         for a in tensor_inputs(node):
             if a not in wants and isinstance(effective(a, node), Shard) and param_root(a, param_names) is not None:
                 wants[a] = REPLICATE
