@@ -21,7 +21,7 @@ from typing import Union
 
 import torch
 
-__all__ = ["Replicate", "Shard", "Partial", "Placement", "shard_tensor", "local_ranges", "REPLICATE"]
+__all__ = ["Replicate", "Shard", "Partial", "Placement", "shard_tensor", "local_ranges", "is_sharded", "REPLICATE"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,13 @@ class Shard:
 
 Placement = Union[Replicate, Shard, Partial]
 REPLICATE = Replicate()
+
+
+def is_sharded(placement: object) -> bool:
+    """A ``Shard``, or a tuple of placements (a multi-output node) holding one."""
+    if isinstance(placement, tuple):
+        return any(isinstance(p, Shard) for p in placement)
+    return isinstance(placement, Shard)
 
 
 def local_ranges(shard: Shard, rank: int, world_size: int) -> list[tuple[int, int]]:

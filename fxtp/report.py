@@ -16,7 +16,7 @@ from tabulate import tabulate
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from fxtp.placement import Partial, Shard
+from fxtp.placement import Partial, Shard, is_sharded
 from passes.plan import LayerDecision, ShardingPlan, module_of
 
 __all__ = ["Report", "CollectiveStat", "Note", "build_report"]
@@ -223,7 +223,7 @@ def _regions(program: ExportedProgram, plan: ShardingPlan) -> tuple[tuple[str, .
     sharded = {
         name
         for name, p in plan.placements.items()
-        if isinstance(p, (Shard, Partial)) or isinstance(p, tuple) and any(isinstance(x, Shard) for x in p)
+        if isinstance(p, Partial) or is_sharded(p)
     }
     graph = nx.Graph()
     graph.add_nodes_from(sharded)

@@ -26,9 +26,8 @@ from typing import Any, Optional
 
 import torch
 from torch.fx import Graph, Node
-from torch.fx.node import map_aggregate
 
-from fxtp.placement import REPLICATE, Partial, Placement, Replicate, Shard
+from fxtp.placement import REPLICATE, Partial, Placement, Replicate, Shard, is_sharded
 from passes.registry import Conflict, Decision, LayerNote, LayerState, RuleContext, get_rule, is_tensor_node
 from passes.rules._common import norm_dim, tensor_inputs
 from passes.rules.matmul import LAYER_WEIGHT_ARG
@@ -146,8 +145,7 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
     def sharded_origins(node: Node, among: "tuple[Node, ...] | None" = None) -> frozenset[Node]:
         out: set[Node] = set()
         for a in among if among is not None else node.all_input_nodes:
-            p = effective(a, node)
-            if isinstance(p, Shard) or isinstance(p, tuple) and any(isinstance(x, Shard) for x in p):
+            if is_sharded(effective(a, node)):
                 out |= res.origins.get(a, frozenset())
         return frozenset(out)
 
@@ -214,7 +212,7 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
         _apply_wants(node, dec, res, effective, origins, param_names, sharded_out)
         _mark_gathers(node, res, state, sharded_out)
         if sharded_out:
-            _mark_entries(node, dec, res, effective, state, param_names)
+            _mark_entries(node, dec, res, effective, param_names)
     return res
 
 
@@ -252,7 +250,7 @@ def _mark_gathers(node, res, state, sharded_out: bool) -> None:
             res.edges[(node, inp)] = EdgeAction("gather", res.placements[inp], enter=sharded_out and _is_float(inp))
 
 
-def _mark_entries(node, dec, res, effective, state, param_names) -> None:
+def _mark_entries(node, dec, res, effective, param_names) -> None:
     for inp in tensor_inputs(node):
         if inp is dec.after_reduce or (node, inp) in res.edges:
             continue
@@ -264,17 +262,12 @@ def _mark_entries(node, dec, res, effective, state, param_names) -> None:
 
 
 def _check_outputs(node: Node, res: Propagation, effective, state: PlannerState) -> None:
-    def visit(a: Any) -> Any:
-        if is_tensor_node(a):
-            if (node.name, a.name) in state.gathers:
-                res.edges[(node, a)] = EdgeAction("gather", res.placements[a])
-            elif isinstance(effective(a, node), Shard):
-                conflict = Conflict(
-                    "needs-gather",
-                    f"model output {a.name} would be sharded; returning it whole needs an all_gather",
-                    "none needed: fxtp keeps the layer replicated; plan={'{layer}': 'colwise'} all_gathers its output instead",
-                )
-                res.reject(node, conflict, res.origins.get(a, frozenset()), (a,))
-        return a
-
-    map_aggregate(node.args, visit)
+    _mark_gathers(node, res, state, sharded_out=False)
+    for a in tensor_inputs(node):
+        if isinstance(effective(a, node), Shard):
+            conflict = Conflict(
+                "needs-gather",
+                f"model output {a.name} would be sharded; returning it whole needs an all_gather",
+                "none needed: fxtp keeps the layer replicated; plan={'{layer}': 'colwise'} all_gathers its output instead",
+            )
+            res.reject(node, conflict, res.origins.get(a, frozenset()), (a,))

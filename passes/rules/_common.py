@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 from torch.fx import Node
 from torch.fx.node import map_aggregate
@@ -10,7 +10,7 @@ from torch.fx.node import map_aggregate
 from fxtp.placement import REPLICATE, Shard
 from passes.registry import RuleContext, is_tensor_node, shape_of
 
-__all__ = ["tensor_inputs", "sharded_inputs", "activation_placement", "norm_dim", "local_shape", "ndim"]
+__all__ = ["tensor_inputs", "activation_placement", "norm_dim", "local_shape", "ndim"]
 
 
 def tensor_inputs(node: Node) -> list[Node]:
@@ -24,13 +24,6 @@ def tensor_inputs(node: Node) -> list[Node]:
 
     map_aggregate((node.args, node.kwargs), visit)
     return list(seen)
-
-
-def sharded_inputs(ctx: RuleContext) -> Iterator[tuple[Node, Shard]]:
-    for a in tensor_inputs(ctx.node):
-        p = ctx.placement(a)
-        if isinstance(p, Shard):
-            yield a, p
 
 
 def activation_placement(ctx: RuleContext, node: Node):
