@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "TinyGPT", "tiny_gpt", "mlp"]
+__all__ = ["GPTConfig", "TinyGPT", "tiny_gpt", "mlp", "gpt2", "llama", "bert", "gpt2_124m", "llama_7b"]
 
 
 @dataclass(frozen=True)
@@ -92,3 +92,87 @@ def mlp(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
     return model, (torch.randn(8, 64),)
+
+
+# --- Hugging Face models, built from their config classes (random weights, nothing downloaded) ---
+# Tiny configs: 2 layers, hidden 64, 4 heads, vocab 128, seq 16, dropout 0. ``use_cache=False``:
+# a KV cache is an inference-time output that is not a tensor.
+
+TINY_BATCH, TINY_SEQ, TINY_VOCAB = 2, 16, 128
+
+
+def _ids(seed: int, vocab: int = TINY_VOCAB, device: str = "cpu") -> torch.Tensor:
+    ids = torch.randint(0, vocab, (TINY_BATCH, TINY_SEQ), generator=torch.Generator().manual_seed(seed + 1))
+    return ids.to(device)
+
+
+def gpt2_config(**overrides):
+    from transformers import GPT2Config
+
+    base = dict(vocab_size=TINY_VOCAB, n_positions=TINY_SEQ, n_embd=64, n_layer=2, n_head=4,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                bos_token_id=0, eos_token_id=0)
+    return GPT2Config(**{**base, **overrides})
+
+
+def llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    base = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=TINY_SEQ,
+                use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return LlamaConfig(**{**base, **overrides})
+
+
+def bert_config(**overrides):
+    from transformers import BertConfig
+
+    base = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=128, max_position_embeddings=TINY_SEQ, hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0, pad_token_id=0)
+    return BertConfig(**{**base, **overrides})
+
+
+def gpt2(seed: int = 0, **overrides) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Tiny ``GPT2LMHeadModel`` (Conv1D layers, fused ``c_attn``, tied LM head) and (2, 16) ids."""
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(gpt2_config(**overrides)).eval(), (_ids(seed),)
+
+
+def llama(seed: int = 0, **overrides) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Tiny ``LlamaForCausalLM`` (GQA: 4 heads, 2 kv heads; rotary; RMSNorm; SwiGLU) and (2, 16) ids."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(llama_config(**overrides)).eval(), (_ids(seed),)
+
+
+def bert(seed: int = 0, **overrides) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Tiny ``BertModel`` (encoder and pooler) and (2, 16) ids; the attention mask is the default."""
+    from transformers import BertModel
+
+    torch.manual_seed(seed)
+    return BertModel(bert_config(**overrides)).eval(), (_ids(seed),)
+
+
+def gpt2_124m() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """GPT-2 124M shapes (12 layers, hidden 768, 12 heads, vocab 50257) on the ``meta`` device."""
+    from transformers import GPT2LMHeadModel
+
+    cfg = gpt2_config(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(cfg).eval()
+    return model, (torch.zeros(1, 1024, dtype=torch.long, device="meta"),)
+
+
+def llama_7b() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Llama-2-7B shapes (32 layers, hidden 4096, 32 heads, intermediate 11008, vocab 32000) on ``meta``."""
+    from transformers import LlamaForCausalLM
+
+    cfg = llama_config(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).eval()
+    return model, (torch.zeros(1, 4096, dtype=torch.long, device="meta"),)
