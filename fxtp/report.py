@@ -219,11 +219,13 @@ def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, at
 
 def _regions(program: ExportedProgram, plan: ShardingPlan) -> tuple[tuple[str, ...], ...]:
     """The tensor-parallel regions: connected sets of sharded values, between replicated
-    points; each as the names of the sharded layers in it, in graph order."""
+    points; each as the names of the sharded layers in it, in graph order. Parameters are not
+    values here: a tied weight does not join the regions of its uses."""
+    params = {n.name for n in program.graph.nodes if n.op == "placeholder"}
     sharded = {
         name
         for name, p in plan.placements.items()
-        if isinstance(p, Partial) or is_sharded(p)
+        if (isinstance(p, Partial) or is_sharded(p)) and name not in params
     }
     graph = nx.Graph()
     graph.add_nodes_from(sharded)
@@ -279,22 +281,26 @@ def _notes(plan: ShardingPlan, nodes, param_names: set[str]) -> tuple[Note, ...]
                     (),
                 )
             )
+    layer_nodes = {layer.node for layer in plan.layers}
     for node in nodes.values():
+        if node.name in layer_nodes:
+            continue
         if node.op == "call_function" and node.target in _OTHER_MATMULS and any(_param_operand(a, param_names) for a in node.all_input_nodes):
             notes.append(
                 Note(
                     "unsupported-layer",
                     node.format_node(),
                     module_of(node),
-                    f"{node.target.__name__} with a parameter operand is not sharded yet (only linear is); it stays replicated. "
-                    "fix: call it as F.linear(x, weight)",
+                    f"{node.target.__name__} with a parameter operand fxtp does not shard (only x @ W, x @ W.T, addmm and "
+                    "linear with a 2-D parameter W on the right are layers); it stays replicated. fix: write it as F.linear(x, weight)",
                     (),
                 )
             )
     for (consumer, producer), action in plan.edges.items():
         if action.kind == "gather":
             node = nodes[consumer]
-            notes.append(Note("gather", node.format_node(), module_of(node), f"all_gather of {producer} forced by the user's plan", ()))
+            why = "the model output" if node.op == "output" else node.name
+            notes.append(Note("gather", node.format_node(), module_of(node), f"all_gather of {producer}: {why} needs it whole", ()))
     return tuple(notes)
 
 

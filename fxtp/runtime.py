@@ -73,10 +73,16 @@ class ParallelModule(nn.Module):
         self.placements: dict[str, Placement] = {}
         constants = nn.Module()
         shared: dict[tuple[int, str], nn.Parameter] = {}  # tied parameters stay one Parameter
+        # Export may give a tied parameter one placeholder per FQN and use only one of them:
+        # every FQN of one tensor takes the placement of the placeholder that is sharded.
+        tied_placement: dict[int, Placement] = {}
+        for spec in program.graph_signature.input_specs:
+            if spec.kind == InputKind.PARAMETER and spec.arg.name in sharding.params:
+                tied_placement[id(program.state_dict[spec.target])] = sharding.params[spec.arg.name]
         for spec in program.graph_signature.input_specs:
             if spec.kind == InputKind.PARAMETER:
                 full = program.state_dict[spec.target]
-                placement = sharding.params.get(spec.arg.name, REPLICATE)
+                placement = sharding.params.get(spec.arg.name, tied_placement.get(id(full), REPLICATE))
                 key = (id(full), str(placement))
                 if key not in shared:
                     local = shard_tensor(full, placement, rank, world_size)

@@ -23,17 +23,19 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+import torch
 from torch.fx import Graph, Node
 
 from fxtp.errors import FxtpError, FxtpPlanError
 from fxtp.placement import REPLICATE, Partial, Placement, Shard
 from passes.propagate import EdgeAction, ParamPiece, PlannerState, Propagation, param_root, propagate
 from passes.registry import Conflict, LayerNote, shape_of
-from passes.rules.matmul import LAYER_WEIGHT_ARG
+from passes.rules.matmul import layer_operands, layer_weight
 
 __all__ = ["LayerDecision", "ShardingPlan", "plan_sharding", "module_of", "STYLES"]
 
 STYLES = ("colwise", "rowwise", "replicate")
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class ShardingPlan:
     local_args: Mapping[str, tuple[Any, ...]]  # node name -> args with local shape literals
     edges: Mapping[tuple[str, str], EdgeAction]  # (consumer, producer) -> local work
     reduces: Mapping[str, Optional[str]]  # Partial node -> bias node added after the all_reduce
+    local_targets: Mapping[str, Any]  # node name -> op the rank runs instead (with local_args)
     layers: tuple[LayerDecision, ...]
     rounds: int
 
@@ -97,22 +100,22 @@ def plan_sharding(
         FxtpPlanError: an override names no layer or cannot be honoured.
     """
     param_names = frozenset(param_fqns)
-    layers = [n for n in graph.nodes if n.op == "call_function" and n.target in LAYER_WEIGHT_ARG]
+    layers = [n for n in graph.nodes if _weight(n, param_names) is not None]
     names = _layer_names(layers, param_names, param_fqns)
     state = PlannerState()
     if world_size == 1:
         for n in layers:
             state.demoted[n.name] = LayerNote("replicate", "world_size is 1: nothing to shard")
-    _mark_tied(layers, names, param_names, state)
     _apply_overrides(overrides or {}, layers, names, state)
+    _keep_small_embeddings(layers, state)
     max_rounds = (_MAX_SEGMENTS + 4) * len(layers) + 8
     for rounds in range(1, max_rounds + 1):
         res = propagate(graph, state, world_size, param_names)
-        if not _resolve(res, state, world_size):
+        if not _resolve(res, state, world_size, param_names, {n.name: names[n] for n in layers}, param_fqns):
             break
     else:  # pragma: no cover - demotions and refinements only grow
         raise FxtpError(f"internal: planning did not converge in {max_rounds} rounds; please report this model")
-    feeds = _rowwise_feeds(layers, names, res)
+    feeds = _rowwise_feeds(layers, names, res, param_names)
     decisions = tuple(_layer_decision(n, names[n], res, state, param_names, param_fqns, world_size, feeds) for n in layers)
     _check_forced(decisions, state, names)
     return ShardingPlan(
@@ -120,6 +123,7 @@ def plan_sharding(
         placements={n.name: p for n, p in res.placements.items()},
         params={k: v for k, v in state.params.items() if isinstance(v, Shard)},
         local_args={n.name: d.local_args for n, d in res.decisions.items() if d.local_args is not None},
+        local_targets={n.name: d.local_target for n, d in res.decisions.items() if d.local_target is not None},
         edges={(c.name, p.name): a for (c, p), a in res.edges.items()},
         reduces={
             n.name: (d.after_reduce.name if isinstance(d.after_reduce, Node) else None)
@@ -144,9 +148,9 @@ def _layer_names(layers: list[Node], param_names: frozenset[str], param_fqns: Ma
         if modules[n] and counts[modules[n]] == 1:
             names[n] = modules[n]
             continue
-        weight = n.args[LAYER_WEIGHT_ARG[n.target]]
+        weight = _weight(n, param_names)
         piece = param_root(weight, param_names) if isinstance(weight, Node) else None
-        if piece is None:
+        if piece is None or piece.transposed:
             names[n] = f"{modules[n] or 'model'}:{n.name}"
             continue
         fqn = param_fqns[piece.placeholder.name]
@@ -158,29 +162,30 @@ def _layer_names(layers: list[Node], param_names: frozenset[str], param_fqns: Ma
     return {n: name if taken.count(name) == 1 else f"{name}:{n.name}" for n, name in names.items()}
 
 
-def _mark_tied(layers: list[Node], names, param_names, state: PlannerState) -> None:
-    """A parameter used as the weight of several layers gets one treatment: replicated."""
-    users: dict[tuple, list[Node]] = {}
+def _weight(node: Node, param_names: frozenset[str]) -> Optional[Node]:
+    return layer_weight(node, lambda a: param_root(a, param_names) is not None)
+
+
+# A table with fewer rows than this many times its width (a position or token-type table) stays
+# replicated: sharding it saves little memory and costs an all_reduce per lookup. Vocabularies
+# are far taller than wide (GPT-2: 50257 x 768; Llama-2: 32000 x 4096). A share of the model's
+# bytes would not do: Llama-2-70B's vocabulary is only 0.4% of its parameters.
+VOCAB_ROWS_PER_COLUMN = 2
+
+
+def _keep_small_embeddings(layers: list[Node], state: PlannerState) -> None:
     for n in layers:
-        weight = n.args[LAYER_WEIGHT_ARG[n.target]]
-        piece = param_root(weight, param_names) if isinstance(weight, Node) else None
-        if piece is not None:
-            users.setdefault((piece.placeholder, piece.dim, piece.offset), []).append(n)
-    for group in users.values():
-        if len(group) > 1:
-            others = ", ".join(names[n] for n in group)
-            for n in group:
-                state.demoted.setdefault(
-                    n.name,
-                    LayerNote(
-                        "replicate",
-                        f"weight is tied: one parameter serves {others}; all keep it replicated",
-                        code="tied",
-                        fix="untie the weights to shard them (vocab-parallel tied heads are not supported yet)",
-                        node=n.format_node(),
-                        module=module_of(n),
-                    ),
-                )
+        if n.target is not aten.embedding.default or n.name in state.demoted or n.name in state.forced:
+            continue
+        rows, cols = shape_of(n.args[0])
+        if rows < VOCAB_ROWS_PER_COLUMN * cols:
+            state.demoted[n.name] = LayerNote(
+                "replicate",
+                f"a {rows}x{cols} table is not a vocabulary (fewer than {VOCAB_ROWS_PER_COLUMN}x as many rows as columns): "
+                "a vocab-parallel lookup would add an all_reduce to save little memory",
+                code="small-embedding",
+                fix="none needed; plan={'{layer}': 'rowwise'} shards it anyway",
+            )
 
 
 def _apply_overrides(overrides: Mapping[str, str], layers: list[Node], names, state: PlannerState) -> None:
@@ -190,9 +195,8 @@ def _apply_overrides(overrides: Mapping[str, str], layers: list[Node], names, st
             known = ", ".join(sorted(names.values())) or "(none)"
             raise FxtpPlanError(f"plan key {pattern!r} matches no layer; layers are: {known}")
         for n in hits:
-            tied = state.demoted.get(n.name)
-            if style != "replicate" and tied is not None and tied.code == "tied":
-                raise FxtpPlanError(f"plan asks {names[n]} to be {style}, but {tied.reason}; drop the entry")
+            if n.target is aten.embedding.default and style == "colwise":
+                raise FxtpPlanError(f"plan asks embedding {names[n]} to be colwise; embeddings are 'rowwise' (vocab-parallel) or 'replicate'")
             if style == "replicate":
                 state.demoted[n.name] = LayerNote(
                     "replicate", "kept replicated by the user's plan", code="user-plan", fix="drop the plan entry to let fxtp shard it"
@@ -216,7 +220,21 @@ _LAYOUT_CODES = frozenset(
 _MAX_SEGMENTS = 8  # fused projections have few parts (Q|K|V, gate|up, K|V)
 
 
-def _resolve(res: Propagation, state: PlannerState, ws: int) -> bool:
+def _is_output_head(layer: Node, param_names: frozenset[str]) -> bool:
+    """An output head (an LM head): a layer that widens (out_features > in_features). Its
+    logits are all_gathered at the model output rather than kept replicated: the gather moves
+    activations once, the shard saves (ws - 1)/ws of the widest weight (Megatron-LM's parallel
+    LM head, DTensor's ``ColwiseParallel`` output layer)."""
+    ops = layer_operands(layer, lambda a: param_root(a, param_names) is not None)
+    if ops is None:
+        return False
+    shape = shape_of(ops.weight)
+    return shape[ops.out_dim] > shape[1 - ops.out_dim]
+
+
+def _resolve(
+    res: Propagation, state: PlannerState, ws: int, param_names: frozenset[str], names: Mapping[str, str], param_fqns: Mapping[str, str]
+) -> bool:
     """Apply one round's findings to ``state``; return whether anything changed.
 
     Only rejections not downstream of an earlier one this round are acted on: a node after a
@@ -245,6 +263,10 @@ def _resolve(res: Propagation, state: PlannerState, ws: int) -> bool:
                         state.segments[n.name] = seg
                 changed = True
                 continue
+        heads = c.code == "needs-gather" and rej.node.op == "output" and demotable
+        if heads and all(_is_output_head(n, param_names) and n.name not in state.demoted for n in demotable):
+            state.heads.update(n.name for n in demotable)
+            demotable = []  # gather the logits at the output instead
         if not demotable:
             for inp in rej.inputs:
                 key = (rej.node.name, inp.name)
@@ -261,7 +283,7 @@ def _resolve(res: Propagation, state: PlannerState, ws: int) -> bool:
     for placeholder, requests in res.requests.items():
         requesters = frozenset(o for _, _, origins in requests for o in origins)
         try:
-            params[placeholder.name] = _combine(requests)
+            params[placeholder.name] = _combine(requests, param_fqns[placeholder.name])
             owners[placeholder.name] = frozenset(o.name for o in requesters)
         except Conflict as c:
             if res.conflicts:
@@ -271,7 +293,7 @@ def _resolve(res: Propagation, state: PlannerState, ws: int) -> bool:
             ]
             forced = [n for n in sharded_by if state.forced.get(n.name) is not None]
             if forced:
-                raise FxtpPlanError(f"plan cannot be honoured for {', '.join(n.name for n in forced)}: {c.message}; drop the entry")
+                raise FxtpPlanError(f"plan cannot be honoured for {', '.join(names[n.name] for n in forced)}: {c.message}; drop the entry")
             for n in sharded_by:
                 state.demoted[n.name] = LayerNote("replicate", c.message, code=c.code, fix=c.fix, node=placeholder.format_node())
                 changed = True
@@ -295,14 +317,14 @@ def _next_segments(layer: Node, state: PlannerState, hint: Optional[tuple[int, .
     return None
 
 
-def _combine(requests: list[tuple[ParamPiece, Placement, Any]]) -> Placement:
-    """One placement for a parameter from its consumers' wants (pieces of a split tile it)."""
-    name = requests[0][0].placeholder.name
+def _combine(requests: list[tuple[ParamPiece, Placement, Any]], name: str) -> Placement:
+    """One placement for parameter ``name`` (its FQN) from its consumers' wants (pieces of a
+    split tile it; tied uses must agree)."""
     whole_uses = [want for _, want, _ in requests if not isinstance(want, Shard)]
     if len(whole_uses) == len(requests):
         return REPLICATE
     if whole_uses:
-        raise Conflict("tied", f"parameter {name} is used whole by one layer and sharded by another", "untie the weights to shard them")
+        raise Conflict("tied", f"parameter {name} is tied: used whole by one layer and sharded by another", "untie the weights to shard them")
     wants = {(piece.dim, piece.offset, piece.length, want) for piece, want, _ in requests}
     whole = {w for d, _, _, w in wants if d is None}
     if whole:
@@ -333,13 +355,14 @@ def _combine(requests: list[tuple[ParamPiece, Placement, Any]]) -> Placement:
     return Shard(dim, tuple(segments))
 
 
-def _rowwise_feeds(layers: list[Node], names: Mapping[Node, str], res: Propagation) -> dict[Node, list[str]]:
+def _rowwise_feeds(layers: list[Node], names: Mapping[Node, str], res: Propagation, param_names) -> dict[Node, list[str]]:
     """colwise layer -> names of the rowwise layers its shard reaches, and the reverse."""
     feeds: dict[Node, list[str]] = {}
     for n in layers:
         note = res.layers.get(n)
-        if note is not None and note.style == "rowwise":
-            for origin in sorted(res.origins.get(n.args[0], frozenset()), key=lambda o: o.name):
+        ops = layer_operands(n, lambda a: param_root(a, param_names) is not None)
+        if note is not None and note.style == "rowwise" and ops is not None:
+            for origin in sorted(res.origins.get(ops.x, frozenset()), key=lambda o: o.name):
                 feeds.setdefault(origin, []).append(names[n])
                 feeds.setdefault(n, []).append(names[origin])
     return feeds
@@ -348,12 +371,16 @@ def _rowwise_feeds(layers: list[Node], names: Mapping[Node, str], res: Propagati
 def _layer_decision(node: Node, name: str, res: Propagation, state: PlannerState, param_names, param_fqns, ws: int, feeds) -> LayerDecision:
     note = res.layers.get(node) or state.demoted.get(node.name) or LayerNote("replicate", "inputs replicated")
     partners = ", ".join(feeds.get(node, []))
+    if note.style == "colwise" and node.name in state.heads:
+        note = dataclasses.replace(note, reason="output head: its logits are all_gathered at the model output")
     if note.style == "colwise" and partners:
         note = dataclasses.replace(note, reason=note.reason.replace("a rowwise layer", partners))
     elif note.style == "rowwise" and partners:
         note = dataclasses.replace(note, reason=f"input sharded by {partners}; " + note.reason)
-    weight = node.args[LAYER_WEIGHT_ARG[node.target]]
+    weight = _weight(node, param_names)
     piece = param_root(weight, param_names) if isinstance(weight, Node) else None
+    if piece is not None and piece.transposed:
+        weight = piece.placeholder  # show the parameter as stored, not its transpose
     wshape = shape_of(weight)
     local = list(wshape)
     wp = res.placements.get(weight)

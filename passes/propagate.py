@@ -30,12 +30,13 @@ from torch.fx import Graph, Node
 from fxtp.placement import REPLICATE, Partial, Placement, Replicate, Shard, is_sharded
 from passes.registry import Conflict, Decision, LayerNote, LayerState, RuleContext, get_rule, is_tensor_node
 from passes.rules._common import norm_dim, tensor_inputs
-from passes.rules.matmul import LAYER_WEIGHT_ARG
+from passes.rules.matmul import layer_weight
 
 __all__ = ["EdgeAction", "PlannerState", "Propagation", "Rejection", "ParamPiece", "propagate", "param_root"]
 
 aten = torch.ops.aten
 _SPLITS = (aten.split_with_sizes.default, aten.split.Tensor)
+_TRANSPOSES = (aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,13 @@ class ParamPiece:
     dim: Optional[int] = None  # split dim; None for the whole parameter
     offset: int = 0
     length: int = 0
+    transposed: bool = False  # the 2-D parameter's transpose (``W.T``), a whole parameter
+
+    def placement_of_param(self, want: Placement) -> Placement:
+        """What a want on this piece asks of the parameter itself."""
+        if self.transposed and isinstance(want, Shard):
+            return want.with_dim(1 - want.dim)
+        return want
 
 
 @dataclass
@@ -72,6 +80,7 @@ class PlannerState:
     gathers: set[tuple[str, str]] = field(default_factory=set)
     tried: dict[str, set[tuple[int, ...]]] = field(default_factory=dict)  # segment layouts tried per layer
     first: dict[str, LayerNote] = field(default_factory=dict)  # first layout rejection per layer
+    heads: set[str] = field(default_factory=set)  # colwise output heads whose logits are gathered
 
 
 @dataclass(frozen=True)
@@ -106,9 +115,15 @@ class Propagation:
 
 
 def param_root(node: Node, param_names: frozenset[str]) -> Optional[ParamPiece]:
-    """The parameter ``node`` is, or a ``split`` piece of one; ``None`` for computed values."""
+    """The parameter ``node`` is, a ``split`` piece of one, or a 2-D one's transpose; ``None``
+    for computed values."""
     if node.op == "placeholder":
         return ParamPiece(node) if node.name in param_names else None
+    if node.target in _TRANSPOSES and _is_matrix_transpose(node):
+        base = node.args[0]
+        if isinstance(base, Node) and base.op == "placeholder" and base.name in param_names:
+            return ParamPiece(base, transposed=True)
+        return None
     if node.target is operator.getitem:
         src, index = node.args
         if isinstance(src, Node) and src.target in _SPLITS and isinstance(src.args[0], Node):
@@ -118,6 +133,17 @@ def param_root(node: Node, param_names: frozenset[str]) -> Optional[ParamPiece]:
                 sizes = [int(v.shape[dim]) for v in src.meta["val"]]
                 return ParamPiece(base, dim, sum(sizes[:index]), sizes[index])
     return None
+
+
+def _is_matrix_transpose(node: Node) -> bool:
+    base = node.args[0]
+    if not isinstance(base, Node) or base.meta["val"].dim() != 2:
+        return False
+    if node.target is aten.transpose.int:
+        return {norm_dim(d, 2) for d in node.args[1:3]} == {0, 1}
+    if node.target is aten.permute.default:
+        return [norm_dim(d, 2) for d in node.args[1]] == [1, 0]
+    return True
 
 
 def _is_float(node: Node) -> bool:
@@ -149,6 +175,9 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
                 out |= res.origins.get(a, frozenset())
         return frozenset(out)
 
+    def is_param(a: Node) -> bool:
+        return param_root(a, param_names) is not None
+
     def layer_state(node: Node) -> LayerState:
         return LayerState(state.demoted.get(node.name), state.forced.get(node.name), state.segments.get(node.name))
 
@@ -168,7 +197,7 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
         if any(a in res.tainted for a in node.all_input_nodes):
             res.tainted.add(node)
         inputs = tensor_inputs(node)
-        is_layer = node.target in LAYER_WEIGHT_ARG
+        is_layer = layer_weight(node, is_param) is not None
         any_sharded = any(not isinstance(effective(a, node), Replicate) for a in inputs)
         if node.target is operator.getitem:
             any_sharded = not all(isinstance(p, Replicate) for p in res.placements[node.args[0]])
@@ -182,7 +211,7 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
             world_size,
             lambda a, _n=node: effective(a, _n) if is_tensor_node(a) else res.placements[a],
             layer_state,
-            lambda a: param_root(a, param_names) is not None,
+            is_param,
         )
         try:
             if rule is None:
@@ -217,6 +246,8 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
 
 
 def _apply_wants(node, dec, res, effective, origins, param_names, sharded_out: bool) -> None:
+    if param_root(node, param_names) is not None:
+        return  # a view of a parameter (W.T, a split piece): its consumers request through it
     requesters = origins | {node} if dec.layer is not None else origins
     wants = dict(dec.wants)
     if not sharded_out and is_tensor_node(node):  # a replicated result used its parameters whole
@@ -231,7 +262,7 @@ def _apply_wants(node, dec, res, effective, origins, param_names, sharded_out: b
             # The planner stores the parameter as wanted, every round (also when it already is),
             # so a parameter nobody wants sharded is replicated next round, and one wanted both
             # whole and sharded is a conflict the planner sees.
-            res.requests.setdefault(piece.placeholder, []).append((piece, want, requesters))
+            res.requests.setdefault(piece.placeholder, []).append((piece, piece.placement_of_param(want), requesters))
             continue
         cur = effective(inp, node)
         if cur == want:

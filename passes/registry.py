@@ -29,6 +29,7 @@ from fxtp.placement import REPLICATE, Placement
 __all__ = [
     "Conflict",
     "Decision",
+    "ShardStart",
     "LayerNote",
     "LayerState",
     "RuleContext",
@@ -61,6 +62,14 @@ class LayerNote:
 
 
 @dataclass(frozen=True)
+class ShardStart:
+    """In ``Decision.local_args``: this rank's first index along ``value``'s sharded dim; the
+    rewrite puts the number in (rules do not know the rank)."""
+
+    value: Node
+
+
+@dataclass(frozen=True)
 class Decision:
     """A rule's answer for one node.
 
@@ -72,6 +81,8 @@ class Decision:
         local_args: the node's args with shape literals made local, or ``None`` to keep them.
         after_reduce: inputs applied after the all_reduce of a ``Partial`` output (the bias of
             a rowwise linear, see NOTE: [rowwise bias]).
+        local_target: the op the rank runs instead of the node's own, with ``local_args``
+            (a rowwise ``addmm`` becomes ``mm``; a vocab-parallel ``embedding`` masks ids).
         layer: set by matmul-like rules.
     """
 
@@ -80,6 +91,7 @@ class Decision:
     local_args: Optional[tuple[Any, ...]] = None
     after_reduce: Optional[Node] = None
     layer: Optional[LayerNote] = None
+    local_target: Optional[OpKey] = None
 
 
 class Conflict(Exception):

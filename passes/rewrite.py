@@ -29,6 +29,7 @@ from fxtp import collectives
 from fxtp.placement import Shard, local_ranges
 from passes.plan import ShardingPlan
 from passes.propagate import EdgeAction
+from passes.registry import ShardStart
 
 __all__ = ["rewrite"]
 
@@ -93,7 +94,9 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
         if placement is not None:
             node.meta["fxtp_placement"] = str(placement) if not isinstance(placement, tuple) else ", ".join(map(str, placement))
         if name in plan.local_args:
-            node.args = map_arg(plan.local_args[name], lambda n: nodes[n.name])
+            node.args = _fill_shard_starts(map_arg(plan.local_args[name], lambda n: nodes[n.name]), plan, rank)
+        if name in plan.local_targets:
+            node.target = plan.local_targets[name]
         for inp in list(node.all_input_nodes):
             action = plan.edges.get((name, old_name.get(inp, "")))
             if action is not None:
@@ -111,6 +114,18 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
     graph.eliminate_dead_code()
     graph.lint()
     return GraphModule(gm, graph)
+
+
+def _fill_shard_starts(args: tuple, plan: ShardingPlan, rank: int) -> tuple:
+    """Replace each :class:`ShardStart` with this rank's first index of that value's shard."""
+
+    def fill(a):
+        if isinstance(a, ShardStart):
+            placement = plan.placements[a.value.name]
+            return local_ranges(placement, rank, plan.world_size)[0][0]
+        return a
+
+    return tuple(fill(a) for a in args)
 
 
 def _copy_graph(source: Graph) -> tuple[Graph, dict[str, Node]]:

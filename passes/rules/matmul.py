@@ -1,6 +1,7 @@
-"""Matmul-like layers (``linear``, ``embedding``) and matmuls between activations.
+"""Matmul-like layers and matmuls between activations.
 
-A ``linear`` with a replicated input is a colwise candidate: it shards its weight on
+A layer is a ``linear``, an ``addmm``/``mm``/``matmul`` whose right operand is a parameter or
+its transpose (GPT-2's ``Conv1D``, ``x @ W.T``), or an ``embedding``. A layer with a replicated input is a colwise candidate: it shards its weight on
 out_features and its output on the last dim. A ``linear`` whose input arrives sharded on the
 last dim is rowwise: it shards its weight on in_features and its output is ``Partial``; the
 rewrite all_reduces it and then adds the bias (NOTE: [rowwise bias]). These are Megatron-LM's
@@ -15,18 +16,20 @@ single-device one.
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+from typing import Callable, Optional
 
+import torch
+from torch.fx import Node
+
+from fxtp import local_ops
 from fxtp.placement import REPLICATE, Partial, Shard
-from passes.registry import Conflict, Decision, LayerNote, RuleContext, register_rule, shape_of
+from passes.registry import Conflict, Decision, LayerNote, RuleContext, ShardStart, register_rule, shape_of
 from passes.rules._common import activation_placement, ndim
 
-__all__ = ["LAYER_WEIGHT_ARG"]
+__all__ = ["LayerOperands", "layer_operands", "layer_weight"]
 
 aten = torch.ops.aten
-
-# Matmul-like layers and the position of their weight argument.
-LAYER_WEIGHT_ARG = {aten.linear.default: 1, aten.embedding.default: 0}
 
 
 def _arg(node, i, name, default=None):
@@ -35,11 +38,74 @@ def _arg(node, i, name, default=None):
     return node.kwargs.get(name, default)
 
 
+@dataclass(frozen=True)
+class LayerOperands:
+    """The operands of a matmul-like layer, whatever op computes it.
+
+    ``weight`` is the operand as the op sees it: ``(out, in)`` for ``linear`` (``out_dim=0``),
+    ``(in, out)`` for ``x @ W`` / ``addmm(b, x, W)`` (``out_dim=1``; GPT-2's ``Conv1D``, or a
+    parameter's ``.T``). ``bias`` has shape ``(out,)``.
+    """
+
+    x: Node
+    weight: Node
+    bias: Optional[Node]
+    out_dim: int
+
+
+def layer_operands(node: Node, is_param: Callable[[Node], bool]) -> Optional[LayerOperands]:
+    """The layer operands of ``node`` if it is a matmul-like layer with a 2-D parameter weight
+    (``linear``; ``addmm``/``mm``/``matmul`` whose right operand is a parameter or its
+    transpose), else ``None``. Embeddings are layers too, see :func:`layer_weight`."""
+    if node.op != "call_function":
+        return None
+    if node.target is aten.linear.default:
+        return LayerOperands(node.args[0], node.args[1], _arg(node, 2, "bias"), 0)
+    if node.target is aten.addmm.default:
+        b, x, w = node.args[:3]
+        plain = node.kwargs.get("beta", 1) == 1 and node.kwargs.get("alpha", 1) == 1
+        if plain and isinstance(w, Node) and is_param(w) and isinstance(b, Node) and ndim(b) == 1:
+            return LayerOperands(x, w, b, 1)
+        return None
+    if node.target in (aten.mm.default, aten.matmul.default):
+        x, w = node.args[:2]
+        if isinstance(w, Node) and is_param(w) and ndim(w) == 2 and ndim(x) >= 2:
+            return LayerOperands(x, w, None, 1)
+    return None
+
+
+def layer_weight(node: Node, is_param: Callable[[Node], bool]) -> Optional[Node]:
+    """The weight operand of a matmul-like layer (``linear``, ``addmm``/``mm``/``matmul`` with
+    a parameter, ``embedding``), or ``None`` if ``node`` is not one."""
+    if node.op == "call_function" and node.target is aten.embedding.default:
+        return node.args[0]
+    ops = layer_operands(node, is_param)
+    return ops.weight if ops is not None else None
+
+
 @register_rule(aten.linear.default)
 def linear_rule(ctx: RuleContext) -> Decision:
-    x, w = ctx.node.args[:2]
-    b = _arg(ctx.node, 2, "bias")
-    out_features, in_features = shape_of(w)
+    ops = layer_operands(ctx.node, ctx.is_param)
+    assert ops is not None
+    return _layer_rule(ctx, ops)
+
+
+@register_rule(aten.addmm.default)
+def addmm_rule(ctx: RuleContext) -> Decision:
+    """GPT-2's ``Conv1D``: ``addmm(bias, x, W)`` with ``W`` of shape ``(in, out)``."""
+    ops = layer_operands(ctx.node, ctx.is_param)
+    if ops is None:  # no parameter: a matmul between activations plus a term
+        b, x, w = ctx.node.args[:3]
+        if any(isinstance(ctx.placement(a), Shard) for a in (b, x, w)):
+            raise Conflict("unsupported-op", "addmm of activations with a sharded operand", "keep the producer replicated")
+        return Decision(REPLICATE)
+    return _layer_rule(ctx, ops)
+
+
+def _layer_rule(ctx: RuleContext, ops: LayerOperands) -> Decision:
+    x, w, b = ops.x, ops.weight, ops.bias
+    in_dim = 1 - ops.out_dim
+    out_features, in_features = shape_of(w)[ops.out_dim], shape_of(w)[in_dim]
     px = ctx.placement(x)
     last = ndim(x) - 1
     state = ctx.layer()
@@ -57,18 +123,22 @@ def linear_rule(ctx: RuleContext) -> Decision:
         shard = px if isinstance(px, Shard) else Shard(last, (in_features,))
         if not shard.divisible(ctx.world_size):
             return Decision(REPLICATE, whole, layer=_not_divisible("in_features", in_features, ctx.world_size))
-        wants = {w: Shard(1, shard.segments)}
+        wants = {w: Shard(in_dim, shard.segments)}
         if not isinstance(px, Shard):
             wants[x] = shard
-        reason = "all_reduce after it, bias added once after that"
-        return Decision(Partial(), wants, local_args=(x, w), after_reduce=b, layer=LayerNote("rowwise", reason))
+        reason = "all_reduce after it, bias added once after that" if b is not None else "all_reduce after it"
+        local_target = aten.mm.default if ctx.node.target is aten.addmm.default else None
+        local_args = (x, w) if b is not None else None
+        return Decision(
+            Partial(), wants, local_args=local_args, after_reduce=b, layer=LayerNote("rowwise", reason), local_target=local_target
+        )
     if state.demoted is not None:
         return Decision(REPLICATE, whole, layer=state.demoted)
     segments = state.segments or (out_features,)
     if any(s % ctx.world_size for s in segments):
         return Decision(REPLICATE, whole, layer=_not_divisible("out_features", out_features, ctx.world_size))
     out = Shard(last, segments)
-    wants = {w: Shard(0, segments)}
+    wants = {w: Shard(ops.out_dim, segments)}
     if b is not None:
         wants[b] = Shard(0, segments)
     reason = "output stays sharded until a rowwise layer"
@@ -90,24 +160,40 @@ def _not_divisible(what: str, size: int, ws: int) -> LayerNote:
 
 @register_rule(aten.embedding.default)
 def embedding_rule(ctx: RuleContext) -> Decision:
-    """The table stays replicated; sharded indices (batch-like dims) keep their shard."""
+    """A vocab-parallel lookup (Megatron-LM's ``VocabParallelEmbedding``, DTensor's rowwise
+    embedding): each rank holds a block of rows, looks up the ids that fall in it, zeroes the
+    others; the output is ``Partial`` and is all_reduced. Sharded indices (batch-like dims) keep
+    their shard with the table replicated."""
     weight, indices = ctx.node.args[:2]
-    if isinstance(ctx.placement(weight), Shard):
-        raise Conflict("tied", "the embedding table is also used by a sharded layer", "keep the tied layer replicated")
-    note = ctx.layer().demoted or LayerNote(
-        "replicate",
-        "vocab-parallel embedding is not supported yet",
-        code="replicated-embedding",
-        fix="none needed: a replicated lookup needs no communication",
-    )
+    padding_idx = _arg(ctx.node, 2, "padding_idx", -1)
+    state = ctx.layer()
     p = ctx.placement(indices)
-    return Decision(p if isinstance(p, Shard) else REPLICATE, {weight: REPLICATE}, layer=note)
+    if isinstance(p, Shard) or state.demoted is not None:
+        note = state.demoted or LayerNote("replicate", "the indices are sharded; the table stays whole")
+        return Decision(p if isinstance(p, Shard) else REPLICATE, {weight: REPLICATE}, layer=note)
+    vocab = shape_of(weight)[0]
+    if vocab % ctx.world_size:
+        return Decision(REPLICATE, {weight: REPLICATE}, layer=_not_divisible("num_embeddings", vocab, ctx.world_size))
+    if _arg(ctx.node, 4, "sparse", False):
+        note = LayerNote("replicate", "sparse gradients are not sharded", code="unsupported-op", fix="use sparse=False to shard it")
+        return Decision(REPLICATE, {weight: REPLICATE}, layer=note)
+    reason = "vocab-parallel: each rank looks up the ids in its rows, zeroes the rest; all_reduce after it"
+    return Decision(
+        Partial(),
+        {weight: Shard(0, (vocab,))},
+        local_args=(weight, indices, ShardStart(weight), padding_idx),
+        local_target=local_ops.vocab_parallel_embedding,
+        layer=LayerNote("rowwise", reason),
+    )
 
 
 @register_rule(aten.matmul.default, aten.bmm.default, aten.mm.default)
 def matmul_rule(ctx: RuleContext) -> Decision:
     """``a @ b`` between activations: a shard on batch dims, rows of ``a`` or columns of ``b``
     flows to the output; a sharded contraction dim is refused (``contracts-sharded-dim``)."""
+    ops = layer_operands(ctx.node, ctx.is_param)
+    if ops is not None:  # x @ W with a parameter W (or W.T): a layer
+        return _layer_rule(ctx, ops)
     a, b = ctx.node.args[:2]
     pa, pb = activation_placement(ctx, a), activation_placement(ctx, b)
     na, nb, nout = ndim(a), ndim(b), len(ctx.out_shape)

@@ -179,7 +179,7 @@ def transpose_rule(ctx: RuleContext) -> Decision:
     return Decision(p.with_dim(swap.get(p.dim, p.dim)))
 
 
-@register_rule(aten.t.default)
+@register_rule(aten.t.default, aten.numpy_T.default)
 def t_rule(ctx: RuleContext) -> Decision:
     p = ctx.placement(ctx.node.args[0])
     if not isinstance(p, Shard):
