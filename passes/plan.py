@@ -251,8 +251,10 @@ def _resolve(
         note = LayerNote("replicate", c.message, code=c.code, fix=c.fix, node=rej.node.format_node(), module=module_of(rej.node))
         demotable = [n for n in rej.culprits if state.forced.get(n.name) is None]
         if c.code in _LAYOUT_CODES:
-            for n in demotable:  # the first layout rejection explains best why no layout fits
-                state.first.setdefault(n.name, note)
+            for n in demotable:  # the first layout rejection explains best why no layout fits,
+                first = state.first.get(n.name)  # unless a later one names a size ws must divide
+                if first is None or first.code != "not-divisible" and c.code == "not-divisible":
+                    state.first[n.name] = note
             if refined_now & set(demotable):
                 continue
             refined = {n: _next_segments(n, state, c.refine, ws) for n in demotable}

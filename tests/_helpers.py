@@ -51,11 +51,15 @@ def count_graph_collectives(pm: fxtp.ParallelModule) -> collections.Counter[str]
     )
 
 
-def compare_training(model, inputs, *, steps: int = 3, lr: float = 0.1, **compile_kwargs) -> dict[str, Any]:
+def compare_training(
+    model, inputs, *, steps: int = 3, lr: float = 0.1, rtol: float | None = None, atol: float | None = None, **compile_kwargs
+) -> dict[str, Any]:
     """Compile ``model`` over the default process group and check it against ``model`` itself:
     outputs, every gradient (shard against the matching slice), and outputs after ``steps`` SGD
     steps on both. Also checks the user's model was not mutated by compile. Returns the plan and
-    the collectives counted in the first forward and backward."""
+    the collectives counted in the first forward and backward. ``rtol``/``atol``: tolerances
+    (default: ``assert_close``'s for the dtype)."""
+    tol = {"rtol": rtol, "atol": atol} if rtol is not None else {}
     ws, rank = dist.get_world_size(), dist.get_rank()
     ref = copy.deepcopy(model)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -66,7 +70,7 @@ def compare_training(model, inputs, *, steps: int = 3, lr: float = 0.1, **compil
     with CollectiveCounter() as fwd:
         out = pm(*inputs)
     ref_out = ref(*inputs)
-    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(out, ref_out, **tol)
     with CollectiveCounter() as bwd:
         loss_of(out).backward()
     loss_of(ref_out).backward()
@@ -76,7 +80,7 @@ def compare_training(model, inputs, *, steps: int = 3, lr: float = 0.1, **compil
             assert p.grad is None or not p.grad.any(), fqn
             continue
         expected = shard_tensor(ref_grad, pm.placements[fqn], rank, ws)
-        torch.testing.assert_close(p.grad, expected, msg=lambda m: f"gradient of {fqn}: {m}")
+        torch.testing.assert_close(p.grad, expected, **tol, msg=lambda m: f"gradient of {fqn}: {m}")
 
     opt = torch.optim.SGD(pm.parameters(), lr=lr)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
@@ -86,7 +90,7 @@ def compare_training(model, inputs, *, steps: int = 3, lr: float = 0.1, **compil
         opt.zero_grad()
         ref_opt.zero_grad()
         out, ref_out = pm(*inputs), ref(*inputs)
-        torch.testing.assert_close(out, ref_out, msg=lambda m: f"after SGD step {step + 1}: {m}")
+        torch.testing.assert_close(out, ref_out, **tol, msg=lambda m: f"after SGD step {step + 1}: {m}")
         loss_of(out).backward()
         loss_of(ref_out).backward()
     return {

@@ -1,0 +1,113 @@
+"""Hugging Face models built from their config classes (random weights, nothing downloaded), on
+real gloo process groups at world sizes 2 and 4, against the single-device model.
+
+Tiny configs (fxtp/examples.py): 2 layers, hidden 64, 4 heads, vocab 128, seq 16, dropout 0.
+Each test checks outputs, every gradient and 3 SGD steps, Megatron's collective floor, and that
+every layer left replicated says why.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _helpers import compare_training, megatron_floor
+
+from fxtp import examples
+
+pytest.importorskip("transformers")
+
+N_BLOCKS = 2
+
+
+def _train(name: str, dtype=None, tol=None, **overrides):
+    model, inputs = getattr(examples, name)(**overrides)
+    if dtype is not None:
+        model = model.to(dtype)
+    return compare_training(model, inputs, **(tol or {}))
+
+
+def _layers(result) -> dict[str, dict]:
+    return {row["name"]: row for row in result["report"]["layers"]}
+
+
+def _every_replicated_layer_says_why(result) -> None:
+    for row in result["report"]["layers"]:
+        if row["style"] == "replicate":
+            assert row["code"] and row["reason"] and row["fix"], row
+
+
+def test_gpt2(pool):
+    """Conv1D layers (addmm with an (in, out) weight), the fused c_attn split into Q, K, V, and
+    the LM head tied to the token embedding: one vocab-parallel weight for both."""
+    (r, *_) = pool.run(_train, "gpt2")
+    layers = _layers(r)
+    for i in range(N_BLOCKS):
+        attn, mlp = f"transformer.h.{i}.attn", f"transformer.h.{i}.mlp"
+        assert layers[f"{attn}.c_attn"]["style"] == "colwise"
+        assert "[64, 64, 64]" in layers[f"{attn}.c_attn"]["reason"]  # each rank: its Q|K|V heads
+        assert layers[f"{attn}.c_attn"]["local_weight_shape"] == [64, 192 // pool.world_size]
+        assert layers[f"{mlp}.c_fc"]["style"] == "colwise"
+        assert layers[f"{attn}.c_proj"]["style"] == layers[f"{mlp}.c_proj"]["style"] == "rowwise"
+    assert layers["transformer.wte"]["style"] == "rowwise"  # vocab-parallel
+    assert layers["lm_head"]["style"] == "colwise"  # same weight, same shard
+    assert layers["transformer.wpe"]["code"] == "small-embedding"
+    assert (r["forward"], r["backward"]) == megatron_floor(r["report"], N_BLOCKS)
+    _every_replicated_layer_says_why(r)
+
+
+def test_llama_gqa(pool):
+    """GQA (4 heads, 2 kv heads), rotary embeddings, RMSNorm as pow/mean/rsqrt, SwiGLU."""
+    (r, *_) = pool.run(_train, "llama")
+    layers = _layers(r)
+    ws = pool.world_size
+    for i in range(N_BLOCKS):
+        p = f"model.layers.{i}."
+        assert layers[p + "self_attn.q_proj"]["style"] == "colwise"
+        assert layers[p + "self_attn.o_proj"]["style"] == "rowwise"
+        assert [layers[p + f"mlp.{m}_proj"]["style"] for m in ("gate", "up", "down")] == ["colwise", "colwise", "rowwise"]
+        if ws == 2:  # 2 kv heads: one per rank
+            assert layers[p + "self_attn.k_proj"]["style"] == layers[p + "self_attn.v_proj"]["style"] == "colwise"
+        else:  # 2 kv heads cannot be split 4 ways: k/v stay whole, each rank slices the heads it needs
+            for m in ("k_proj", "v_proj"):
+                assert (layers[p + "self_attn." + m]["style"], layers[p + "self_attn." + m]["code"]) == ("replicate", "not-divisible")
+    forward, backward = megatron_floor(r["report"], N_BLOCKS)
+    assert r["forward"] == forward
+    # Replicated k/v sliced to local heads: their gradient is summed over ranks (f), 2 per block.
+    assert r["backward"] == (backward if ws == 2 else {"all_reduce": backward["all_reduce"] + 2 * N_BLOCKS})
+    _every_replicated_layer_says_why(r)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 4], ids=["mqa", "mha"])
+def test_llama_kv_head_counts(pool, kv_heads):
+    """MQA (1 kv head, fewer than world_size) and as many kv heads as query heads."""
+    (r, *_) = pool.run(_train, "llama", num_key_value_heads=kv_heads)
+    layers = _layers(r)
+    k = layers["model.layers.0.self_attn.k_proj"]
+    assert k["style"] == ("colwise" if kv_heads % pool.world_size == 0 else "replicate")
+    assert layers["model.layers.0.self_attn.q_proj"]["style"] == "colwise"
+    assert r["forward"] == megatron_floor(r["report"], N_BLOCKS)[0]
+    _every_replicated_layer_says_why(r)
+
+
+def test_llama_bf16(pool):
+    """A bf16 model, checked with a bf16 tolerance (8 mantissa bits; summation order differs)."""
+    (r, *_) = pool.run(_train, "llama", dtype=torch.bfloat16, tol={"rtol": 2e-2, "atol": 2e-2})
+    assert _layers(r)["model.layers.0.mlp.gate_proj"]["style"] == "colwise"
+    assert r["forward"] == megatron_floor(r["report"], N_BLOCKS)[0]
+
+
+def test_bert(pool):
+    """Encoder with the default attention mask, token-type and position tables, pooler."""
+    (r, *_) = pool.run(_train, "bert")
+    layers = _layers(r)
+    for i in range(N_BLOCKS):
+        p = f"encoder.layer.{i}."
+        for m in ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense"):
+            assert layers[p + m]["style"] == "colwise", m
+        assert layers[p + "attention.output.dense"]["style"] == layers[p + "output.dense"]["style"] == "rowwise"
+    assert layers["embeddings.word_embeddings"]["style"] == "rowwise"
+    for table in ("position_embeddings", "token_type_embeddings"):
+        assert layers[f"embeddings.{table}"]["code"] == "small-embedding"
+    assert layers["pooler.dense"]["code"] == "needs-gather"  # a square layer at the output
+    assert (r["forward"], r["backward"]) == megatron_floor(r["report"], N_BLOCKS)
+    _every_replicated_layer_says_why(r)
