@@ -39,7 +39,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     use_cuda = torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
     if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
     rank, ws = dist.get_rank(), dist.get_world_size()

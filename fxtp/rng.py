@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from fxtp.placement import Shard, local_ranges
 
-__all__ = ["sync_generators", "sharded_dropout", "sharded_native_dropout", "draws_random"]
+__all__ = ["draws_random", "sharded_dropout", "sharded_native_dropout", "sync_generators"]
 
 _aten = torch.ops.aten
 

@@ -61,10 +61,10 @@ def _dp_tp_training():
             (out**2).mean().backward()  # DDP averages over dp: the gradient of the global mean
         ref_out = ref(batch)
         (ref_out**2).mean().backward()
-        torch.testing.assert_close(out, ref_out.chunk(2)[dp_rank], msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(out, ref_out.chunk(2)[dp_rank], msg=lambda m, step=step: f"step {step}: {m}")
         for fqn, p in pm.named_parameters():
             expected = shard_tensor(ref.get_parameter(fqn).grad, pm.placements[fqn], tp_rank, 2)
-            torch.testing.assert_close(p.grad, expected, msg=lambda m: f"step {step} grad {fqn}: {m}")
+            torch.testing.assert_close(p.grad, expected, msg=lambda m, step=step, fqn=fqn: f"step {step} grad {fqn}: {m}")
         opt.step()
         ref_opt.step()
         opt.zero_grad()
