@@ -54,16 +54,16 @@ def torchrun_example(compile_: bool) -> dict[str, Any]:
 def llama_per_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
+    from transformers import LlamaForCausalLM
 
     import fxtp
     from fxtp.examples import llama_config
 
-    from transformers import LlamaForCausalLM
-
     ws = 8
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ws)
-    widths = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=8, vocab_size=1024) if args.tiny else \
-        dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)
+    tiny = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 1024}
+    full = {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000}
+    widths = tiny if args.tiny else full
     seq = 64 if args.tiny else args.seq
     cfg = llama_config(num_hidden_layers=args.layers, max_position_embeddings=seq, **widths)
     device = torch.device(args.device)
