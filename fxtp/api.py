@@ -11,8 +11,10 @@ from torch import nn
 from torch.export.graph_signature import InputKind
 
 from fxtp.capture import FRONTENDS, Captured, capture
+from fxtp.checkpoint import bind_state_keys
 from fxtp.errors import FxtpConfigError, FxtpInputError
 from fxtp.report import Report, build_report
+from fxtp.rng import draws_random, sync_generators
 from fxtp.runtime import ParallelModule
 from passes.normalize import normalize
 from passes.plan import STYLES, ShardingPlan, plan_sharding
@@ -77,9 +79,13 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
         gm = copy.deepcopy(program.graph_module)
     else:
         gm = rewrite(program.graph_module, sharding, rank=rank, group_name=group_name or "")
-    return ParallelModule(
+        if group_name is not None and draws_random(gm.graph):  # NOTE: [dropout across ranks]
+            sync_generators(group.get_group() if hasattr(group, "get_group") else group or dist.group.WORLD)
+    pm = ParallelModule(
         program, gm, sharding, report, rank=rank, world_size=ws, group_name=group_name, example=(args, kwargs)
     )
+    bind_state_keys(pm, model)
+    return pm
 
 
 def analyze(

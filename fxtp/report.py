@@ -276,8 +276,9 @@ def _notes(plan: ShardingPlan, nodes, param_names: set[str]) -> tuple[Note, ...]
                     "dropout-on-shard",
                     node.format_node(),
                     module_of(node),
-                    "dropout on a sharded value: each rank draws the mask of its own slice from its generator "
-                    "(replicated values get identical masks when ranks share a seed)",
+                    "dropout on a sharded value: every rank draws the mask of the full value and keeps its slice "
+                    "(one global mask, as on one device; replicated values get the identical mask on every rank: "
+                    "fxtp.compile syncs the generators from rank 0)",
                     (),
                 )
             )

@@ -7,7 +7,8 @@ original model's structure (``torch.export``'s pytree specs).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import os
+from typing import Any, Mapping, Optional, Union
 
 import torch
 import torch.utils._pytree as pytree
@@ -16,6 +17,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import GraphModule
 
+from fxtp import checkpoint
 from fxtp.errors import FxtpInputError, FxtpRuntimeError
 from fxtp.placement import REPLICATE, Placement, shard_tensor
 from fxtp.report import Report
@@ -42,6 +44,9 @@ class ParallelModule(nn.Module):
         plan: ``{layer: style}``, valid as ``fxtp.compile(..., plan=)``.
         placements: ``{parameter FQN: Placement}``; a ``Shard`` parameter holds this rank's
             slice (``fxtp.placement.shard_tensor`` of the full one).
+
+    Checkpoints (``fxtp.checkpoint``): :meth:`full_state_dict`, :meth:`load_full_state_dict`,
+    :meth:`load_safetensors`.
     """
 
     def __init__(
@@ -179,3 +184,35 @@ class ParallelModule(nn.Module):
             else:
                 user_outputs.append(value)
         return pytree.tree_unflatten(user_outputs, self._out_spec)
+
+    # --- checkpoints (fxtp.checkpoint) ---------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The original model's state dict (same keys, full tensors), gathered from the shards.
+
+        A collective: every rank of the tensor-parallel group calls it and gets the full dict.
+        See :func:`fxtp.checkpoint.full_state_dict`.
+        """
+        return checkpoint.full_state_dict(self)
+
+    def load_full_state_dict(
+        self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True, device: Union[str, torch.device, None] = None
+    ) -> None:
+        """Slice a full state dict of the original model into this rank's tensors (no communication).
+
+        Raises ``FxtpInputError`` on missing/unexpected keys or wrong shapes. See
+        :func:`fxtp.checkpoint.load_full_state_dict`.
+        """
+        checkpoint.load_full_state_dict(self, state_dict, strict=strict, device=device)
+
+    def load_safetensors(
+        self,
+        path: Union[str, os.PathLike],
+        *,
+        device: Union[str, torch.device, None] = None,
+        extra: Optional[Mapping[str, torch.Tensor]] = None,
+    ) -> checkpoint.LoadStats:
+        """Read only this rank's slices from a full-model ``.safetensors`` file (materializes a
+        model compiled on ``meta``); returns the bytes read. See :func:`fxtp.checkpoint.load_safetensors`.
+        """
+        return checkpoint.load_safetensors(self, path, device=device, extra=extra)

@@ -8,6 +8,8 @@ For each node, in order:
 * shape literals become local (``view(x, [2, 16, 4, 8])`` -> ``view(x, [2, 16, 2, 8])``);
 * inputs get the edge's local work: ``f`` for a replicated float value entering sharded
   computation (one per producer), a local slice, or a gather;
+* a train-mode dropout on a sharded value draws this rank's slice of one global mask
+  (``fxtp.rng.sharded_dropout``, NOTE: [dropout across ranks]);
 * a ``Partial`` output gets ``g`` (all_reduce) right after it and the bias added after that::
 
       linear = aten.linear.default(reshape, p_wo_weight, p_wo_bias)
@@ -25,7 +27,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
-from fxtp import collectives
+from fxtp import collectives, rng
 from fxtp.placement import Shard, local_ranges
 from passes.plan import ShardingPlan
 from passes.propagate import EdgeAction
@@ -34,6 +36,8 @@ from passes.registry import ShardStart
 __all__ = ["rewrite"]
 
 aten = torch.ops.aten
+
+_SHARDED_DROPOUT = {aten.dropout.default: rng.sharded_dropout, aten.native_dropout.default: rng.sharded_native_dropout}
 
 
 def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) -> GraphModule:
@@ -101,6 +105,10 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
             action = plan.edges.get((name, old_name.get(inp, "")))
             if action is not None:
                 node.replace_input_with(inp, materialize(inp, action))
+        shard = placement[0] if isinstance(placement, tuple) else placement
+        if node.target in _SHARDED_DROPOUT and isinstance(shard, Shard) and node.args[2] is True:
+            node.target = _SHARDED_DROPOUT[node.target]  # NOTE: [dropout across ranks] in fxtp/rng.py
+            node.args = (node.args[0], node.args[1], shard.dim, shard.segments, rank, ws)
         if name in plan.reduces:
             with graph.inserting_after(node):
                 reduced = graph.call_function(collectives.reduce_from_tp, (node, group_name))

@@ -1,0 +1,92 @@
+"""DP x TP on 4 gloo ranks as a 2x2 DeviceMesh ("dp", "tp"): fxtp on mesh["tp"], DDP on mesh["dp"].
+
+Three SGD steps on the global batch must match the single-device model, and fxtp's collectives
+must only address the tensor-parallel group of the rank.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import RankPool
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fxtp
+from fxtp.placement import Shard, shard_tensor
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(4, timeout_s=300) as p:
+        yield p
+
+
+class GroupRecorder(TorchDispatchMode):
+    """Records ``(collective, group name)`` of every functional collective dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and func._opname != "wait_tensor":
+            self.calls.append((func._opname, args[-1]))
+        return func(*args, **(kwargs or {}))
+
+
+def _dp_tp_training():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp, dp = mesh["tp"], mesh["dp"]
+    dp_rank, tp_rank = dp.get_local_rank(), tp.get_local_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    ref = copy.deepcopy(model)
+    batch = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))  # the global batch
+    local = batch.chunk(2)[dp_rank]  # this dp replica's half; both tp peers get the same rows
+    pm = fxtp.compile(model, 2, (local,), group=tp)
+    assert isinstance(pm.placements["0.weight"], Shard)
+    ddp = DDP(pm, process_group=dp.get_group())
+    opt, ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    recorder = GroupRecorder()
+    for step in range(3):
+        with recorder:
+            out = ddp(local)
+            (out**2).mean().backward()  # DDP averages over dp: the gradient of the global mean
+        ref_out = ref(batch)
+        (ref_out**2).mean().backward()
+        torch.testing.assert_close(out, ref_out.chunk(2)[dp_rank], msg=lambda m, step=step: f"step {step}: {m}")
+        for fqn, p in pm.named_parameters():
+            expected = shard_tensor(ref.get_parameter(fqn).grad, pm.placements[fqn], tp_rank, 2)
+            torch.testing.assert_close(p.grad, expected, msg=lambda m, step=step, fqn=fqn: f"step {step} grad {fqn}: {m}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    torch.testing.assert_close(pm(local), ref(batch).chunk(2)[dp_rank])
+    full = pm.full_state_dict()  # gathered over tp only
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(full[key], value)
+    tp_group = tp.get_group()
+    return {
+        "tp_ranks": dist.get_process_group_ranks(tp_group),
+        "calls": recorder.calls,
+        "tp_name": tp_group.group_name,
+        "dp_name": dp.get_group().group_name,
+    }
+
+
+def test_dp_x_tp_matches_single_device_on_the_global_batch(pool):
+    results = pool.run(_dp_tp_training)
+    assert [r["tp_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    for r in results:
+        assert r["calls"], "fxtp issued no collective"
+        assert {name for _, name in r["calls"]} == {r["tp_name"]}  # only TP peers, never dp or world
+        assert r["tp_name"] != r["dp_name"]
+        assert [op for op, _ in r["calls"]] == ["all_reduce"] * 3  # one g per forward, 3 steps
