@@ -118,6 +118,7 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
                 with graph.inserting_after(reduced):
                     final = graph.call_function(aten.add.Tensor, (reduced, nodes[bias]))
             node.replace_all_uses_with(final, delete_user_cb=lambda user: user is not reduced)
+            old_name[final] = name  # consumers' edges (an f into a colwise layer) name the original
             reduced.meta["fxtp_placement"] = final.meta["fxtp_placement"] = "R"
     graph.eliminate_dead_code()
     graph.lint()

@@ -68,7 +68,16 @@ def sum_of_hidden():
     return SumOfHidden(), (torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1)),)
 
 
+def back_to_back():
+    """A rowwise layer feeding a colwise one directly: the colwise input is the all_reduced
+    value, which must still enter through f (its gradient is summed over ranks)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    return model, (torch.randn(4, 16, generator=torch.Generator().manual_seed(1)).requires_grad_(),)
+
+
 MODELS = {
+    "back_to_back": back_to_back,
     "linear100": linear100,
     "mlp": mlp,
     "reference_transformer": reference_transformer,

@@ -102,6 +102,13 @@ def test_tiny_gpt(pool):
     assert rank0["plan"]["pos"] == "replicate"  # small-embedding
 
 
+def test_rowwise_straight_into_colwise(pool):
+    (rank0, *_) = pool.run(_train, "back_to_back")
+    assert rank0["plan"] == {"0": "colwise", "2": "rowwise", "3": "colwise", "5": "rowwise"}
+    assert rank0["forward"] == {"all_reduce": 2}
+    assert rank0["backward"] == {"all_reduce": 2}  # f before "0" (the input wants a gradient) and before "3"
+
+
 def test_replicated_input_sliced_in_segments(pool):
     (rank0, *_) = pool.run(_train, "cat_plus_input")
     assert rank0["plan"] == {"a": "colwise", "b": "colwise", "down": "rowwise"}
