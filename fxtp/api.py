@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -76,7 +77,9 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
     if ws == 1:
         gm = copy.deepcopy(program.graph_module)
     else:
+        start = time.perf_counter()
         gm = rewrite(program.graph_module, sharding, rank=rank, group_name=group_name or "")
+        report.timings["rewrite_s"] = time.perf_counter() - start
     return ParallelModule(
         program, gm, sharding, report, rank=rank, world_size=ws, group_name=group_name, example=(args, kwargs)
     )
@@ -104,7 +107,9 @@ def _analyze(model, ws, args, kwargs, how, plan, rank) -> tuple[Captured, Shardi
     if how not in (*FRONTENDS, "auto"):
         raise FxtpConfigError(f"capture must be one of {', '.join(repr(f) for f in (*FRONTENDS, 'auto'))}, not {how!r}")
     overrides = _check_plan(plan)
+    start = time.perf_counter()
     captured = capture(model, args, kwargs, how)
+    captured_at = time.perf_counter()
     program = captured.program
     normalize(program.graph_module.graph)
     program.graph_module.recompile()
@@ -113,6 +118,7 @@ def _analyze(model, ws, args, kwargs, how, plan, rank) -> tuple[Captured, Shardi
     }
     sharding = plan_sharding(program.graph, param_fqns, ws, overrides)
     report = build_report(program, sharding, captured.frontend, captured.attempts, rank)
+    report.timings = {"capture_s": captured_at - start, "passes_s": time.perf_counter() - captured_at}
     return captured, sharding, report
 
 
