@@ -452,8 +452,16 @@ def get_args_parser() -> argparse.ArgumentParser:
 def run(s: Settings) -> dict[str, Any]:
     """Every measurement; the dict ``--json`` writes."""
     started = time.perf_counter()
-    dist_result = bench_distributed(s)
-    single = bench_single(s)
+    sections: dict[str, float] = {}
+
+    def timed(name: str, fn: Callable[[Settings], Any]) -> Any:
+        t = time.perf_counter()
+        value = fn(s)
+        sections[name] = time.perf_counter() - t
+        return value
+
+    dist_result = timed("distributed", bench_distributed)
+    single = timed("single", bench_single)
     ranks = dist_result["ranks"]
     step_ms = {k: max(r["step_ms"][k] for r in ranks) for k in ("fxtp", "dtensor")}
     step_ms |= {"single": single["step_ms"]["plain"], "fxtp_ws1": single["step_ms"]["fxtp_ws1"]}
@@ -467,8 +475,9 @@ def run(s: Settings) -> dict[str, Any]:
         "max_abs_error": {"ws2": ranks[0]["max_abs_error"], "ws1": single["max_abs_error"]},
         "ranks": ranks,
         "collectives": dist_result["collectives"],
-        "compile": bench_compile(s),
-        "param_fraction": bench_memory(s),
+        "compile": timed("compile", bench_compile),
+        "param_fraction": timed("memory", bench_memory),
+        "section_s": sections,
     }
     result["goals"] = goals(result)
     result["wall_s"] = time.perf_counter() - started
