@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -78,7 +79,9 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
     if ws == 1:
         gm = copy.deepcopy(program.graph_module)
     else:
+        start = time.perf_counter()
         gm = rewrite(program.graph_module, sharding, rank=rank, group_name=group_name or "")
+        report.timings["rewrite_s"] = time.perf_counter() - start
         if group_name is not None and draws_random(gm.graph):  # NOTE: [dropout across ranks]
             sync_generators(group.get_group() if hasattr(group, "get_group") else group or dist.group.WORLD)
     pm = ParallelModule(
@@ -110,7 +113,9 @@ def _analyze(model, ws, args, kwargs, how, plan, rank) -> tuple[Captured, Shardi
     if how not in (*FRONTENDS, "auto"):
         raise FxtpConfigError(f"capture must be one of {', '.join(repr(f) for f in (*FRONTENDS, 'auto'))}, not {how!r}")
     overrides = _check_plan(plan)
+    start = time.perf_counter()
     captured = capture(model, args, kwargs, how)
+    captured_at = time.perf_counter()
     program = captured.program
     normalize(program.graph_module.graph)
     program.graph_module.recompile()
@@ -119,6 +124,7 @@ def _analyze(model, ws, args, kwargs, how, plan, rank) -> tuple[Captured, Shardi
     }
     sharding = plan_sharding(program.graph, param_fqns, ws, overrides)
     report = build_report(program, sharding, captured.frontend, captured.attempts, rank)
+    report.timings = {"capture_s": captured_at - start, "passes_s": time.perf_counter() - captured_at}
     return captured, sharding, report
 
 

@@ -92,6 +92,7 @@ class Report:
         self.param_bytes_per_rank = param_bytes_per_rank
         self.rounds = rounds
         self.regions = regions
+        self.timings: dict[str, float] = {}  # capture_s, passes_s (normalize, plan, report), rewrite_s
 
     @property
     def plan(self) -> dict[str, str]:
@@ -118,6 +119,7 @@ class Report:
             "param_bytes": {"total": self.param_bytes, "per_rank": self.param_bytes_per_rank},
             "planning_rounds": self.rounds,
             "regions": [list(r) for r in self.regions],
+            "timings": dict(self.timings),
         }
 
     def __str__(self) -> str:

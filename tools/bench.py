@@ -1,0 +1,509 @@
+"""fxtp benchmark: step time, collectives, compile time and memory, side by side, in one run.
+
+    python tools/bench.py [--quick] [--json PATH] [--plot PATH]
+
+1. **Step time** (forward + backward + SGD), 2 gloo ranks on this machine: fxtp against torch's
+   ``parallelize_module`` with the hand plan, on torch's reference Transformer
+   (``torch.testing._internal.distributed._tensor.common_dtensor``); and fxtp at world_size 1
+   against the plain model. Same weights, inputs and SGD everywhere; outputs and losses are
+   checked to agree before anything is timed (a benchmark of a wrong model is worthless).
+2. **Collectives** per forward and backward, by kind and bytes, counted at runtime on the gloo
+   ranks, against the Megatron floor (2 all_reduce forward + 2 backward per transformer block).
+3. **Compile time**: capture and fxtp's own passes, separately, for Llama-shaped configs on the
+   ``meta`` device (``Report.timings``).
+4. **Memory**: parameter bytes per rank against the whole model (``fxtp.analyze``).
+
+Timing is per rank with ``torch.set_num_threads(1)`` (one core per rank), median of the timed
+steps after warm-up, the implementations alternating step by step so drift hits both alike.
+A model whose builder fails (e.g. transformers missing) is reported, not fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from tabulate import tabulate
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fxtp  # noqa: E402
+from fxtp import examples  # noqa: E402
+
+__all__ = ["Settings", "get_args_parser", "main"]
+
+_KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What one run measures. ``quick()`` is the CI smoke setting."""
+
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    seq: int = 64
+    batch: int = 8
+    vocab: int = 512
+    warmup: int = 3
+    steps: int = 20
+    compile_layers: tuple[int, ...] = (2, 8, 32)
+    compile_repeats: int = 3
+    world_sizes: tuple[int, ...] = (2, 4, 8)
+    full_size: bool = True  # gpt2_124m and llama_7b in the memory table
+
+    @classmethod
+    def quick(cls) -> "Settings":
+        return cls(dim=64, n_layers=2, n_heads=4, seq=16, batch=2, vocab=128, warmup=1, steps=3,
+                   compile_layers=(2,), compile_repeats=1, world_sizes=(2,), full_size=False)
+
+
+# --- models ---------------------------------------------------------------------------------
+
+
+def reference_transformer(s: Settings, seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """torch's TP reference Transformer (no weight tying, no dropout) and (batch, seq) token ids."""
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    torch.manual_seed(seed)
+    args = ModelArgs(n_layers=s.n_layers, vocab_size=s.vocab, max_seq_len=s.seq, dim=s.dim, n_heads=s.n_heads,
+                     dropout_p=0.0, weight_tying=False)
+    ids = torch.randint(0, s.vocab, (s.batch, s.seq), generator=torch.Generator().manual_seed(seed + 1))
+    return Transformer(args), (ids,)
+
+
+def dtensor_hand_plan(model: nn.Module, mesh: Any) -> nn.Module:
+    """torch's hand plan (as ``Transformer.parallelize`` with ``local_output_for_attn=True``, its
+    fastest form): wq/wk/wv/w1 colwise, wo/w2 rowwise, the output colwise with a replicated
+    (all_gathered) output; attention works on local heads."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {"output": ColwiseParallel(output_layouts=Replicate())}
+    for i, layer in enumerate(model.layers):
+        for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("attention.wo", "feed_forward.w2"):
+            plan[f"layers.{i}.{name}"] = RowwiseParallel()
+        layer.attention.n_heads //= mesh.size()
+    return parallelize_module(model, mesh, plan)
+
+
+def _builtins(s: Settings) -> dict[str, tuple[Callable[[], tuple[nn.Module, tuple]], int, bool]]:
+    """name -> (builder, transformer blocks, whether the first block's input needs a gradient).
+    ``mlp`` counts as one block of one region: 1 all_reduce forward, none backward (its input
+    is a plain tensor)."""
+    return {
+        "tiny_gpt": (examples.tiny_gpt, examples.GPTConfig().n_layers, True),
+        "mlp": (examples.mlp, 1, False),
+        "gpt2": (examples.gpt2, 2, True),
+        "llama": (examples.llama, 2, True),
+        "bert": (examples.bert, 2, True),
+        "reference_transformer": (lambda: reference_transformer(s), s.n_layers, True),
+    }
+
+
+def _floor(name: str, blocks: int, input_grad: bool) -> dict[str, dict[str, int]]:
+    if name == "mlp":
+        return {"forward": {"all_reduce": 1}, "backward": {}}
+    return {"forward": {"all_reduce": 2 * blocks}, "backward": {"all_reduce": 2 * blocks} if input_grad else {}}
+
+
+def llama_meta(layers: int) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Llama-2-7B shapes (hidden 4096, 32 heads, intermediate 11008, vocab 32000), ``layers`` deep, on meta."""
+    from transformers import LlamaForCausalLM
+
+    cfg = examples.llama_config(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                                num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=32,
+                                max_position_embeddings=4096)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).eval()
+    return model, (torch.zeros(1, 4096, dtype=torch.long, device="meta"),)
+
+
+# --- measuring ------------------------------------------------------------------------------
+
+
+class _Collectives(TorchDispatchMode):
+    """Functional collectives dispatched while active: ``counts[kind]``, ``bytes[kind]`` (of the
+    result: the full tensor for all_reduce and all_gather)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        kind = _KINDS.get(func._opname) if func.namespace == "_c10d_functional" else None
+        if kind is not None:
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+            self.bytes[kind] = self.bytes.get(kind, 0) + out.numel() * out.element_size()
+        return out
+
+
+def _loss(out: Any) -> torch.Tensor:
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return sum((t.float() ** 2).mean() for t in leaves)
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, target: torch.Tensor) -> float:
+    """One training step: forward, cross-entropy, backward, SGD. Returns its wall time."""
+    start = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    out = model(ids)
+    loss = F.cross_entropy(out.flatten(0, 1), target.flatten())
+    loss.backward()
+    opt.step()
+    return time.perf_counter() - start
+
+
+def _time_alternating(impls: dict[str, nn.Module], ids: torch.Tensor, s: Settings, barrier: Callable[[], None]) -> dict[str, list[float]]:
+    """Step every implementation ``warmup + steps`` times, alternating the order each round."""
+    target = torch.randint(0, s.vocab, ids.shape, generator=torch.Generator().manual_seed(7))
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.01) for k, m in impls.items()}
+    times: dict[str, list[float]] = {k: [] for k in impls}
+    names = list(impls)
+    for i in range(s.warmup + s.steps):
+        for k in names if i % 2 == 0 else reversed(names):
+            barrier()
+            t = _step(impls[k], opts[k], ids, target)
+            if i >= s.warmup:
+                times[k].append(t)
+    return times
+
+
+def _agree(impls: dict[str, nn.Module], ref: nn.Module, ids: torch.Tensor) -> dict[str, float]:
+    """Max abs difference of each implementation's logits against ``ref``'s; raises if off."""
+    expected = ref(ids)
+    errors = {}
+    for k, m in impls.items():
+        out = m(ids)
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=lambda msg: f"{k} does not match the model: {msg}")
+        errors[k] = float((out - expected).detach().abs().max())
+    return errors
+
+
+def _collectives_of(model: nn.Module, inputs: tuple) -> tuple[dict, dict]:
+    with _Collectives() as fwd:
+        out = model(*inputs)
+    with _Collectives() as bwd:
+        _loss(out).backward()
+    return {"counts": fwd.counts, "bytes": fwd.bytes}, {"counts": bwd.counts, "bytes": bwd.bytes}
+
+
+def _rank_collectives(s: Settings, ws: int) -> dict[str, Any]:
+    """Runtime collectives of fxtp on every built-in model (and DTensor on the reference)."""
+    results: dict[str, Any] = {}
+    for name, (build, blocks, input_grad) in _builtins(s).items():
+        try:
+            model, inputs = build()
+            pm = fxtp.compile(model, ws, inputs)
+            fwd, bwd = _collectives_of(pm, inputs)
+        except Exception as exc:  # noqa: BLE001 - a failing model is reported, not fatal
+            results[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+            continue
+        floor = _floor(name, blocks, input_grad)
+        results[name] = {
+            "forward": fwd["counts"], "backward": bwd["counts"],
+            "bytes": {"forward": fwd["bytes"], "backward": bwd["bytes"]},
+            "floor": floor, "blocks": blocks,
+            "floor_ok": fwd["counts"] == floor["forward"] and bwd["counts"] == floor["backward"],
+            "report_forward_all_reduce": pm.report.count("forward", "all_reduce"),
+            "report_backward_all_reduce": pm.report.count("backward", "all_reduce"),
+        }
+    from torch.distributed.device_mesh import DeviceMesh
+
+    model, inputs = reference_transformer(s)
+    dt = dtensor_hand_plan(model, DeviceMesh("cpu", list(range(ws))))
+    fwd, bwd = _collectives_of(dt, inputs)
+    results["reference_transformer (dtensor)"] = {
+        "forward": fwd["counts"], "backward": bwd["counts"],
+        "bytes": {"forward": fwd["bytes"], "backward": bwd["bytes"]}, "floor_ok": None,
+    }
+    return results
+
+
+def _rank_main(rank: int, ws: int, port: int, s: Settings, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ws, timeout=datetime.timedelta(seconds=300))
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        model, (ids,) = reference_transformer(s)
+        pm = fxtp.compile(model, ws, (ids,))
+        dt = dtensor_hand_plan(copy.deepcopy(model), DeviceMesh("cpu", list(range(ws))))
+        impls = {"fxtp": pm, "dtensor": dt}
+        errors = _agree(impls, model, ids)
+        times = _time_alternating(impls, ids, s, dist.barrier)
+        # The same steps on the same data: the trained models still agree.
+        after = _agree({"fxtp": pm}, dt, ids)
+        result = {
+            "rank": rank,
+            "step_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
+            "max_abs_error": errors | {"fxtp_vs_dtensor_after_training": after["fxtp"]},
+            "plan": pm.plan,
+        }
+        gathered: list[Any] = [None] * ws
+        dist.all_gather_object(gathered, result)
+        collectives = _rank_collectives(s, ws)
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump({"ranks": gathered, "collectives": collectives}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def bench_distributed(s: Settings, ws: int = 2) -> dict[str, Any]:
+    """Step time (fxtp vs DTensor) and collectives, on ``ws`` gloo ranks spawned once."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rank0.json")
+        mp.spawn(_rank_main, args=(ws, _free_port(), s, path), nprocs=ws, join=True)
+        with open(path) as f:
+            return json.load(f)
+
+
+def bench_single(s: Settings) -> dict[str, Any]:
+    """fxtp at world_size 1 against the plain model, one process, one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, (ids,) = reference_transformer(s)
+        pm = fxtp.compile(model, 1, (ids,))
+        plain = copy.deepcopy(model)
+        errors = _agree({"fxtp_ws1": pm}, plain, ids)
+        times = _time_alternating({"fxtp_ws1": pm, "plain": plain}, ids, s, lambda: None)
+        return {"step_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()}, "max_abs_error": errors}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def bench_compile(s: Settings) -> dict[str, Any]:
+    """Capture, passes and rewrite time of ``fxtp.compile`` at world_size 2, Llama shapes on meta
+    (medians of ``compile_repeats``)."""
+    results: dict[str, Any] = {}
+    for layers in s.compile_layers:
+        runs = []
+        for _ in range(s.compile_repeats):
+            model, inputs = llama_meta(layers)
+            runs.append(fxtp.compile(model, 2, inputs).report.timings)
+        results[str(layers)] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return results
+
+
+def bench_memory(s: Settings) -> dict[str, Any]:
+    """Per-rank parameter bytes over the whole, from ``fxtp.analyze``."""
+    builders: dict[str, Callable[[], tuple[nn.Module, tuple]]] = {k: b for k, (b, _, _) in _builtins(s).items()}
+    if s.full_size:
+        builders |= {"gpt2_124m": examples.gpt2_124m, "llama_7b": examples.llama_7b}
+    results: dict[str, Any] = {}
+    for name, build in builders.items():
+        try:
+            model, inputs = build()
+            row = {}
+            for ws in s.world_sizes:
+                pb = fxtp.analyze(model, ws, inputs).to_dict()["param_bytes"]
+                row[str(ws)] = pb["per_rank"] / pb["total"]
+            results[name] = row | {"total_bytes": pb["total"]}
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            results[name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+    return results
+
+
+# --- reporting ------------------------------------------------------------------------------
+
+
+def _kinds(counts: dict[str, int], nbytes: dict[str, int]) -> str:
+    return ", ".join(f"{n} {k} ({nbytes.get(k, 0) / 1024:.1f} KiB)" for k, n in sorted(counts.items())) or "none"
+
+
+def _floor_text(floor: dict[str, int]) -> str:
+    return ", ".join(f"{n} {k}" for k, n in floor.items()) or "none"
+
+
+def tables(result: dict[str, Any]) -> str:
+    """The printed tables for a result dict (as written by ``--json``)."""
+    parts = []
+    ms = result["step_ms"]
+    rows = [
+        ("fxtp, world_size 2", f"{ms['fxtp']:.2f}", "; ".join(f"{r['step_ms']['fxtp']:.2f}" for r in result["ranks"])),
+        ("DTensor parallelize_module, world_size 2", f"{ms['dtensor']:.2f}", "; ".join(f"{r['step_ms']['dtensor']:.2f}" for r in result["ranks"])),
+        ("fxtp, world_size 1", f"{ms['fxtp_ws1']:.2f}", "-"),
+        ("plain model", f"{ms['single']:.2f}", "-"),
+    ]
+    parts.append("Step time (forward + backward + SGD), median ms\n" + tabulate(rows, headers=("", "ms (slowest rank)", "per rank"), tablefmt="github"))
+    parts.append(
+        f"fxtp / DTensor: {result['ratio_fxtp_dtensor']:.3f} (goal <= 0.75)   "
+        f"fxtp ws1 / plain: {result['ratio_ws1_overhead']:.3f} (goal <= 1.05)"
+    )
+    rows = []
+    for name, c in result["collectives"].items():
+        if "error" in c:
+            rows.append((name, "error", c["error"][:80], "", ""))
+            continue
+        floor = c.get("floor")
+        rows.append((
+            name,
+            _kinds(c["forward"], c["bytes"]["forward"]),
+            _kinds(c["backward"], c["bytes"]["backward"]),
+            f"{_floor_text(floor['forward'])} / {_floor_text(floor['backward'])}" if floor else "-",
+            {True: "yes", False: "NO", None: "-"}[c["floor_ok"]],
+        ))
+    parts.append("Collectives per step at world_size 2 (runtime counts)\n" + tabulate(rows, headers=("model", "forward", "backward", "floor fwd / bwd", "at floor"), tablefmt="github"))
+    rows = []
+    for layers, t in result["compile"].items():
+        frac = t["passes_s"] / t["capture_s"]
+        rows.append((layers, f"{t['capture_s']:.2f}", f"{t['passes_s']:.3f}", f"{frac:.1%}", f"{t.get('rewrite_s', float('nan')):.3f}"))
+    parts.append("Compile time, Llama shapes on meta, world_size 2 (s)\n" + tabulate(rows, headers=("layers", "capture", "passes", "passes / capture", "rewrite"), tablefmt="github"))
+    wss = sorted({ws for m in result["param_fraction"].values() for ws in m if ws.isdigit()}, key=int)
+    rows = []
+    for name, m in result["param_fraction"].items():
+        if "error" in m:
+            rows.append((name, m["error"][:60], *[""] * len(wss)))
+        else:
+            rows.append((name, f"{m['total_bytes'] / 2**20:.1f}", *[f"{m[ws]:.1%}" for ws in wss]))
+    parts.append("Parameter bytes per rank / whole model\n" + tabulate(rows, headers=("model", "MiB", *[f"ws {ws}" for ws in wss]), tablefmt="github"))
+    parts.append("Goals\n" + tabulate([(g, v, "met" if ok else "MISSED") for g, v, ok in result["goals"]], headers=("goal", "value", ""), tablefmt="github"))
+    return "\n\n".join(parts)
+
+
+def goals(result: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    out = [
+        ("fxtp / DTensor step time <= 0.75", f"{result['ratio_fxtp_dtensor']:.3f}", result["ratio_fxtp_dtensor"] <= 0.75),
+        ("fxtp ws1 / plain step time <= 1.05", f"{result['ratio_ws1_overhead']:.3f}", result["ratio_ws1_overhead"] <= 1.05),
+    ]
+    for name, c in result["collectives"].items():
+        if c.get("floor_ok") is not None:
+            out.append((f"{name}: collectives at the Megatron floor", "yes" if c["floor_ok"] else "no", c["floor_ok"]))
+        elif "error" in c:
+            out.append((f"{name}: collectives at the Megatron floor", "error", False))
+    comp = result["compile"]
+    for layers, t in comp.items():
+        out.append((f"{layers} layers: passes <= 20% of capture", f"{t['passes_s'] / t['capture_s']:.1%}", t["passes_s"] <= 0.2 * t["capture_s"]))
+    if "32" in comp:
+        out.append(("32 layers: passes <= 1 s", f"{comp['32']['passes_s']:.3f} s", comp["32"]["passes_s"] <= 1.0))
+    if "32" in comp and "8" in comp:
+        r = comp["32"]["passes_s"] / comp["8"]["passes_s"]
+        out.append(("passes(32 layers) <= 4.5 x passes(8 layers)", f"{r:.2f}x", r <= 4.5))
+    return out
+
+
+def plot(compile_result: dict[str, Any], path: str) -> bool:
+    """Pass time against layers as a PNG; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    layers = sorted(int(k) for k in compile_result)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for key, label in (("passes_s", "fxtp passes (normalize, plan, report)"), ("rewrite_s", "fxtp rewrite (one rank)")):
+        ax.plot(layers, [compile_result[str(n)][key] for n in layers], marker="o", label=label)
+    ax.set_xlabel("layers (Llama shapes: hidden 4096, 32 heads, vocab 32000)")
+    ax.set_ylabel("seconds")
+    ax.set_title("fxtp pass time, world_size 2, meta device")
+    ax.set_xticks(layers)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiniest settings (the CI smoke test)")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write pass time against layers as a PNG (needs matplotlib)")
+    parser.add_argument("--steps", type=int, help="timed steps (default 20; --quick: 3)")
+    return parser
+
+
+def run(s: Settings) -> dict[str, Any]:
+    """Every measurement; the dict ``--json`` writes."""
+    started = time.perf_counter()
+    sections: dict[str, float] = {}
+
+    def timed(name: str, fn: Callable[[Settings], Any]) -> Any:
+        t = time.perf_counter()
+        value = fn(s)
+        sections[name] = time.perf_counter() - t
+        return value
+
+    dist_result = timed("distributed", bench_distributed)
+    single = timed("single", bench_single)
+    ranks = dist_result["ranks"]
+    step_ms = {k: max(r["step_ms"][k] for r in ranks) for k in ("fxtp", "dtensor")}
+    step_ms |= {"single": single["step_ms"]["plain"], "fxtp_ws1": single["step_ms"]["fxtp_ws1"]}
+    result: dict[str, Any] = {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                    "backend": "gloo", "threads_per_rank": 1, "date": datetime.date.today().isoformat()},
+        "settings": dataclasses.asdict(s),
+        "step_ms": step_ms,
+        "ratio_fxtp_dtensor": step_ms["fxtp"] / step_ms["dtensor"],
+        "ratio_ws1_overhead": step_ms["fxtp_ws1"] / step_ms["single"],
+        "max_abs_error": {"ws2": ranks[0]["max_abs_error"], "ws1": single["max_abs_error"]},
+        "ranks": ranks,
+        "collectives": dist_result["collectives"],
+        "compile": timed("compile", bench_compile),
+        "param_fraction": timed("memory", bench_memory),
+        "section_s": sections,
+    }
+    result["goals"] = goals(result)
+    result["wall_s"] = time.perf_counter() - started
+    return result
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = get_args_parser().parse_args(argv)
+    s = Settings.quick() if args.quick else Settings()
+    if args.steps is not None:
+        s = dataclasses.replace(s, steps=args.steps)
+    try:
+        result = run(s)
+    except Exception:  # noqa: BLE001 - one message, exit 1
+        traceback.print_exc()
+        return 1
+    print(tables(result))
+    print(f"\n{result['machine']['cpus']} CPUs, torch {torch.__version__}, gloo, 1 thread per rank; {result['wall_s']:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, sort_keys=False)
+            f.write("\n")
+    if args.plot and not plot(result["compile"], args.plot):
+        print("--plot: matplotlib is not installed (pip install 'fxtp[bench]'); no plot written", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
