@@ -28,7 +28,19 @@ from fxtp.errors import FxtpConfigError, FxtpError, FxtpInputError
 from fxtp.examples import EXAMPLES
 from fxtp.render import graph_dot, graph_text
 
-__all__ = ["InputSpec", "Loaded", "UsageError", "FORMATS", "check_model_arg", "load_model", "inspect_text", "write_output"]
+__all__ = [
+    "FORMATS",
+    "InputSpec",
+    "Loaded",
+    "UsageError",
+    "check_model_arg",
+    "example_name",
+    "inspect_text",
+    "load_model",
+    "render",
+    "resolve_inputs",
+    "write_output",
+]
 
 FORMATS = ("table", "json", "graph", "dot")
 RENDERED = (".svg", ".png", ".pdf")
@@ -173,7 +185,7 @@ def load_model(text: str) -> Loaded:
         raise FxtpConfigError(f"{where} has no attribute {attr!r}") from None
     if not isinstance(obj, nn.Module):
         if not callable(obj):
-            raise FxtpConfigError(f"{text} is a {type(obj).__name__}, not an nn.Module or a callable that returns one")
+            raise FxtpConfigError(f"{text} is neither an nn.Module nor a callable that returns one (it is {type(obj).__name__!r})")
         try:
             obj = obj()
         except FxtpError:
@@ -186,7 +198,7 @@ def load_model(text: str) -> Loaded:
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     if not isinstance(obj, nn.Module):
         raise FxtpConfigError(
-            f"{text}() returned a {type(obj).__name__}; it must return an nn.Module or (nn.Module, example_inputs)"
+            f"{text}() returned {type(obj).__name__!r}; it must return an nn.Module or (nn.Module, example_inputs)"
         )
     return Loaded(text, obj, inputs)
 
@@ -212,12 +224,20 @@ def inspect_text(loaded: Loaded, inputs: tuple[Any, ...], *, world_size: int, ra
     if fmt in ("table", "json"):
         report = fxtp.analyze(loaded.model, world_size, inputs)
         report.rank = rank  # the plan is the same on every rank; the header names the one asked for
-        return str(report) + "\n" if fmt == "table" else json.dumps(report.to_dict(), indent=2) + "\n"
+        return render(report, fmt)
     pm = fxtp.compile(loaded.model, world_size, inputs, rank=rank)
-    title = f"{loaded.name}: rank {rank} of world_size {world_size}"
-    if fmt == "graph":
-        return graph_text(pm.graph_module, title=title)
-    return graph_dot(pm.graph_module, title=title)
+    return render(pm, fmt, name=loaded.name)
+
+
+def render(what: "fxtp.ParallelModule | fxtp.Report", fmt: str, *, name: str = "") -> str:
+    """A report as ``table``/``json``, or a compiled rank as ``graph``/``dot`` (titled with
+    ``name``, the rank and the world size); also what the golden files hold."""
+    if fmt in ("table", "json"):
+        report = what.report if isinstance(what, fxtp.ParallelModule) else what
+        return str(report) + "\n" if fmt == "table" else json.dumps(report.to_dict(), indent=2) + "\n"
+    assert isinstance(what, fxtp.ParallelModule), "graph and dot need a compiled rank"
+    title = f"{name}: rank {what.report.rank} of world_size {what.report.world_size}"
+    return (graph_text if fmt == "graph" else graph_dot)(what.graph_module, title=title)
 
 
 def write_output(text: str, out: Optional[str], fmt: str) -> None:
