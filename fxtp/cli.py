@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["get_args_parser", "main"]
 
@@ -69,7 +69,7 @@ def _world_size(text: str) -> int:
     return value
 
 
-def _checked(fn, what: str):
+def _checked(fn: Callable[[str], Any], what: str) -> Callable[[str], Any]:
     """An argparse ``type=`` from a function that raises ``ValueError`` with a full message."""
 
     def convert(text: str):

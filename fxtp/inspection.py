@@ -259,7 +259,7 @@ def write_output(text: str, out: Optional[str], fmt: str) -> None:
                 "apt-get install graphviz (Debian/Ubuntu), brew install graphviz (macOS), "
                 "conda install graphviz; or write the DOT text with --out FILE.dot"
             )
-        done = subprocess.run([dot, f"-T{suffix[1:]}", "-o", out], input=text, text=True, capture_output=True)
+        done = subprocess.run([dot, f"-T{suffix[1:]}", "-o", out], input=text, text=True, capture_output=True, check=False)
         if done.returncode != 0:
             raise FxtpConfigError(f"dot failed rendering {out}: {done.stderr.strip()}")
     else:

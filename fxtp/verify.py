@@ -13,7 +13,7 @@ import datetime
 import os
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,7 @@ def _loss(out: Any) -> torch.Tensor:
     return sum((t.float() ** 2).mean() for t in _float_leaves(out))
 
 
-def _max_error(pairs) -> float:
+def _max_error(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
     return max((float((a.detach().float() - b.detach().float()).abs().max()) for a, b in pairs if a.numel()), default=0.0)
 
 
@@ -86,7 +86,9 @@ def _compare(model: torch.nn.Module, inputs: tuple, world_size: int) -> tuple[fl
     return float(errors[0]), float(errors[1]), len(pairs)
 
 
-def _rank_main(rank: int, world_size: int, port: int, timeout_s: int, model_text: str, state: dict, inputs: tuple, results) -> None:
+def _rank_main(
+    rank: int, world_size: int, port: int, timeout_s: int, model_text: str, state: dict, inputs: tuple, results: Any
+) -> None:
     from fxtp.inspection import load_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -106,7 +108,9 @@ def _rank_main(rank: int, world_size: int, port: int, timeout_s: int, model_text
         dist.destroy_process_group()
 
 
-def verify(model_text: str, model: torch.nn.Module, inputs: tuple, world_size: int, *, tolerance: float = 1e-4, timeout_s: int = 120) -> VerifyResult:
+def verify(
+    model_text: str, model: torch.nn.Module, inputs: tuple, world_size: int, *, tolerance: float = 1e-4, timeout_s: int = 120
+) -> VerifyResult:
     """Run ``world_size`` local gloo ranks on MODEL ``model_text`` (``model`` is its single-device
     instance: its state dict is sent to the ranks) and return the max abs errors.
 

@@ -33,7 +33,7 @@ def _path(name: str, ws: int, kind: str) -> Path:
     return GOLDEN / f"{name}_ws{ws}.{kind}.txt"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(name: str, ws: int) -> fxtp.ParallelModule:
     loaded = load_model(name)
     assert loaded.inputs is not None
