@@ -1,7 +1,8 @@
 """Rewrite: apply a :class:`~passes.plan.ShardingPlan` to the captured graph for one rank.
 
 Reads ``plan`` only; writes ``node.meta["fxtp_placement"]`` (the global placement, as text) on
-every node it knows and on the nodes it inserts. Parameters stay placeholders: the runtime feeds their local shards.
+every node it knows and on the nodes it inserts. Parameters stay placeholders: the runtime feeds
+their local shards.
 
 For each node, in order:
 
