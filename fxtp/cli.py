@@ -2,46 +2,180 @@
 
 Examples::
 
-    fxtp demo                    # tiny GPT over 2 local gloo ranks, prints the report
-    fxtp demo --world-size 4
+    fxtp demo                                   # tiny GPT over 2 local gloo ranks, prints the report
+    fxtp inspect llama --world-size 2           # the plan of a tiny Llama, as a table
+    fxtp inspect mlp -n 2 --format graph        # rank 0's emitted code with placements
+    fxtp inspect mlp -n 2 --format dot --out mlp.svg
+    fxtp inspect my_models.py:build -n 4 --input 2x16:int64[0,1000) --verify
+
+Exit status: 0 on success, 1 on an fxtp error (one message; ``--verbose`` adds the traceback),
+2 on bad usage (a malformed argument or an impossible combination of them).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+import traceback
+from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["get_args_parser", "main"]
 
+_EPILOG = """\
+examples:
+  fxtp demo --world-size 4
+  fxtp inspect llama --world-size 2
+  fxtp inspect --help
+
+exit status: 0 ok, 1 fxtp error (--verbose for the traceback), 2 bad usage
+"""
+
+_INSPECT_EPILOG = """\
+MODEL:
+  a built-in example:  mlp, tiny-gpt, transformer (torch's TP reference model), gpt2, llama,
+                       bert (tiny configs, random weights, real inputs); gpt2-124m, llama-7b
+                       (full size on the meta device: tables and graphs, no --verify)
+  package.module:callable, path/to/file.py:callable
+                       the callable takes no arguments and returns an nn.Module or
+                       (nn.Module, example_inputs); it runs after torch.manual_seed(0)
+
+--input SPEC (one per positional input, replacing the example inputs):
+  AxBxC[:dtype][[lo,hi)]   dtype defaults to float32 (randn); integer dtypes need a range
+                           and draw from [lo,hi); values come from a generator seeded with 0
+  2x16x64                  float32 (2, 16, 64)
+  2x16:int64[0,128)        int64 token ids below 128
+
+examples:
+  fxtp inspect llama --world-size 2
+  fxtp inspect transformer -n 4 --format json > plan.json
+  fxtp inspect mlp -n 2 --format graph --rank 1
+  fxtp inspect mlp -n 2 --format dot --out mlp.svg     (needs Graphviz's dot)
+  fxtp inspect llama-7b -n 8
+  fxtp inspect my_models.py:build -n 2 --input 2x16:int64[0,1000) --verify
+  python -m fxtp inspect mypkg.models:tiny_model -n 2 --format graph
+
+exit status: 0 ok (and --verify within tolerance), 1 fxtp error or --verify over tolerance,
+2 bad usage (malformed argument, --rank outside the world, --verify on the meta device)
+"""
+
+
+def _world_size(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid world size {text!r}: an int >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"world size must be >= 1, got {value}")
+    return value
+
+
+def _checked(fn: Callable[[str], Any], what: str) -> Callable[[str], Any]:
+    """An argparse ``type=`` from a function that raises ``ValueError`` with a full message."""
+
+    def convert(text: str):
+        try:
+            return fn(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = what
+    return convert
+
 
 def get_args_parser() -> argparse.ArgumentParser:
+    from fxtp.inspection import FORMATS, InputSpec, check_model_arg
+
     parser = argparse.ArgumentParser(
         prog="fxtp",
         description="Automatic tensor parallelism for PyTorch models.",
-        epilog="example: fxtp demo --world-size 2",
+        epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,inspect}")
     demo = sub.add_parser(
         "demo",
         help="run a tiny GPT over local gloo ranks and check it against the single-device model",
         epilog="example: fxtp demo --world-size 4",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    demo.add_argument("--world-size", type=int, default=2, help="number of local ranks (default: 2)")
+    demo.add_argument("--world-size", "-n", metavar="N", type=_world_size, default=2, help="number of local ranks (default: 2)")
+
+    inspect = sub.add_parser(
+        "inspect",
+        help="show a model's tensor-parallel plan, a rank's rewritten graph, or a picture of it",
+        description="Plan MODEL for --world-size ranks and print the report, a rank's emitted graph\n"
+        "with each value's placement, or a Graphviz picture; --verify runs it on local ranks.",
+        epilog=_INSPECT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    inspect.add_argument("model", metavar="MODEL", type=_checked(check_model_arg, "MODEL"), help="see MODEL below")
+    inspect.add_argument("--world-size", "-n", metavar="N", type=_world_size, required=True, help="tensor-parallel degree, >= 1")
+    inspect.add_argument(
+        "--input", "-i", dest="inputs", metavar="SPEC", action="append", default=[],
+        type=_checked(InputSpec.parse, "SPEC"), help="a positional input, repeatable (see SPEC below)",
+    )
+    inspect.add_argument(
+        "--format", "-f", choices=FORMATS, default="table",
+        help="table: report and summary (default); json: the report's dict; graph: the rank's code "
+        "with placements; dot: Graphviz DOT",
+    )
+    inspect.add_argument("--rank", "-r", metavar="R", type=int, default=0, help="the rank shown (default: 0)")
+    inspect.add_argument("--out", "-o", metavar="FILE", help="write to FILE; with --format dot, FILE.svg/.png/.pdf renders it with dot")
+    inspect.add_argument("--verify", action="store_true", help="run the ranks on local gloo and compare outputs and gradients with the single-device model")
+    inspect.add_argument("--tolerance", metavar="TOL", type=float, default=1e-4, help="max abs error --verify accepts (default: 1e-4)")
+    inspect.add_argument("--verbose", "-v", action="store_true", help="print the traceback of an fxtp error")
+    inspect.set_defaults(subparser=inspect)
     return parser
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    from fxtp.examples import EXAMPLES
+    from fxtp.inspection import RENDERED, UsageError, example_name, inspect_text, load_model, resolve_inputs, write_output
+
+    if not 0 <= args.rank < args.world_size:
+        raise UsageError(f"--rank {args.rank} is outside world size {args.world_size} (0..{args.world_size - 1})")
+    if args.out and args.out.lower().endswith(RENDERED) and args.format != "dot":
+        raise UsageError(f"--out {args.out} renders a picture: add --format dot")
+    name = example_name(args.model)
+    if args.verify and name is not None and EXAMPLES[name].meta:
+        raise UsageError(f"--verify runs the model, but {name} is on the meta device (no weights): analysis only")
+    loaded = load_model(args.model)
+    if args.verify and loaded.on_meta:
+        raise UsageError(f"--verify runs the model, but {args.model} is on the meta device (no weights): analysis only")
+    inputs = resolve_inputs(loaded, args.inputs)
+    text = inspect_text(loaded, inputs, world_size=args.world_size, rank=args.rank, fmt=args.format)
+    write_output(text, args.out, args.format)
+    if not args.verify:
+        return 0
+    from fxtp.verify import verify
+
+    sys.stdout.flush()
+    result = verify(args.model, loaded.model, inputs, args.world_size, tolerance=args.tolerance)
+    print(result)
+    return 0 if result.ok else 1
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = get_args_parser().parse_args(argv)
+    """Run the command line; returns the exit status (argparse exits 2 itself on bad usage)."""
+    parser = get_args_parser()
+    args = parser.parse_args(argv)
     if args.command == "demo":
-        if args.world_size < 1:
-            print("fxtp: error: --world-size must be >= 1", file=sys.stderr)
-            return 2
         from fxtp.demo import run_demo
 
         run_demo(args.world_size)
-    return 0
+        return 0
+    from fxtp.errors import FxtpError
+    from fxtp.inspection import UsageError
+
+    try:
+        return _inspect(args)
+    except UsageError as exc:
+        args.subparser.error(str(exc))  # exits 2
+    except FxtpError as exc:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"fxtp: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

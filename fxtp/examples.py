@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "TinyGPT", "tiny_gpt", "mlp", "gpt2", "llama", "bert", "gpt2_124m", "llama_7b"]
+__all__ = [
+    "GPTConfig",
+    "TinyGPT",
+    "tiny_gpt",
+    "mlp",
+    "transformer",
+    "gpt2",
+    "llama",
+    "bert",
+    "gpt2_124m",
+    "llama_7b",
+    "Example",
+    "EXAMPLES",
+]
 
 
 @dataclass(frozen=True)
@@ -94,6 +108,17 @@ def mlp(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return model, (torch.randn(8, 64),)
 
 
+def transformer(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """torch's own tensor-parallel reference model (``common_dtensor.Transformer``: 2 layers, dim 32,
+    4 heads, vocab 64, seq 16, dropout 0, weight tying on) and (2, 16) token ids."""
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    torch.manual_seed(seed)
+    args = ModelArgs(n_layers=2, vocab_size=64, max_seq_len=16, dim=32, n_heads=4, dropout_p=0.0)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(seed + 1))
+    return Transformer(args), (ids,)
+
+
 # --- Hugging Face models, built from their config classes (random weights, nothing downloaded) ---
 # Tiny configs: 2 layers, hidden 64, 4 heads, vocab 128, seq 16, dropout 0. ``use_cache=False``:
 # a KV cache is an inference-time output that is not a tensor.
@@ -176,3 +201,25 @@ def llama_7b() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg).eval()
     return model, (torch.zeros(1, 4096, dtype=torch.long, device="meta"),)
+
+
+@dataclass(frozen=True)
+class Example:
+    """A built-in example: ``build()`` returns ``(model, example_inputs)``; ``meta``: its weights
+    are on the ``meta`` device (analysis and graphs only, nothing to run)."""
+
+    build: Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...]]]
+    meta: bool = False
+
+
+# The names ``fxtp inspect`` accepts (``tiny_gpt`` also spells ``tiny-gpt``).
+EXAMPLES: dict[str, Example] = {
+    "mlp": Example(mlp),
+    "tiny-gpt": Example(tiny_gpt),
+    "transformer": Example(transformer),
+    "gpt2": Example(gpt2),
+    "llama": Example(llama),
+    "bert": Example(bert),
+    "gpt2-124m": Example(gpt2_124m, meta=True),
+    "llama-7b": Example(llama_7b, meta=True),
+}

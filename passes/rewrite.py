@@ -1,7 +1,8 @@
 """Rewrite: apply a :class:`~passes.plan.ShardingPlan` to the captured graph for one rank.
 
 Reads ``plan`` only; writes ``node.meta["fxtp_placement"]`` (the global placement, as text) on
-every node it knows. Parameters stay placeholders: the runtime feeds their local shards.
+every node it knows and on the nodes it inserts. Parameters stay placeholders: the runtime feeds
+their local shards.
 
 For each node, in order:
 
@@ -56,6 +57,7 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
         if key not in cache:
             with after(value):
                 cache[key] = graph.call_function(collectives.copy_to_tp, (value, group_name))
+            cache[key].meta["fxtp_placement"] = "R"
         return cache[key]
 
     def local_slice(value: Node, shard: Shard) -> Node:
@@ -70,6 +72,7 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
             if len(pieces) > 1:
                 with graph.inserting_after(anchor):
                     anchor = graph.call_function(aten.cat.default, (pieces, shard.dim))
+            anchor.meta["fxtp_placement"] = str(shard)
             cache[key] = anchor
         return cache[key]
 
@@ -80,6 +83,7 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
                 cache[key] = graph.call_function(
                     collectives.gather_from_tp, (value, shard.dim, shard.segments, rank, ws, group_name)
                 )
+            cache[key].meta["fxtp_placement"] = "R"
         return cache[key]
 
     def materialize(value: Node, action: EdgeAction) -> Node:

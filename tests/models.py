@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fxtp.examples import mlp, tiny_gpt
+from fxtp.examples import mlp, tiny_gpt, transformer
 
 __all__ = ["build", "MODELS"]
 
@@ -13,15 +13,6 @@ __all__ = ["build", "MODELS"]
 def linear100():
     torch.manual_seed(0)
     return nn.Linear(100, 10), (torch.randn(8, 100),)
-
-
-def reference_transformer():
-    """torch's own TP reference model (weight tying on)."""
-    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
-
-    torch.manual_seed(0)
-    args = ModelArgs(n_layers=2, vocab_size=64, max_seq_len=16, dim=32, n_heads=4, dropout_p=0.0)
-    return Transformer(args), (torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1)),)
 
 
 def nn_transformer():
@@ -80,7 +71,7 @@ MODELS = {
     "back_to_back": back_to_back,
     "linear100": linear100,
     "mlp": mlp,
-    "reference_transformer": reference_transformer,
+    "reference_transformer": transformer,  # torch's own TP reference model (weight tying on)
     "nn_transformer": nn_transformer,
     "tiny_gpt": tiny_gpt,
     "cat_plus_input": cat_plus_input,

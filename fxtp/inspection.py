@@ -1,0 +1,267 @@
+"""``fxtp inspect``: load a model, plan it, and show the report, the rank's graph or a picture.
+
+MODEL is a built-in example (:data:`fxtp.examples.EXAMPLES`), ``package.module:callable`` or
+``path/to/file.py:callable``. The callable takes no arguments and returns an ``nn.Module`` or
+``(nn.Module, example_inputs)``; ``--input`` specs (:class:`InputSpec`) replace the inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+import fxtp
+from fxtp.errors import FxtpConfigError, FxtpError, FxtpInputError
+from fxtp.examples import EXAMPLES
+from fxtp.render import graph_dot, graph_text
+
+__all__ = [
+    "FORMATS",
+    "InputSpec",
+    "Loaded",
+    "UsageError",
+    "check_model_arg",
+    "example_name",
+    "inspect_text",
+    "load_model",
+    "render",
+    "resolve_inputs",
+    "write_output",
+]
+
+FORMATS = ("table", "json", "graph", "dot")
+RENDERED = (".svg", ".png", ".pdf")
+
+
+class UsageError(Exception):
+    """A command line that cannot work (exit 2), found after parsing: e.g. ``--verify`` on a
+    model on the ``meta`` device."""
+
+
+# --- inputs -----------------------------------------------------------------------------------
+
+_SPEC = re.compile(
+    r"^(?P<shape>\d+(?:x\d+)*)"
+    r"(?::(?P<dtype>[a-z0-9]+))?"
+    r"(?:\[(?P<lo>-?\d+(?:\.\d*)?),\s*(?P<hi>-?\d+(?:\.\d*)?)\))?$"
+)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One positional input: ``AxBxC[:dtype][[lo,hi)]``.
+
+    ``2x16x64`` is a float32 ``randn`` tensor; ``2x16:int64[0,128)`` int64 drawn from
+    ``[0, 128)`` (integer dtypes need the range); a float range draws uniformly from it. Values
+    come from one generator seeded with 0, in the order of the specs.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    low: Optional[float] = None
+    high: Optional[float] = None
+
+    @classmethod
+    def parse(cls, text: str) -> "InputSpec":
+        """Raises ``ValueError`` with a message that says what is wrong and shows the grammar."""
+        grammar = "expected AxBxC[:dtype][[lo,hi)], e.g. 2x16x64 or 2x16:int64[0,128)"
+        match = _SPEC.match(text.strip().replace(" ", ""))
+        if match is None:
+            raise ValueError(f"malformed input spec {text!r}: {grammar}")
+        shape = tuple(int(d) for d in match["shape"].split("x"))
+        dtype = getattr(torch, match["dtype"] or "float32", None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {match['dtype']!r} in input spec {text!r} (e.g. float32, bfloat16, int64)")
+        low = high = None
+        if match["lo"] is not None:
+            low, high = float(match["lo"]), float(match["hi"])
+            if low >= high:
+                raise ValueError(f"empty range [{match['lo']},{match['hi']}) in input spec {text!r}")
+        integral = not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+        if integral and low is None:
+            raise ValueError(f"input spec {text!r}: an integer input needs a range, e.g. {match['shape']}:{match['dtype']}[0,128)")
+        if integral and not (low.is_integer() and high.is_integer()):
+            raise ValueError(f"input spec {text!r}: an integer range needs integer bounds")
+        return cls(shape, dtype, low, high)
+
+    def make(self, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+        if self.dtype == torch.bool:
+            value = torch.randint(0, 2, self.shape, generator=generator).bool()
+        elif not self.dtype.is_floating_point:
+            value = torch.randint(int(self.low), int(self.high), self.shape, generator=generator, dtype=self.dtype)
+        elif self.low is None:
+            value = torch.randn(self.shape, generator=generator).to(self.dtype)
+        else:
+            value = (torch.rand(self.shape, generator=generator) * (self.high - self.low) + self.low).to(self.dtype)
+        return value.to(device)
+
+
+def make_inputs(specs: list[InputSpec], device: torch.device) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(0)
+    return tuple(spec.make(generator, device) for spec in specs)
+
+
+# --- models -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Loaded:
+    """A loaded MODEL: ``name`` is the example name or the MODEL text as given."""
+
+    name: str
+    model: nn.Module
+    inputs: Optional[tuple[Any, ...]]
+
+    @property
+    def on_meta(self) -> bool:
+        return any(t.is_meta for t in (*self.model.parameters(), *self.model.buffers()))
+
+
+def example_name(text: str) -> Optional[str]:
+    """The built-in example ``text`` names (``tiny_gpt`` and ``tiny-gpt`` alike), or None."""
+    name = text.replace("_", "-")
+    return name if name in EXAMPLES else None
+
+
+def check_model_arg(text: str) -> str:
+    """argparse ``type=`` for MODEL: a built-in name or ``something:callable``."""
+    if example_name(text) is None and (":" not in text or not text.rpartition(":")[2]):
+        raise ValueError(
+            f"unknown model {text!r}: use a built-in example ({', '.join(EXAMPLES)}), "
+            "package.module:callable or path/to/file.py:callable"
+        )
+    return text
+
+
+def _import(where: str) -> Any:
+    if where.endswith(".py") or os.sep in where or "/" in where:
+        path = Path(where)
+        if not path.is_file():
+            raise FxtpConfigError(f"no such file: {where} (MODEL is path/to/file.py:callable)")
+        spec = importlib.util.spec_from_file_location(f"_fxtp_model_{path.stem}", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(path.resolve().parent))  # its sibling imports work, as for a script
+        spec.loader.exec_module(module)
+        return module
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: modules in the working directory
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as exc:
+        raise FxtpConfigError(f"cannot import {where!r}: {exc} (MODEL is package.module:callable)") from exc
+
+
+def load_model(text: str) -> Loaded:
+    """Build the model MODEL names (``torch.manual_seed(0)`` first, so unseeded builders repeat).
+
+    Raises:
+        FxtpConfigError: a missing file or module, a missing callable, a callable that fails or
+            does not return an ``nn.Module`` (or ``(nn.Module, example_inputs)``).
+    """
+    torch.manual_seed(0)
+    name = example_name(text)
+    if name is not None:
+        model, inputs = EXAMPLES[name].build()
+        return Loaded(name, model, tuple(inputs))
+    where, _, attr = text.rpartition(":")
+    module = _import(where)
+    try:
+        obj = functools.reduce(getattr, attr.split("."), module)
+    except AttributeError:
+        raise FxtpConfigError(f"{where} has no attribute {attr!r}") from None
+    if not isinstance(obj, nn.Module):
+        if not callable(obj):
+            raise FxtpConfigError(f"{text} is neither an nn.Module nor a callable that returns one (it is {type(obj).__name__!r})")
+        try:
+            obj = obj()
+        except FxtpError:
+            raise
+        except Exception as exc:
+            raise FxtpConfigError(f"{text}() raised {type(exc).__name__}: {exc}") from exc
+    inputs = None
+    if isinstance(obj, (tuple, list)) and len(obj) == 2 and isinstance(obj[0], nn.Module):
+        obj, inputs = obj
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    if not isinstance(obj, nn.Module):
+        raise FxtpConfigError(
+            f"{text}() returned {type(obj).__name__!r}; it must return an nn.Module or (nn.Module, example_inputs)"
+        )
+    return Loaded(text, obj, inputs)
+
+
+def resolve_inputs(loaded: Loaded, specs: list[InputSpec]) -> tuple[Any, ...]:
+    """The ``--input`` tensors (on the model's device) if given, else the loaded example inputs."""
+    if specs:
+        device = next((t.device for t in loaded.model.parameters()), torch.device("cpu"))
+        return make_inputs(specs, device)
+    if loaded.inputs is None:
+        raise FxtpInputError(
+            f"{loaded.name} gives no example inputs: return (model, example_inputs) from it, or pass "
+            "--input SPEC per positional input, e.g. --input 2x16:int64[0,128)"
+        )
+    return loaded.inputs
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def inspect_text(loaded: Loaded, inputs: tuple[Any, ...], *, world_size: int, rank: int, fmt: str) -> str:
+    """What ``fxtp inspect`` prints in format ``fmt`` for rank ``rank`` of ``world_size``."""
+    if fmt in ("table", "json"):
+        report = fxtp.analyze(loaded.model, world_size, inputs)
+        report.rank = rank  # the plan is the same on every rank; the header names the one asked for
+        return render(report, fmt)
+    pm = fxtp.compile(loaded.model, world_size, inputs, rank=rank)
+    return render(pm, fmt, name=loaded.name)
+
+
+def render(what: "fxtp.ParallelModule | fxtp.Report", fmt: str, *, name: str = "") -> str:
+    """A report as ``table``/``json``, or a compiled rank as ``graph``/``dot`` (titled with
+    ``name``, the rank and the world size); also what the golden files hold."""
+    if fmt in ("table", "json"):
+        report = what.report if isinstance(what, fxtp.ParallelModule) else what
+        return str(report) + "\n" if fmt == "table" else json.dumps(report.to_dict(), indent=2) + "\n"
+    assert isinstance(what, fxtp.ParallelModule), "graph and dot need a compiled rank"
+    title = f"{name}: rank {what.report.rank} of world_size {what.report.world_size}"
+    return (graph_text if fmt == "graph" else graph_dot)(what.graph_module, title=title)
+
+
+def write_output(text: str, out: Optional[str], fmt: str) -> None:
+    """Print ``text``, or write it to ``out``; a ``.svg``/``.png``/``.pdf`` ``out`` of DOT text
+    is rendered with Graphviz's ``dot`` program.
+
+    Raises:
+        FxtpConfigError: ``dot`` is not installed, or fails.
+    """
+    if out is None:
+        sys.stdout.write(text)
+        return
+    suffix = Path(out).suffix.lower()
+    if fmt == "dot" and suffix in RENDERED:
+        dot = shutil.which("dot")
+        if dot is None:
+            raise FxtpConfigError(
+                f"rendering {out} needs Graphviz's `dot` program, which is not installed: "
+                "apt-get install graphviz (Debian/Ubuntu), brew install graphviz (macOS), "
+                "conda install graphviz; or write the DOT text with --out FILE.dot"
+            )
+        done = subprocess.run([dot, f"-T{suffix[1:]}", "-o", out], input=text, text=True, capture_output=True, check=False)
+        if done.returncode != 0:
+            raise FxtpConfigError(f"dot failed rendering {out}: {done.stderr.strip()}")
+    else:
+        Path(out).write_text(text)
+    print(f"wrote {out}", file=sys.stderr)

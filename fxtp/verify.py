@@ -1,0 +1,138 @@
+"""``fxtp inspect --verify``: run the ranks locally on gloo and compare with the single-device model.
+
+Every rank rebuilds the model from MODEL (seeded, then loaded with the parent's state dict, so a
+model defined in a file works too), compiles it, runs forward and backward on the parent's
+inputs, and compares its outputs with the single-device model's, and every parameter's gradient
+(a shard against the matching slice of the full gradient).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.utils._pytree as pytree
+
+from fxtp.demo import _free_port
+from fxtp.errors import FxtpError, FxtpRuntimeError
+from fxtp.placement import shard_tensor
+
+__all__ = ["VerifyResult", "verify"]
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Max abs errors over all ranks against the single-device model."""
+
+    world_size: int
+    output_error: float
+    grad_error: float
+    params: int  # parameters with a gradient, compared
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return self.output_error <= self.tolerance and self.grad_error <= self.tolerance
+
+    def __str__(self) -> str:
+        verdict = "OK" if self.ok else f"FAIL: over tolerance {self.tolerance:.0e}"
+        return (
+            f"verify: {self.world_size} rank(s) on gloo against the single-device model\n"
+            f"  outputs:   max abs error {self.output_error:.2e}\n"
+            f"  gradients: max abs error {self.grad_error:.2e} ({self.params} parameters)\n"
+            f"{verdict}"
+        )
+
+
+def _float_leaves(out: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _loss(out: Any) -> torch.Tensor:
+    """A deterministic scalar from any output structure (sum of mean squares)."""
+    return sum((t.float() ** 2).mean() for t in _float_leaves(out))
+
+
+def _max_error(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    return max((float((a.detach().float() - b.detach().float()).abs().max()) for a, b in pairs if a.numel()), default=0.0)
+
+
+def _compare(model: torch.nn.Module, inputs: tuple, world_size: int) -> tuple[float, float, int]:
+    import fxtp
+
+    rank = dist.get_rank()
+    ref = copy.deepcopy(model)
+    pm = fxtp.compile(model, world_size, inputs)
+    out, expected = pm(*inputs), ref(*inputs)
+    out_err = _max_error(zip(_float_leaves(out), _float_leaves(expected)))
+    _loss(out).backward()
+    _loss(expected).backward()
+    pairs = []
+    for fqn, placement in pm.placements.items():
+        local, full = pm.get_parameter(fqn).grad, ref.get_parameter(fqn).grad
+        if local is not None and full is not None:
+            pairs.append((local, shard_tensor(full, placement, rank, world_size)))
+        elif (local is None) != (full is None):
+            raise FxtpRuntimeError(f"rank {rank}: {fqn} has a gradient on one side only (parallel: {local is not None})")
+    errors = torch.tensor([out_err, _max_error(pairs)], dtype=torch.float64)
+    dist.all_reduce(errors, op=dist.ReduceOp.MAX)
+    return float(errors[0]), float(errors[1]), len(pairs)
+
+
+def _rank_main(
+    rank: int, world_size: int, port: int, timeout_s: int, model_text: str, state: dict, inputs: tuple, results: Any
+) -> None:
+    from fxtp.inspection import load_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        model = load_model(model_text).model
+        model.load_state_dict(state)
+        found = _compare(model, inputs, world_size)
+        if rank == 0:
+            results.put(("ok", found))
+    except FxtpError as exc:
+        results.put(("error", f"rank {rank}: {exc}"))
+    except BaseException:
+        results.put(("error", f"rank {rank} failed:\n{traceback.format_exc()}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def verify(
+    model_text: str, model: torch.nn.Module, inputs: tuple, world_size: int, *, tolerance: float = 1e-4, timeout_s: int = 120
+) -> VerifyResult:
+    """Run ``world_size`` local gloo ranks on MODEL ``model_text`` (``model`` is its single-device
+    instance: its state dict is sent to the ranks) and return the max abs errors.
+
+    Raises:
+        FxtpRuntimeError: a rank failed (the message names it and says why).
+    """
+    results = mp.get_context("spawn").SimpleQueue()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    try:
+        mp.spawn(
+            _rank_main,
+            args=(world_size, _free_port(), timeout_s, model_text, state, inputs, results),
+            nprocs=world_size,
+            join=True,
+        )
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
+        raise FxtpRuntimeError(f"verify: a rank failed: {exc}") from exc
+    answers = []
+    while not results.empty():
+        answers.append(results.get())
+    errors = [text for kind, text in answers if kind == "error"]
+    if errors:
+        raise FxtpRuntimeError("verify failed: " + "\n".join(errors))
+    ((_, (out_err, grad_err, params)),) = answers
+    return VerifyResult(world_size, out_err, grad_err, params, tolerance)

@@ -1,0 +1,211 @@
+"""The ``fxtp`` command line, in process (``fxtp.cli.main``) but for one ``python -m fxtp`` run.
+
+Exit status: 0 ok, 1 fxtp error (message only unless --verbose), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxtp.cli import main
+from fxtp.inspection import InputSpec
+from fxtp.verify import VerifyResult
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = Path(__file__).parent / "golden"
+
+USER_MODELS = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    def with_inputs():
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)), (torch.randn(4, 16),)
+
+    def module_only():
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+    def not_a_module():
+        return 3
+
+    def on_meta():
+        with torch.device("meta"):
+            return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)), (torch.zeros(4, 16, device="meta"),)
+
+    model_instance = nn.Linear(16, 16)
+    """
+)
+
+
+@pytest.fixture
+def user_file(tmp_path):
+    path = tmp_path / "user_models.py"
+    path.write_text(USER_MODELS)
+    return path
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    """``fxtp *argv`` in process: (exit status, stdout, stderr)."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse: --help and usage errors
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_help_shows_examples(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and "fxtp inspect llama --world-size 2" in out and "exit status" in out
+    code, out, _ = run(capsys, "inspect", "--help")
+    assert code == 0
+    for text in ("2x16:int64[0,128)", "llama-7b", "file.py:callable", "--format dot --out mlp.svg", "2 bad usage"):
+        assert text in out, text
+
+
+def test_table_and_graph_are_the_goldens(capsys):
+    code, out, err = run(capsys, "inspect", "mlp", "--world-size", "2")
+    assert (code, err) == (0, "")
+    assert out == (GOLDEN / "mlp_ws2.plan.txt").read_text()
+    code, out, _ = run(capsys, "inspect", "mlp", "-n", "2", "--format", "graph")
+    assert code == 0 and out == (GOLDEN / "mlp_ws2.graph.txt").read_text()
+
+
+def test_json_is_the_report_dict(capsys):
+    code, out, _ = run(capsys, "inspect", "mlp", "-n", "4", "--format", "json")
+    report = json.loads(out)
+    assert code == 0 and report["world_size"] == 4
+    assert [(layer["name"], layer["style"]) for layer in report["layers"]] == [("0", "colwise"), ("2", "rowwise")]
+
+
+def test_rank_and_input_specs(capsys):
+    """--rank picks the rank; --input replaces the example input (3x64 floats: 768 B all_reduce)."""
+    code, out, _ = run(capsys, "inspect", "mlp", "-n", "2", "--rank", "1", "--input", "3x64")
+    assert code == 0 and "fxtp plan: world_size 2, rank 1" in out and "1 all_reduce (768 B)" in out
+    code, out, _ = run(capsys, "inspect", "mlp", "-n", "2", "-r", "1", "-f", "graph", "-i", "3x64")
+    assert code == 0 and "# mlp: rank 1 of world_size 2" in out and "input,  # R  f32[3, 64]" in out
+
+
+def test_dot_marks_shards_and_collectives(capsys, tmp_path):
+    code, out, _ = run(capsys, "inspect", "mlp", "-n", "2", "--format", "dot")
+    assert code == 0 and out.startswith("digraph fxtp {") and out.rstrip().endswith("}")
+    octagons = [line for line in out.splitlines() if "shape=octagon" in line]
+    assert len(octagons) == 2 and "f: all_reduce bwd" in octagons[0] and "g: all_reduce fwd" in octagons[1]
+    assert '"linear" [label="linear\\naten.linear\\nS(1)  f32[8, 256]", fillcolor="#c6dbef"]' in out
+    assert '"linear_1" [label="linear_1\\naten.linear\\nP(sum)  f32[8, 64]", fillcolor="#fdd0a2"]' in out
+    target = tmp_path / "mlp.dot"
+    code, _, err = run(capsys, "inspect", "mlp", "-n", "2", "-f", "dot", "--out", str(target))
+    assert code == 0 and target.read_text() == out and f"wrote {target}" in err
+
+
+def test_rendering_without_graphviz_says_how_to_install_it(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    code, out, err = run(capsys, "inspect", "mlp", "-n", "2", "-f", "dot", "--out", str(tmp_path / "mlp.svg"))
+    assert code == 1 and out == ""
+    assert "apt-get install graphviz" in err and "brew install graphviz" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz's dot is not installed")
+def test_renders_svg_with_graphviz(capsys, tmp_path):
+    target = tmp_path / "mlp.svg"
+    code, _, _ = run(capsys, "inspect", "mlp", "-n", "2", "-f", "dot", "--out", str(target))
+    assert code == 0 and "<svg" in target.read_text()
+
+
+def test_user_models_from_a_file_and_a_module(capsys, user_file, monkeypatch):
+    code, out, _ = run(capsys, "inspect", f"{user_file}:with_inputs", "-n", "2")
+    assert code == 0 and "colwise" in out and "rowwise" in out
+    code, _, err = run(capsys, "inspect", f"{user_file}:module_only", "-n", "2")
+    assert code == 1 and "gives no example inputs" in err and "--input" in err
+    monkeypatch.syspath_prepend(str(user_file.parent))
+    code, out, _ = run(capsys, "inspect", "user_models:module_only", "-n", "2", "--input", "4x16")
+    assert code == 0 and "colwise" in out
+    code, out, _ = run(capsys, "inspect", "user_models:model_instance", "-n", "2", "-i", "4x16")
+    assert code == 0 and "linear" in out
+
+
+def test_meta_models_plan_and_graph_but_do_not_verify(capsys, user_file):
+    code, out, _ = run(capsys, "inspect", f"{user_file}:on_meta", "-n", "2", "-f", "graph")
+    assert code == 0 and "S(0)  f32[32, 16]" in out
+    code, _, err = run(capsys, "inspect", f"{user_file}:on_meta", "-n", "2", "--verify")
+    assert code == 2 and "meta device" in err
+    code, _, err = run(capsys, "inspect", "llama-7b", "-n", "2", "--verify")
+    assert code == 2 and "llama-7b is on the meta device" in err
+
+
+@pytest.mark.parametrize(
+    "argv, status, message",
+    [
+        (["nope"], 2, "unknown model 'nope': use a built-in example (mlp, tiny-gpt, transformer"),
+        (["missing_dir/missing.py:build"], 1, "no such file: missing_dir/missing.py"),
+        (["no_such_module_xyz:build"], 1, "cannot import 'no_such_module_xyz'"),
+        (["{user_file}:nothing"], 1, "has no attribute 'nothing'"),
+        (["{user_file}:not_a_module"], 1, "not_a_module() returned 'int'; it must return an nn.Module"),
+        (["mlp", "--input", "2x"], 2, "malformed input spec '2x'"),
+        (["mlp", "--input", "2x16:int64"], 2, "an integer input needs a range"),
+        (["mlp", "--input", "2x16:floaty"], 2, "unknown dtype 'floaty'"),
+        (["mlp", "--input", "3x5"], 1, "received input of shape (3, 5) but expects (..., 64)"),
+        (["mlp", "--world-size", "0"], 2, "world size must be >= 1, got 0"),
+        (["mlp", "--world-size", "two"], 2, "invalid world size 'two'"),
+        (["mlp", "--rank", "2"], 2, "--rank 2 is outside world size 2"),
+        (["mlp", "--out", "x.png"], 2, "add --format dot"),
+        (["mlp", "--format", "svg"], 2, "invalid choice: 'svg'"),
+    ],
+)
+def test_bad_input(capsys, user_file, argv, status, message):
+    argv = [a.format(user_file=user_file) for a in argv]
+    if "--world-size" not in argv:
+        argv += ["--world-size", "2"]
+    code, out, err = run(capsys, "inspect", *argv)
+    assert code == status, err
+    assert message in err and out == ""
+    assert "Traceback" not in err
+    assert ("usage: fxtp inspect" in err) == (status == 2)
+
+
+def test_verbose_adds_the_traceback(capsys):
+    code, _, err = run(capsys, "inspect", "mlp", "-n", "2", "--input", "3x5", "--verbose")
+    assert code == 1 and "Traceback" in err and err.rstrip().splitlines()[-1].startswith("fxtp: error: example inputs")
+
+
+def test_input_specs():
+    gen = torch.Generator().manual_seed(0)
+    ids = InputSpec.parse("2x16:int64[0,128)").make(gen, torch.device("cpu"))
+    assert ids.shape == (2, 16) and ids.dtype == torch.int64 and 0 <= ids.min() and ids.max() < 128
+    x = InputSpec.parse("2x3x4:bfloat16[-1,1)").make(gen, torch.device("cpu"))
+    assert x.dtype == torch.bfloat16 and x.shape == (2, 3, 4) and -1 <= x.min() and x.max() < 1
+    assert InputSpec.parse("2x16x64") == InputSpec((2, 16, 64), torch.float32)
+    for bad in ("", "x2", "2x16:int64[5,5)", "2x16:int64[0.5,3)", "2,16", "2x16:int64[0,128]"):
+        with pytest.raises(ValueError):
+            InputSpec.parse(bad)
+
+
+def test_verify_over_tolerance_exits_1(capsys, monkeypatch):
+    import fxtp.verify
+
+    monkeypatch.setattr(fxtp.verify, "verify", lambda *a, **k: VerifyResult(2, 1e-7, 3e-2, 4, 1e-4))
+    code, out, _ = run(capsys, "inspect", "mlp", "-n", "2", "--verify")
+    assert code == 1 and "gradients: max abs error 3.00e-02" in out and "FAIL: over tolerance" in out
+
+
+def test_python_dash_m_fxtp_verify():
+    """One real run: ``python -m fxtp`` starts, and --verify runs 2 gloo ranks (seconds)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run(
+        [sys.executable, "-m", "fxtp", "inspect", "mlp", "--world-size", "2", "--format", "json", "--verify"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    report, _, verified = done.stdout.partition("\nverify: ")
+    assert json.loads(report)["world_size"] == 2
+    assert verified.startswith("2 rank(s) on gloo") and "outputs:   max abs error" in verified
+    assert "(4 parameters)" in verified and verified.rstrip().endswith("OK")
