@@ -18,6 +18,8 @@ shapes.
 
 from __future__ import annotations
 
+import inspect
+
 import contextlib
 import copy
 import io
@@ -122,10 +124,11 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, how: str = "auto") -> C
         raise FxtpInputError(mismatch)
     tried = "\n".join(f"  - {name}: {reason}" for name, reason in attempts)
     hint = "" if how == "auto" else ' (try capture="auto" to fall back to the other frontends)'
-    raise FxtpCaptureError(
-        f"could not capture {type(model).__name__} into a graph{hint}; frontends tried:\n{tried}\n"
-        "fix: remove data-dependent control flow from forward (use torch.cond), or file an issue with the model"
-    )
+    fix = "remove data-dependent control flow from forward (use torch.cond), or file an issue with the model"
+    if any("Cache" in reason for _, reason in attempts) and "use_cache" in inspect.signature(model.forward).parameters:
+        # Hugging Face models return a KV cache object by default: not a tensor, not capturable.
+        fix = "pass example_kwargs={'use_cache': False} (or build the model with config.use_cache=False): a KV cache is not a tensor output"
+    raise FxtpCaptureError(f"could not capture {type(model).__name__} into a graph{hint}; frontends tried:\n{tried}\nfix: {fix}")
 
 
 def diagnose_inputs(model: nn.Module, args: tuple, kwargs: dict) -> Optional[str]:

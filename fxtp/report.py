@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import networkx as nx
 import torch
@@ -190,27 +190,26 @@ def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, at
         CollectiveStat("forward", "all_gather", len(gathered), sum(_nbytes(nodes[p].meta["val"]) for p in gathered)),
         CollectiveStat("backward", "all_reduce", len(entered), sum(_nbytes(nodes[p].meta["val"]) for p in entered)),
     )
+    # One entry per tensor: a tied parameter may have several placeholders, one of them sharded.
+    tensors: dict[int, tuple[torch.Tensor, Optional[Shard]]] = {}
+    for spec in program.graph_signature.input_specs:
+        if spec.kind == InputKind.PARAMETER:
+            tensor = program.state_dict[spec.target]
+            placement = plan.params.get(spec.arg.name)
+            if id(tensor) not in tensors or isinstance(placement, Shard):
+                tensors[id(tensor)] = (tensor, placement if isinstance(placement, Shard) else None)
     total = per_rank = 0
-    seen: set[int] = set()
-    sig = program.graph_signature
-    for spec in sig.input_specs:
-        if spec.kind != InputKind.PARAMETER:
-            continue
-        tensor = program.state_dict[spec.target]
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
+    for tensor, shard in tensors.values():
         nbytes = _nbytes(tensor)
         total += nbytes
-        placement = plan.params.get(spec.arg.name)
-        per_rank += nbytes * placement.local_size(plan.world_size) // placement.size if isinstance(placement, Shard) else nbytes
+        per_rank += nbytes * shard.local_size(plan.world_size) // shard.size if shard is not None else nbytes
     return Report(
         world_size=plan.world_size,
         rank=rank,
         frontend=frontend,
         attempts=tuple(attempts),
         layers=plan.layers,
-        notes=_notes(plan, nodes, {s.arg.name for s in sig.input_specs if s.kind == InputKind.PARAMETER}),
+        notes=_notes(plan, nodes, {s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.PARAMETER}),
         collectives=stats,
         param_bytes=total,
         param_bytes_per_rank=per_rank,

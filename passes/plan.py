@@ -150,7 +150,7 @@ def _layer_names(layers: list[Node], param_names: frozenset[str], param_fqns: Ma
             continue
         weight = _weight(n, param_names)
         piece = param_root(weight, param_names) if isinstance(weight, Node) else None
-        if piece is None or piece.transposed:
+        if piece is None:
             names[n] = f"{modules[n] or 'model'}:{n.name}"
             continue
         fqn = param_fqns[piece.placeholder.name]

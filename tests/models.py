@@ -67,7 +67,31 @@ def back_to_back():
     return model, (torch.randn(4, 16, generator=torch.Generator().manual_seed(1)).requires_grad_(),)
 
 
+class TransposedWeights(nn.Module):
+    """Layers that are not nn.Linear: ``x @ W.T``, ``matmul(x, W)`` with an (in, out) weight,
+    ``F.linear`` called directly, and GPT-2's ``Conv1D`` form ``addmm(b, x2d, W)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(64, 16) / 4)  # (out, in)
+        self.w2 = nn.Parameter(torch.randn(64, 16) / 8)  # (in, out)
+        self.w3, self.b3 = nn.Parameter(torch.randn(32, 16) / 4), nn.Parameter(torch.randn(32))
+        self.w4, self.b4 = nn.Parameter(torch.randn(32, 16) / 6), nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        h = torch.relu(x @ self.w1.T)
+        h = torch.matmul(h, self.w2)
+        h = torch.nn.functional.gelu(torch.nn.functional.linear(h, self.w3, self.b3))
+        return torch.addmm(self.b4, h.view(-1, 32), self.w4).view(x.shape[0], x.shape[1], 16)
+
+
+def transposed_weights():
+    torch.manual_seed(0)
+    return TransposedWeights(), (torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1)),)
+
+
 MODELS = {
+    "transposed_weights": transposed_weights,
     "back_to_back": back_to_back,
     "linear100": linear100,
     "mlp": mlp,

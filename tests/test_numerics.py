@@ -109,6 +109,19 @@ def test_rowwise_straight_into_colwise(pool):
     assert rank0["backward"] == {"all_reduce": 2}  # f before "0" (the input wants a gradient) and before "3"
 
 
+def test_transposed_weights(pool):
+    """x @ W.T, matmul with an (in, out) weight, F.linear and addmm: each a Megatron pair."""
+    (rank0, *_) = pool.run(_train, "transposed_weights")
+    assert rank0["plan"] == {"w1": "colwise", "w2": "rowwise", "w3": "colwise", "w4": "rowwise"}
+    layers = {row["name"]: row for row in rank0["report"]["layers"]}
+    ws = pool.world_size
+    assert layers["w1"]["local_weight_shape"] == [64 // ws, 16]  # stored (out, in): rows
+    assert layers["w2"]["local_weight_shape"] == [64 // ws, 16]  # stored (in, out): rows too
+    assert layers["w4"]["local_weight_shape"] == [32 // ws, 16]
+    assert rank0["forward"] == {"all_reduce": 2}
+    assert "torch.ops.aten.mm.default" in rank0["code"]  # the rowwise addmm: bias after the all_reduce
+
+
 def test_replicated_input_sliced_in_segments(pool):
     (rank0, *_) = pool.run(_train, "cat_plus_input")
     assert rank0["plan"] == {"a": "colwise", "b": "colwise", "down": "rowwise"}
