@@ -155,7 +155,7 @@ class Report:
             text = ", ".join(f"{c.count} {c.kind} ({_fmt_bytes(c.bytes)})" for c in stats) or "none"
             lines.append(f"collectives per {phase}: {text}")
         if self.regions:
-            lines.append(f"tensor-parallel regions: {len(self.regions)} (entered through f, left through g)")
+            lines.append(f"tensor-parallel regions: {len(self.regions)} (sharded stretches between replicated values)")
         frac = self.param_bytes_per_rank / self.param_bytes if self.param_bytes else 1.0
         lines.append(
             f"parameter bytes per rank: {_fmt_bytes(self.param_bytes_per_rank)} of {_fmt_bytes(self.param_bytes)} ({frac:.1%})"
