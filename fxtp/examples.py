@@ -192,11 +192,12 @@ def gpt2_124m() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return model, (torch.zeros(1, 1024, dtype=torch.long, device="meta"),)
 
 
-def llama_7b() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """Llama-2-7B shapes (32 layers, hidden 4096, 32 heads, intermediate 11008, vocab 32000) on ``meta``."""
+def llama_7b(n_layers: int = 32) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Llama-2-7B shapes (32 layers, hidden 4096, 32 heads, intermediate 11008, vocab 32000) on
+    ``meta``; ``n_layers`` makes it shallower or deeper (the compile-time benchmark)."""
     from transformers import LlamaForCausalLM
 
-    cfg = llama_config(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+    cfg = llama_config(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=n_layers,
                        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg).eval()

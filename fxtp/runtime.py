@@ -146,6 +146,22 @@ class ParallelModule(nn.Module):
                 raise FxtpInputError(f"input {i} is {value!r} but the module was compiled with {expected!r}: {again}")
         return flat
 
+    def _input_slots(self) -> list[tuple[Optional[nn.Module], str]]:
+        """Per graph placeholder, the submodule and attribute holding its tensor (``None`` for a
+        user input). The owners are resolved once: a ``get_parameter`` per input per call costs
+        a measurable share of a tiny model's step; the attribute is read at call time, so a
+        replaced parameter (a meta model being loaded) is seen."""
+        if getattr(self, "_slots", None) is None:
+            slots = []
+            for kind, key in self._inputs:
+                if kind == "user":
+                    slots.append((None, ""))
+                else:
+                    path, _, leaf = key.rpartition(".")
+                    slots.append((self.get_submodule(path), leaf))
+            self._slots = slots
+        return self._slots
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Same signature and output structure as the original model; full outputs on every rank.
 
@@ -161,14 +177,7 @@ class ParallelModule(nn.Module):
                 "torch.distributed.init_process_group(...) (or pass group=) before fxtp.compile, on every rank"
             )
         user = iter(self._flatten(args, kwargs))
-        inputs = []
-        for kind, key in self._inputs:
-            if kind == "param":
-                inputs.append(self.get_parameter(key))
-            elif kind == "buffer":
-                inputs.append(self.get_buffer(key))
-            else:
-                inputs.append(next(user))
+        inputs = [getattr(owner, leaf) if owner is not None else next(user) for owner, leaf in self._input_slots()]
         try:
             outputs = self.graph_module(*inputs)
         except RuntimeError as exc:

@@ -123,22 +123,18 @@ def _builtins(s: Settings) -> dict[str, tuple[Callable[[], tuple[nn.Module, tupl
     }
 
 
-def _floor(name: str, blocks: int, input_grad: bool) -> dict[str, dict[str, int]]:
+def _floor(name: str, blocks: int, input_grad: bool, report: dict) -> dict[str, dict[str, int]]:
+    """Megatron-LM's own collectives: 2 all_reduce per block each way, plus one all_reduce per
+    vocab-parallel embedding (forward) and, per colwise output head, an all_gather of the logits
+    (forward) and its entry's all_reduce (backward)."""
     if name == "mlp":
         return {"forward": {"all_reduce": 1}, "backward": {}}
-    return {"forward": {"all_reduce": 2 * blocks}, "backward": {"all_reduce": 2 * blocks} if input_grad else {}}
-
-
-def llama_meta(layers: int) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """Llama-2-7B shapes (hidden 4096, 32 heads, intermediate 11008, vocab 32000), ``layers`` deep, on meta."""
-    from transformers import LlamaForCausalLM
-
-    cfg = examples.llama_config(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                                num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=32,
-                                max_position_embeddings=4096)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg).eval()
-    return model, (torch.zeros(1, 4096, dtype=torch.long, device="meta"),)
+    layers = report["layers"]
+    embeddings = sum(1 for row in layers if row["op"] == "embedding" and row["style"] == "rowwise")
+    heads = sum(1 for row in layers if row["reason"].startswith("output head"))
+    forward = {"all_reduce": 2 * blocks + embeddings, **({"all_gather": heads} if heads else {})}
+    backward = {"all_reduce": 2 * blocks + heads} if input_grad else {}
+    return {"forward": forward, "backward": backward}
 
 
 # --- measuring ------------------------------------------------------------------------------
@@ -223,7 +219,7 @@ def _rank_collectives(s: Settings, ws: int) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - a failing model is reported, not fatal
             results[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
             continue
-        floor = _floor(name, blocks, input_grad)
+        floor = _floor(name, blocks, input_grad, pm.report.to_dict())
         results[name] = {
             "forward": fwd["counts"], "backward": bwd["counts"],
             "bytes": {"forward": fwd["bytes"], "backward": bwd["bytes"]},
@@ -312,7 +308,7 @@ def bench_compile(s: Settings) -> dict[str, Any]:
     for layers in s.compile_layers:
         runs = []
         for _ in range(s.compile_repeats):
-            model, inputs = llama_meta(layers)
+            model, inputs = examples.llama_7b(layers)
             runs.append(fxtp.compile(model, 2, inputs).report.timings)
         results[str(layers)] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     return results
