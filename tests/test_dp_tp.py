@@ -11,7 +11,6 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import RankPool
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -21,9 +20,8 @@ from fxtp.placement import Shard, shard_tensor
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with RankPool(4, timeout_s=300) as p:
-        yield p
+def pool(rank_pools):
+    return rank_pools(4)
 
 
 class GroupRecorder(TorchDispatchMode):

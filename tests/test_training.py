@@ -14,7 +14,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import RankPool
 from _helpers import loss_of
 from cases import build_case
 from torch import nn
@@ -27,9 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with RankPool(2, timeout_s=300) as p:
-        yield p
+def pool(rank_pools):
+    return rank_pools(2)
 
 
 class TiedLM(nn.Module):
