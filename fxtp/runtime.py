@@ -182,8 +182,10 @@ class ParallelModule(nn.Module):
             outputs = self.graph_module(*inputs)
         except RuntimeError as exc:
             raise FxtpRuntimeError(
-                f"rank {self._rank}: the parallel graph failed: {str(exc).splitlines()[0]}. Inputs, parameters and "
-                "process group must be on one device type (gloo: cpu, nccl: cuda); if they are, please report this"
+                f"rank {self._rank}: the parallel graph failed: {str(exc).splitlines()[0]}. fix: check that the inputs "
+                "fit the model (the dtypes and devices it expects: the graph is traced, not checked, for them) and that "
+                "inputs, parameters and process group are on one device type (gloo: cpu, nccl: cuda); if they are, "
+                "please report this"
             ) from exc
         user_outputs = []
         for (kind, target), value in zip(self._output_kinds, outputs):

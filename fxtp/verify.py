@@ -101,7 +101,8 @@ def _rank_main(
         if rank == 0:
             results.put(("ok", found))
     except FxtpError as exc:
-        results.put(("error", f"rank {rank}: {exc}"))
+        text = str(exc)
+        results.put(("error", text if text.startswith(f"rank {rank}:") else f"rank {rank}: {text}"))
     except BaseException:
         results.put(("error", f"rank {rank} failed:\n{traceback.format_exc()}"))
     finally:

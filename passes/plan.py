@@ -107,7 +107,7 @@ def plan_sharding(
         for n in layers:
             state.demoted[n.name] = LayerNote("replicate", "world_size is 1: nothing to shard")
     _apply_overrides(overrides or {}, layers, names, state)
-    _keep_small_embeddings(layers, state)
+    _keep_small_embeddings(layers, state, param_names)
     max_rounds = (_MAX_SEGMENTS + 4) * len(layers) + 8
     for rounds in range(1, max_rounds + 1):
         res = propagate(graph, state, world_size, param_names)
@@ -166,6 +166,12 @@ def _weight(node: Node, param_names: frozenset[str]) -> Optional[Node]:
     return layer_weight(node, lambda a: param_root(a, param_names) is not None)
 
 
+def _weight_placeholder(node: Node, param_names: frozenset[str]) -> Optional[Node]:
+    weight = _weight(node, param_names)
+    piece = param_root(weight, param_names) if isinstance(weight, Node) else None
+    return piece.placeholder if piece is not None else None
+
+
 # A table with fewer rows than this many times its width (a position or token-type table) stays
 # replicated: sharding it saves little memory and costs an all_reduce per lookup. Vocabularies
 # are far taller than wide (GPT-2: 50257 x 768; Llama-2: 32000 x 4096). A share of the model's
@@ -173,10 +179,13 @@ def _weight(node: Node, param_names: frozenset[str]) -> Optional[Node]:
 VOCAB_ROWS_PER_COLUMN = 2
 
 
-def _keep_small_embeddings(layers: list[Node], state: PlannerState) -> None:
+def _keep_small_embeddings(layers: list[Node], state: PlannerState, param_names: frozenset[str]) -> None:
+    weights = [_weight_placeholder(n, param_names) for n in layers]
     for n in layers:
         if n.target is not aten.embedding.default or n.name in state.demoted or n.name in state.forced:
             continue
+        if weights.count(_weight_placeholder(n, param_names)) > 1:
+            continue  # tied to a head: the table follows what its other uses allow
         rows, cols = shape_of(n.args[0])
         if rows < VOCAB_ROWS_PER_COLUMN * cols:
             state.demoted[n.name] = LayerNote(
@@ -293,6 +302,10 @@ def _resolve(
             sharded_by = [
                 n for n in requesters if n.name not in state.demoted and getattr(res.layers.get(n), "style", None) != "replicate"
             ]
+            # Replicate the layers whose own weight this is; the layers that fed them follow next round
+            # (their consumer keeps its input whole), with that reason.
+            weight_of = [n for n in sharded_by if _weight_placeholder(n, param_names) is placeholder]
+            sharded_by = weight_of or sharded_by
             forced = [n for n in sharded_by if state.forced.get(n.name) is not None]
             if forced:
                 raise FxtpPlanError(f"plan cannot be honoured for {', '.join(names[n.name] for n in forced)}: {c.message}; drop the entry")

@@ -277,7 +277,8 @@ def _apply_wants(node, dec, res, effective, origins, param_names, sharded_out: b
 
 def _mark_gathers(node, res, state, sharded_out: bool) -> None:
     for inp in tensor_inputs(node):
-        if (node.name, inp.name) in state.gathers:
+        # Only a value still sharded is gathered: a later round may have replicated its producer.
+        if (node.name, inp.name) in state.gathers and isinstance(res.placements[inp], Shard):
             res.edges[(node, inp)] = EdgeAction("gather", res.placements[inp], enter=sharded_out and _is_float(inp))
 
 

@@ -323,3 +323,43 @@ def test_user_plan_replicate_and_colwise():
     assert forced.plan == {"0": "replicate", "2": "colwise"}
     assert count_graph_collectives(forced) == {"copy_to_tp": 1, "gather_from_tp": 1}
     assert forced.report.count("forward", "all_gather") == 1
+
+
+class _TiedSmall(nn.Module):
+    """A tied table too small to be a vocabulary on its own (24 rows, 16 columns)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(24, 16)
+        self.head = nn.Linear(16, 24, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def test_a_tied_table_follows_its_head():
+    ids = torch.randint(0, 24, (2, 8), generator=torch.Generator().manual_seed(0))
+    pm = fxtp.compile(_TiedSmall(), 2, (ids,))
+    assert pm.plan == {"emb": "rowwise", "head": "colwise"}  # one Shard(0) for both uses
+    assert pm.get_parameter("emb.weight") is pm.get_parameter("head.weight")
+    # Replicating the table by plan replicates the head too; its planned gather is dropped.
+    pm = fxtp.compile(_TiedSmall(), 2, (ids,), plan={"emb": "replicate"})
+    assert pm.plan == {"emb": "replicate", "head": "replicate"}
+    assert pm.report.layers[1].code == "tied"
+    assert count_graph_collectives(pm) == {}
+
+
+def test_a_loss_inside_the_model_keeps_the_head_replicated():
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.head = nn.LayerNorm(16), nn.Linear(16, 64)
+
+        def forward(self, x, labels):
+            return nn.functional.cross_entropy(self.head(self.norm(x)), labels)
+
+    x, labels = torch.randn(8, 16), torch.randint(0, 64, (8,))
+    report = fxtp.analyze(WithLoss(), 2, (x, labels))
+    head = next(layer for layer in report.layers if layer.name == "head")
+    assert (head.style, head.code) == ("replicate", "reduces-sharded-dim")

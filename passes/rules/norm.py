@@ -66,8 +66,10 @@ def reduction_rule(ctx: RuleContext) -> Decision:
     return Decision(p if keepdim else p.with_dim(p.dim - sum(d < p.dim for d in dims)))
 
 
-@register_rule(aten.sum.default, aten.mean.default)
+@register_rule(aten.sum.default, aten.mean.default, aten.cross_entropy_loss.default, aten.nll_loss_nd.default)
 def full_reduction_rule(ctx: RuleContext) -> Decision:
+    """Reductions to a scalar (or over the class dim: a loss). A sharded input is refused;
+    vocab-parallel cross entropy (Megatron's) is not implemented."""
     p = ctx.placement(ctx.node.args[0])
     if isinstance(p, Shard):
         raise _reduces(ctx, str(ctx.node.target.__name__), p.dim)
