@@ -16,6 +16,7 @@ from torch import nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import GraphModule
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from fxtp import checkpoint
 from fxtp.errors import FxtpInputError, FxtpRuntimeError
@@ -30,6 +31,23 @@ def _describe(spec: pytree.TreeSpec) -> str:
     """``2 positional input(s) and keywords ['scale']`` for an ``(args, kwargs)`` spec."""
     args, kwargs = spec.child(0), spec.child(1)
     return f"{args.num_children} positional input(s) and keywords {sorted(kwargs.context or [])}"
+
+def _plain_containers(value: Any) -> Any:
+    """``dict``/``list`` for torch.fx's immutable ones: a ``symbolic_trace`` capture records the
+    traced module's ``immutable_dict`` outputs in the output spec; users get what their model
+    returns."""
+    if isinstance(value, immutable_dict):
+        return {k: _plain_containers(v) for k, v in value.items()}
+    if isinstance(value, immutable_list):
+        return [_plain_containers(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_plain_containers(v) for v in value)
+    if type(value) is dict:
+        return {k: _plain_containers(v) for k, v in value.items()}
+    if type(value) is list:
+        return [_plain_containers(v) for v in value]
+    return value
+
 
 _RESERVED = ("graph_module", "report", "plan", "_fxtp_constants")
 
@@ -194,7 +212,7 @@ class ParallelModule(nn.Module):
                     self.get_buffer(target).copy_(value)
             else:
                 user_outputs.append(value)
-        return pytree.tree_unflatten(user_outputs, self._out_spec)
+        return _plain_containers(pytree.tree_unflatten(user_outputs, self._out_spec))
 
     # --- checkpoints (fxtp.checkpoint) ---------------------------------------------------------
 

@@ -363,3 +363,19 @@ def test_a_loss_inside_the_model_keeps_the_head_replicated():
     report = fxtp.analyze(WithLoss(), 2, (x, labels))
     head = next(layer for layer in report.layers if layer.name == "head")
     assert (head.style, head.code) == ("replicate", "reduces-sharded-dim")
+
+
+def test_outputs_keep_the_model_s_containers():
+    class D(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(8, 16)
+
+        def forward(self, x):
+            y = self.up(x)
+            return {"y": y, "pair": (y, [y * 2])}
+
+    x = torch.randn(2, 8)
+    out = fxtp.compile(D(), 1, (x,), capture="fx")(x)
+    assert type(out) is dict and type(out["pair"]) is tuple and type(out["pair"][1]) is list
+    out["extra"] = 1  # a plain dict the user may change
