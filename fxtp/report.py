@@ -19,7 +19,7 @@ from torch.export.graph_signature import InputKind
 from fxtp.placement import Partial, Shard, is_sharded
 from passes.plan import LayerDecision, ShardingPlan, module_of
 
-__all__ = ["Report", "CollectiveStat", "Note", "build_report"]
+__all__ = ["Report", "CollectiveStat", "Note", "build_report", "megatron_floor"]
 
 _DROPOUTS = (torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default)
 _aten = torch.ops.aten
@@ -164,6 +164,25 @@ class Report:
 
     def __repr__(self) -> str:
         return f"<fxtp.Report world_size={self.world_size} layers={len(self.layers)} frontend={self.frontend}>"
+
+
+def megatron_floor(report: dict[str, Any], n_blocks: int, input_grad: bool = True) -> tuple[dict[str, int], dict[str, int]]:
+    """The collectives Megatron-LM's own model needs for the layers of ``report``
+    (``Report.to_dict()``): per forward and backward, ``{kind: count}``.
+
+    2 all_reduce per transformer block each way (Shoeybi et al. 2019, section 3), plus one
+    all_reduce after each vocab-parallel embedding (forward) and, per colwise output head, the
+    all_gather of its logits (forward) and the all_reduce of its input's gradient (backward).
+    ``input_grad=False``: the model's input needs no gradient, so no backward all_reduce at all
+    (a lone MLP)."""
+    layers = report["layers"]
+    embeddings = sum(1 for row in layers if row["op"] == "embedding" and row["style"] == "rowwise")
+    heads = sum(1 for row in layers if row["output_head"])
+    forward = {"all_reduce": 2 * n_blocks + embeddings} if 2 * n_blocks + embeddings else {}
+    if heads:
+        forward["all_gather"] = heads
+    backward = {"all_reduce": 2 * n_blocks + heads} if input_grad and 2 * n_blocks + heads else {}
+    return forward, backward
 
 
 def _layer_comm(layer: LayerDecision) -> str:

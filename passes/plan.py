@@ -55,6 +55,7 @@ class LayerDecision:
     fix: Optional[str] = None
     culprit: Optional[str] = None  # format_node() of the node that decided it
     culprit_module: Optional[str] = None
+    output_head: bool = False  # colwise, its logits all_gathered at the model output
 
 
 @dataclass(frozen=True)
@@ -415,6 +416,7 @@ def _layer_decision(node: Node, name: str, res: Propagation, state: PlannerState
         fix=note.fix.replace("{layer}", name) if note.fix else None,
         culprit=note.node,
         culprit_module=note.module,
+        output_head=note.style == "colwise" and node.name in state.heads,
     )
 
 

@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxtp
+from fxtp.report import megatron_floor  # noqa: F401 - re-exported for the tests
 from fxtp.placement import shard_tensor
 
 __all__ = ["CollectiveCounter", "loss_of", "compare_training", "count_graph_collectives", "megatron_floor"]
@@ -101,17 +102,3 @@ def compare_training(
         "code": pm.graph_module.code,
         "out_shapes": [tuple(t.shape) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)],
     }
-
-
-def megatron_floor(report: dict, n_blocks: int) -> tuple[dict[str, int], dict[str, int]]:
-    """The collectives Megatron-LM's own GPT needs per forward and backward: 2 all_reduce per
-    block each way, plus one all_reduce after each vocab-parallel embedding (forward) and, per
-    colwise output head, an all_gather of the logits (forward) and its entry's all_reduce
-    (backward). ``report`` is ``Report.to_dict()``."""
-    layers = report["layers"]
-    embeddings = sum(1 for row in layers if row["op"] == "embedding" and row["style"] == "rowwise")
-    heads = sum(1 for row in layers if row["reason"].startswith("output head"))
-    forward = {"all_reduce": 2 * n_blocks + embeddings}
-    if heads:
-        forward["all_gather"] = heads
-    return forward, {"all_reduce": 2 * n_blocks + heads}

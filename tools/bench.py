@@ -49,6 +49,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import fxtp  # noqa: E402
 from fxtp import examples  # noqa: E402
+from fxtp.report import megatron_floor  # noqa: E402
 
 __all__ = ["Settings", "get_args_parser", "main"]
 
@@ -124,16 +125,11 @@ def _builtins(s: Settings) -> dict[str, tuple[Callable[[], tuple[nn.Module, tupl
 
 
 def _floor(name: str, blocks: int, input_grad: bool, report: dict) -> dict[str, dict[str, int]]:
-    """Megatron-LM's own collectives: 2 all_reduce per block each way, plus one all_reduce per
-    vocab-parallel embedding (forward) and, per colwise output head, an all_gather of the logits
-    (forward) and its entry's all_reduce (backward)."""
+    """Megatron-LM's own collectives for this plan (``fxtp.report.megatron_floor``); the lone
+    MLP is one region: 1 all_reduce forward."""
     if name == "mlp":
         return {"forward": {"all_reduce": 1}, "backward": {}}
-    layers = report["layers"]
-    embeddings = sum(1 for row in layers if row["op"] == "embedding" and row["style"] == "rowwise")
-    heads = sum(1 for row in layers if row["reason"].startswith("output head"))
-    forward = {"all_reduce": 2 * blocks + embeddings, **({"all_gather": heads} if heads else {})}
-    backward = {"all_reduce": 2 * blocks + heads} if input_grad else {}
+    forward, backward = megatron_floor(report, blocks, input_grad)
     return {"forward": forward, "backward": backward}
 
 
