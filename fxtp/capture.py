@@ -118,6 +118,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, how: str = "auto") -> C
         except Exception as exc:  # noqa: BLE001 - every frontend failure is reported, none is fatal
             attempts.append((name, _one_line(exc)))
             continue
+        check_operand_dtypes(program.graph)
         return Captured(program, name, tuple(attempts))
     mismatch = diagnose_inputs(model, args, kwargs)
     if mismatch is not None:
@@ -129,6 +130,40 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, how: str = "auto") -> C
         # Hugging Face models return a KV cache object by default: not a tensor, not capturable.
         fix = "pass example_kwargs={'use_cache': False} (or build the model with config.use_cache=False): a KV cache is not a tensor output"
     raise FxtpCaptureError(f"could not capture {type(model).__name__} into a graph{hint}; frontends tried:\n{tried}\nfix: {fix}")
+
+
+_MATMULS = frozenset(
+    {
+        torch.ops.aten.linear.default,
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.matmul.default,
+        torch.ops.aten.bmm.default,
+    }
+)
+
+
+def check_operand_dtypes(graph: torch.fx.Graph) -> None:
+    """Refuse a matmul whose operands have different dtypes (an int64 input into a float
+    ``Linear``, fp32 into a bf16 model). Eager PyTorch refuses it too, but tracing with fake
+    tensors does not, so the graph would only fail when run, on every rank.
+
+    Raises:
+        FxtpInputError: naming the node, its module and the dtypes.
+    """
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in _MATMULS:
+            continue
+        vals = [a.meta.get("val") for a in node.all_input_nodes]
+        dtypes = sorted({str(v.dtype).replace("torch.", "") for v in vals if isinstance(v, torch.Tensor)})
+        if len(dtypes) > 1:
+            stack = node.meta.get("nn_module_stack") or {}
+            module = list(stack.values())[-1][0] if stack else "(top level)"
+            raise FxtpInputError(
+                f"{node.format_node()} in module {module!r} multiplies operands of dtypes {', '.join(dtypes)}; "
+                "PyTorch refuses this when the model runs. fix: give example inputs of the dtype the model computes in "
+                "(e.g. x.float(), or model.to(x.dtype))"
+            )
 
 
 def diagnose_inputs(model: nn.Module, args: tuple, kwargs: dict) -> Optional[str]:
