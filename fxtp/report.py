@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import networkx as nx
 import torch
@@ -16,10 +16,10 @@ from tabulate import tabulate
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from fxtp.placement import Partial, Shard, is_sharded
+from fxtp.placement import REPLICATE, Partial, Placement, Shard, is_sharded
 from passes.plan import LayerDecision, ShardingPlan, module_of
 
-__all__ = ["Report", "CollectiveStat", "Note", "build_report", "megatron_floor"]
+__all__ = ["Report", "CollectiveStat", "Note", "build_report", "megatron_floor", "parameter_placements"]
 
 _DROPOUTS = (torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default)
 _aten = torch.ops.aten
@@ -166,6 +166,15 @@ class Report:
         return f"<fxtp.Report world_size={self.world_size} layers={len(self.layers)} frontend={self.frontend}>"
 
 
+def parameter_placements(program: ExportedProgram, plan: ShardingPlan) -> dict[str, Placement]:
+    """``{parameter FQN: placement}``. Export may give a tied parameter one placeholder per FQN
+    and use only one of them: every FQN of one tensor takes the placement of the placeholder
+    that is sharded (the others are ``Replicate``)."""
+    specs = [s for s in program.graph_signature.input_specs if s.kind == InputKind.PARAMETER]
+    sharded = {id(program.state_dict[s.target]): plan.params[s.arg.name] for s in specs if s.arg.name in plan.params}
+    return {s.target: sharded.get(id(program.state_dict[s.target]), REPLICATE) for s in specs}
+
+
 def megatron_floor(report: dict[str, Any], n_blocks: int, input_grad: bool = True) -> tuple[dict[str, int], dict[str, int]]:
     """The collectives Megatron-LM's own model needs for the layers of ``report``
     (``Report.to_dict()``): per forward and backward, ``{kind: count}``.
@@ -209,19 +218,13 @@ def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, at
         CollectiveStat("forward", "all_gather", len(gathered), sum(_nbytes(nodes[p].meta["val"]) for p in gathered)),
         CollectiveStat("backward", "all_reduce", len(entered), sum(_nbytes(nodes[p].meta["val"]) for p in entered)),
     )
-    # One entry per tensor: a tied parameter may have several placeholders, one of them sharded.
-    tensors: dict[int, tuple[torch.Tensor, Optional[Shard]]] = {}
-    for spec in program.graph_signature.input_specs:
-        if spec.kind == InputKind.PARAMETER:
-            tensor = program.state_dict[spec.target]
-            placement = plan.params.get(spec.arg.name)
-            if id(tensor) not in tensors or isinstance(placement, Shard):
-                tensors[id(tensor)] = (tensor, placement if isinstance(placement, Shard) else None)
+    placements = parameter_placements(program, plan)
+    tensors = {id(program.state_dict[fqn]): (program.state_dict[fqn], p) for fqn, p in placements.items()}
     total = per_rank = 0
-    for tensor, shard in tensors.values():
+    for tensor, placement in tensors.values():
         nbytes = _nbytes(tensor)
         total += nbytes
-        per_rank += nbytes * shard.local_size(plan.world_size) // shard.size if shard is not None else nbytes
+        per_rank += nbytes * placement.local_size(plan.world_size) // placement.size if isinstance(placement, Shard) else nbytes
     return Report(
         world_size=plan.world_size,
         rank=rank,
@@ -241,11 +244,11 @@ def _regions(program: ExportedProgram, plan: ShardingPlan) -> tuple[tuple[str, .
     """The tensor-parallel regions: connected sets of sharded values, between replicated
     points; each as the names of the sharded layers in it, in graph order. Parameters are not
     values here: a tied weight does not join the regions of its uses."""
-    params = {n.name for n in program.graph.nodes if n.op == "placeholder"}
+    placeholders = {n.name for n in program.graph.nodes if n.op == "placeholder"}
     sharded = {
         name
         for name, p in plan.placements.items()
-        if (isinstance(p, Partial) or is_sharded(p)) and name not in params
+        if (isinstance(p, Partial) or is_sharded(p)) and name not in placeholders
     }
     graph = nx.Graph()
     graph.add_nodes_from(sharded)

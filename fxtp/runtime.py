@@ -20,8 +20,8 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from fxtp import checkpoint
 from fxtp.errors import FxtpInputError, FxtpRuntimeError
-from fxtp.placement import REPLICATE, Placement, shard_tensor
-from fxtp.report import Report
+from fxtp.placement import Placement, shard_tensor
+from fxtp.report import Report, parameter_placements
 from passes.plan import ShardingPlan
 
 __all__ = ["ParallelModule"]
@@ -96,16 +96,11 @@ class ParallelModule(nn.Module):
         self.placements: dict[str, Placement] = {}
         constants = nn.Module()
         shared: dict[tuple[int, str], nn.Parameter] = {}  # tied parameters stay one Parameter
-        # Export may give a tied parameter one placeholder per FQN and use only one of them:
-        # every FQN of one tensor takes the placement of the placeholder that is sharded.
-        tied_placement: dict[int, Placement] = {}
-        for spec in program.graph_signature.input_specs:
-            if spec.kind == InputKind.PARAMETER and spec.arg.name in sharding.params:
-                tied_placement[id(program.state_dict[spec.target])] = sharding.params[spec.arg.name]
+        param_placements = parameter_placements(program, sharding)  # tied FQNs share one placement
         for spec in program.graph_signature.input_specs:
             if spec.kind == InputKind.PARAMETER:
                 full = program.state_dict[spec.target]
-                placement = sharding.params.get(spec.arg.name, tied_placement.get(id(full), REPLICATE))
+                placement = param_placements[spec.target]
                 key = (id(full), str(placement))
                 if key not in shared:
                     local = shard_tensor(full, placement, rank, world_size)
