@@ -266,17 +266,20 @@ def _regions(program: ExportedProgram, plan: ShardingPlan) -> tuple[tuple[str, .
 
 
 def _needs_grad(program: ExportedProgram) -> set[str]:
-    """Names of float values that depend on a trainable parameter: only their ``f`` operators
-    all_reduce in backward (user inputs are taken not to require grad)."""
-    trainable = {
-        spec.arg.name
-        for spec in program.graph_signature.input_specs
-        if spec.kind == InputKind.PARAMETER and program.state_dict[spec.target].requires_grad
-    }
+    """Names of float values that depend on a trainable parameter or on an example input that
+    requires grad: only their ``f`` operators all_reduce in backward."""
+    examples = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
+    trainable = set()
+    for spec in program.graph_signature.input_specs:
+        if spec.kind == InputKind.PARAMETER and program.state_dict[spec.target].requires_grad:
+            trainable.add(spec.arg.name)
+        elif spec.kind == InputKind.USER_INPUT and getattr(examples.get(getattr(spec.arg, "name", "")), "requires_grad", False):
+            trainable.add(spec.arg.name)
     out: set[str] = set()
     for node in program.graph.nodes:
-        val = node.meta.get("val")
-        floating = isinstance(val, torch.Tensor) and val.is_floating_point()
+        vals = node.meta.get("val")
+        vals = vals if isinstance(vals, (tuple, list)) else (vals,)  # split, unbind: a list of tensors
+        floating = any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals)
         if floating and (node.name in trainable or any(a.name in out for a in node.all_input_nodes)):
             out.add(node.name)
     return out

@@ -109,6 +109,7 @@ def plan_sharding(
             state.demoted[n.name] = LayerNote("replicate", "world_size is 1: nothing to shard")
     _apply_overrides(overrides or {}, layers, names, state)
     _keep_small_embeddings(layers, state, param_names)
+    _keep_renormed_tables(graph, layers, state, param_names)
     max_rounds = (_MAX_SEGMENTS + 4) * len(layers) + 8
     for rounds in range(1, max_rounds + 1):
         res = propagate(graph, state, world_size, param_names)
@@ -195,6 +196,32 @@ def _keep_small_embeddings(layers: list[Node], state: PlannerState, param_names:
                 "a vocab-parallel lookup would add an all_reduce to save little memory",
                 code="small-embedding",
                 fix="none needed; plan={'{layer}': 'rowwise'} shards it anyway",
+            )
+
+
+def _keep_renormed_tables(graph: Graph, layers: list[Node], state: PlannerState, param_names: frozenset[str]) -> None:
+    """``nn.Embedding(max_norm=...)`` renormalizes the looked-up rows of its table in place
+    (``embedding_renorm_`` on the table before the lookup). A vocab-parallel table would have
+    to renormalize only its own rows with only the ids that fall in them; fxtp does not emit
+    that, so such a table stays replicated, with that reason."""
+    renormed = set()
+    for node in graph.nodes:
+        if node.target is aten.embedding_renorm_.default:
+            table = node.args[0]
+            while isinstance(table, Node) and table.target in (aten.detach.default, aten.alias.default):
+                table = table.args[0]
+            renormed.add(table)
+    for n in layers:
+        if n.target is aten.embedding.default and n.args[0] in renormed and n.name not in state.forced:
+            state.demoted.setdefault(
+                n.name,
+                LayerNote(
+                    "replicate",
+                    "max_norm renormalizes the looked-up rows of the table in place (embedding_renorm_); "
+                    "fxtp does not shard a renormalized table",
+                    code="embedding-max-norm",
+                    fix="drop max_norm (e.g. clip the rows after each optimizer step) to shard the table",
+                ),
             )
 
 

@@ -288,8 +288,12 @@ def _mark_entries(node, dec, res, effective, param_names) -> None:
             continue
         if not isinstance(effective(inp, node), Replicate) or not _is_float(inp):
             continue
-        if inp in dec.wants and param_root(inp, param_names) is not None:
+        if isinstance(dec.wants.get(inp), Shard) and param_root(inp, param_names) is not None:
             continue  # becomes a sharded parameter next round
+        # NOTE: [replicated parameter in a sharded region] A parameter used whole by an op whose
+        # output is sharded (a Linear shared by every head, a norm's weight on head-sharded
+        # values, a table looked up with sharded ids) gets only its shard's part of the gradient
+        # on each rank: it enters through f like any replicated value, so the parts are summed.
         res.edges[(node, inp)] = EdgeAction("enter")
 
 

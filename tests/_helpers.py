@@ -15,7 +15,7 @@ import fxtp
 from fxtp.report import megatron_floor  # noqa: F401 - re-exported for the tests
 from fxtp.placement import shard_tensor
 
-__all__ = ["CollectiveCounter", "loss_of", "compare_training", "count_graph_collectives", "megatron_floor"]
+__all__ = ["CollectiveCounter", "loss_of", "compare_training", "assert_report_counts", "count_graph_collectives", "megatron_floor"]
 
 _KINDS = {
     "all_reduce": "all_reduce",
@@ -52,6 +52,14 @@ def count_graph_collectives(pm: fxtp.ParallelModule) -> collections.Counter[str]
     )
 
 
+def assert_report_counts(report: "fxtp.Report", forward: Any, backward: Any) -> None:
+    """The report's collectives per forward and backward equal the ones a run measured
+    (``CollectiveCounter.counts``); report figures must be what runs."""
+    for phase, measured in (("forward", forward), ("backward", backward)):
+        reported = {kind: report.count(phase, kind) for kind in set(_KINDS.values()) if report.count(phase, kind)}
+        assert reported == dict(measured), f"report says {phase} {reported}, the run did {dict(measured)}"
+
+
 def compare_training(
     model, inputs, *, steps: int = 3, lr: float = 0.1, rtol: float | None = None, atol: float | None = None, **compile_kwargs
 ) -> dict[str, Any]:
@@ -75,6 +83,7 @@ def compare_training(
     with CollectiveCounter() as bwd:
         loss_of(out).backward()
     loss_of(ref_out).backward()
+    assert_report_counts(pm.report, fwd.counts, bwd.counts)
     for fqn, p in pm.named_parameters():
         ref_grad = ref.get_parameter(fqn).grad
         if ref_grad is None:

@@ -217,3 +217,106 @@ def _bias_mlp() -> nn.Module:
 
 def build_case(name: str):
     return CASES[name]()
+
+
+# Second set (found by trying fxtp itself): cases 15, 16, 20, 22, 23.
+
+
+class SharedHeadLinear(nn.Module):
+    """Case 15 and its kind: a replicated parameter meets a head-sharded value.
+
+    ``variant``: ``"linear"`` one Linear(16, 16) applied to every head; ``"scale"`` a per-head
+    scale parameter (4, 1, 1); ``"norm"`` an RMSNorm(16) with weight on every head.
+    """
+
+    def __init__(self, variant: str = "linear") -> None:
+        super().__init__()
+        self.variant = variant
+        self.q, self.k, self.v, self.o = (nn.Linear(64, 64) for _ in range(4))
+        self.shared = nn.Linear(16, 16)
+        self.scale = nn.Parameter(torch.rand(4, 1, 1) + 0.5)
+        self.norm = nn.RMSNorm(16)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, 4, 16).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v)  # (B, 4, T, 16), sharded on heads
+        if self.variant == "linear":
+            y = F.gelu(self.shared(y))
+        elif self.variant == "scale":
+            y = y * self.scale
+        else:
+            y = self.norm(y)
+        return self.o(y.transpose(1, 2).reshape(b, t, 64))
+
+
+class EmbeddingMLP(nn.Module):
+    """Case 16: an embedding with options -> Linear(32, 32) -> tanh -> Linear(32, 16)."""
+
+    def __init__(self, **options) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(128, 32, **options)
+        self.up, self.down = nn.Linear(32, 32), nn.Linear(32, 16)
+
+    def forward(self, ids):
+        return self.down(torch.tanh(self.up(self.emb(ids))))
+
+
+def _repeated_ids():
+    ids = torch.randint(0, 128, (B, T), generator=torch.Generator().manual_seed(3))
+    ids[0, :5] = 7  # one id five times
+    ids[1, 0] = 7
+    return (ids,)
+
+
+class LoRALinear(nn.Module):
+    """Case 20: base Linear plus a LoRA pair A (in -> 8) and B (8 -> out)."""
+
+    def __init__(self, d_in: int, d_out: int, r: int = 8) -> None:
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out)
+        self.A = nn.Linear(d_in, r, bias=False)
+        self.B = nn.Linear(r, d_out, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.B(self.A(x))
+
+
+class LoRAMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = LoRALinear(64, 128), LoRALinear(128, 64)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class LatentKV(nn.Module):
+    """Case 22 (MLA-style): kv_a Linear(64, 48); its first 32 columns -> RMSNorm -> kv_b (colwise),
+    the other 16 (the rope part) bypass kv_b."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv_a, self.norm = nn.Linear(64, 48), nn.RMSNorm(32)
+        self.kv_b, self.o = nn.Linear(32, 64), nn.Linear(64, 64)
+        self.rope = nn.Linear(16, 64)
+
+    def forward(self, x):
+        latent, rope = self.kv_a(x).split([32, 16], dim=-1)
+        h = F.silu(self.kv_b(self.norm(latent)))
+        return self.o(h) + self.rope(rope)
+
+
+CASES.update(
+    {
+        "15-shared-head-linear": _seeded(lambda: (SharedHeadLinear("linear"), _inputs((B, T, 64)))),
+        "15-per-head-scale": _seeded(lambda: (SharedHeadLinear("scale"), _inputs((B, T, 64)))),
+        "15-head-norm": _seeded(lambda: (SharedHeadLinear("norm"), _inputs((B, T, 64)))),
+        "16a-scale-grad-by-freq": _seeded(lambda: (EmbeddingMLP(scale_grad_by_freq=True), _repeated_ids())),
+        "16b-max-norm": _seeded(lambda: (EmbeddingMLP(max_norm=1.0), _repeated_ids())),
+        "16c-padding-idx": _seeded(lambda: (EmbeddingMLP(padding_idx=7), _repeated_ids())),
+        "20-lora": _seeded(lambda: (LoRAMLP(), _inputs((B, T, 64)))),
+        "22-latent-kv": _seeded(lambda: (LatentKV(), _inputs((B, T, 64)))),
+        "23-seed-linear": _seeded(lambda: (nn.Linear(100, 10), _inputs((B, 100)))),
+    }
+)

@@ -181,7 +181,7 @@ def embedding_rule(ctx: RuleContext) -> Decision:
     return Decision(
         Partial(),
         {weight: Shard(0, (vocab,))},
-        local_args=(weight, indices, ShardStart(weight), padding_idx),
+        local_args=(weight, indices, ShardStart(weight), padding_idx, _arg(ctx.node, 3, "scale_grad_by_freq", False)),
         local_target=local_ops.vocab_parallel_embedding,
         layer=LayerNote("rowwise", reason),
     )
