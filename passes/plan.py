@@ -110,10 +110,11 @@ def plan_sharding(
     _apply_overrides(overrides or {}, layers, names, state)
     _keep_small_embeddings(layers, state, param_names)
     _keep_renormed_tables(graph, layers, state, param_names)
-    max_rounds = (_MAX_SEGMENTS + 4) * len(layers) + 8
+    terminal = _terminal_layers(graph, layers)
+    max_rounds = (_MAX_SEGMENTS + 5) * len(layers) + 8
     for rounds in range(1, max_rounds + 1):
         res = propagate(graph, state, world_size, param_names)
-        if not _resolve(res, state, world_size, param_names, {n.name: names[n] for n in layers}, param_fqns):
+        if not _resolve(res, state, world_size, param_names, {n.name: names[n] for n in layers}, param_fqns, terminal):
             break
     else:  # pragma: no cover - demotions and refinements only grow
         raise FxtpError(f"internal: planning did not converge in {max_rounds} rounds; please report this model")
@@ -270,14 +271,22 @@ def _is_output_head(layer: Node, param_names: frozenset[str]) -> bool:
 
 
 def _resolve(
-    res: Propagation, state: PlannerState, ws: int, param_names: frozenset[str], names: Mapping[str, str], param_fqns: Mapping[str, str]
+    res: Propagation,
+    state: PlannerState,
+    ws: int,
+    param_names: frozenset[str],
+    names: Mapping[str, str],
+    param_fqns: Mapping[str, str],
+    terminal: frozenset[Node],
 ) -> bool:
     """Apply one round's findings to ``state``; return whether anything changed.
 
     Only rejections not downstream of an earlier one this round are acted on: a node after a
     rejection saw a stand-in placement, so its own rejection may be an artifact.
     """
-    changed = False
+    changed = _slice_inputs(res, state, ws, param_names, terminal)
+    if not res.conflicts:
+        changed |= _replicate_cheaper_side(res, state, param_names)
     refined_now: set[Node] = set()  # one new layout per layer per round
     for rej in res.conflicts:
         if rej.tainted:
@@ -314,9 +323,13 @@ def _resolve(
                     changed = True
             continue
         for n in demotable:
-            if n.name not in state.demoted:
+            if n.name in state.demoted:
+                continue
+            if c.code == "needs-gather" and rej.node.op == "output" and _may_slice_input(n, state, ws, param_names, terminal):
+                state.slice_input.add(n.name)  # NOTE: [rowwise fallback]
+            else:
                 state.demoted[n.name] = state.first.get(n.name, note) if c.code in _LAYOUT_CODES else note
-                changed = True
+            changed = True
     params: dict[str, Placement] = {}
     owners: dict[str, frozenset[str]] = {}
     for placeholder, requests in res.requests.items():
@@ -344,6 +357,89 @@ def _resolve(
         state.params, state.param_owners = params, owners
         changed = True
     return changed
+
+
+# NOTE: [rowwise fallback]
+# A layer fed a replicated value whose colwise form cannot hold (its out_features do not divide
+# world_size, or its shard would have to be gathered at the model output) can still go rowwise:
+# each rank slices its block of the input locally and the partial outputs are all_reduced
+# (Megatron-LM's RowParallelLinear with input_is_parallel=False). fxtp does this only for a
+# *terminal* layer (no other layer is reachable from it) fed straight by a model input: the
+# seed's ``nn.Linear(100, 10)``, a linear classifier or head on given features. Inside a
+# network the extra all_reduce would lift the block above Megatron's floor, while a replicated
+# layer there costs no communication.
+
+
+def _terminal_layers(graph: Graph, layers: list[Node]) -> frozenset[Node]:
+    """The layers from which no other layer is reachable (NOTE: [rowwise fallback])."""
+    layer_set = set(layers)
+    feeds_layer: set[Node] = set()  # nodes with a layer among their descendants
+    for node in reversed(graph.nodes):
+        if any(u in layer_set or u in feeds_layer for u in node.users):
+            feeds_layer.add(node)
+    return frozenset(n for n in layers if n not in feeds_layer)
+
+
+def _may_slice_input(layer: Node, state: PlannerState, ws: int, param_names: frozenset[str], terminal: frozenset[Node]) -> bool:
+    ops = layer_operands(layer, lambda a: param_root(a, param_names) is not None)
+    if ops is None or layer not in terminal or layer.name in state.slice_input or layer.name in state.forced:
+        return False
+    if ops.x.op != "placeholder" or ops.x.name in param_names:
+        return False  # not a model input
+    return shape_of(ops.weight)[1 - ops.out_dim] % ws == 0
+
+
+def _slice_inputs(res: Propagation, state: PlannerState, ws: int, param_names: frozenset[str], terminal: frozenset[Node]) -> bool:
+    """Terminal layers whose out_features do not divide ``ws`` go rowwise on a sliced input."""
+    changed = False
+    for n, note in res.layers.items():
+        if note.code == "not-divisible" and n.name not in state.demoted and _may_slice_input(n, state, ws, param_names, terminal):
+            state.slice_input.add(n.name)
+            changed = True
+    return changed
+
+
+# NOTE: [cheaper side of a merge]
+# A rowwise layer's output is all_reduced (replicated); where it then meets a colwise shard
+# (``base(x) + B(A(x))`` of a LoRA pair, a bypass added to an attention output) the replicated
+# sum is sliced back to the shard: an all_reduce whose result is thrown away in part. Either
+# side can be replicated to avoid it: the colwise layers whose shard reaches the merge, or the
+# colwise layers that fed the rowwise one (then it is no longer rowwise, and the value is
+# computed whole). fxtp replicates the side with fewer weight bytes: the LoRA adapters, not
+# the base layers (Megatron-style plan for LoRA: A replicated beside a colwise base, B
+# replicated beside a rowwise base).
+
+
+def _replicate_cheaper_side(res: Propagation, state: PlannerState, param_names: frozenset[str]) -> bool:
+    changed = False
+    for (consumer, producer), action in res.edges.items():
+        if action.kind != "slice" or not isinstance(res.placements.get(producer), Partial):
+            continue
+        ops = layer_operands(producer, lambda a: param_root(a, param_names) is not None)
+        fed_by = res.origins.get(ops.x, frozenset()) if ops is not None else frozenset()
+        meets = frozenset(o for a in consumer.all_input_nodes if a is not producer for o in res.origins.get(a, frozenset()))
+        sides = [side for side in (meets, fed_by) if side and not any(n.name in state.forced for n in side)]
+        if not sides:
+            continue
+        cheaper = min(sides, key=lambda side: sum(_weight_numel(n, param_names) for n in side))
+        for n in cheaper:
+            if n.name not in state.demoted:
+                state.demoted[n.name] = LayerNote(
+                    "replicate",
+                    f"its shard would meet the all_reduced output of {module_of(producer) or producer.name} at {consumer.name}; replicating this "
+                    "side moves fewer weight bytes than slicing that value (NOTE: [cheaper side of a merge])",
+                    code="cheaper-replicated",
+                    fix="none needed; plan={'{layer}': 'colwise'} shards it anyway",
+                    node=consumer.format_node(),
+                    module=module_of(consumer),
+                )
+                changed = True
+    return changed
+
+
+def _weight_numel(layer: Node, param_names: frozenset[str]) -> int:
+    weight = _weight_placeholder(layer, param_names)
+    return weight.meta["val"].numel() if weight is not None else 0
 
 
 def _next_segments(layer: Node, state: PlannerState, hint: Optional[tuple[int, ...]], ws: int) -> Optional[tuple[int, ...]]:

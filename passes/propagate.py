@@ -81,6 +81,7 @@ class PlannerState:
     tried: dict[str, set[tuple[int, ...]]] = field(default_factory=dict)  # segment layouts tried per layer
     first: dict[str, LayerNote] = field(default_factory=dict)  # first layout rejection per layer
     heads: set[str] = field(default_factory=set)  # colwise output heads whose logits are gathered
+    slice_input: set[str] = field(default_factory=set)  # rowwise on a sliced replicated input, NOTE: [rowwise fallback]
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,9 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
         return param_root(a, param_names) is not None
 
     def layer_state(node: Node) -> LayerState:
-        return LayerState(state.demoted.get(node.name), state.forced.get(node.name), state.segments.get(node.name))
+        return LayerState(
+            state.demoted.get(node.name), state.forced.get(node.name), state.segments.get(node.name), node.name in state.slice_input
+        )
 
     for node in graph.nodes:
         if node.op == "placeholder":

@@ -172,6 +172,7 @@ class LayerState:
     demoted: Optional[LayerNote]  # why it must stay replicated, if it must
     forced: Optional[str]  # the style a user plan asks for
     segments: Optional[tuple[int, ...]]  # refined output segments, NOTE: [segments]
+    slice_input: bool = False  # rowwise on a replicated input sliced locally, NOTE: [rowwise fallback]
 
 
 Rule = Callable[[RuleContext], Decision]

@@ -22,10 +22,11 @@ def _train(name: str, **kwargs):
 def test_linear_single_layer(pool):
     (rank0, *_) = pool.run(_train, "linear100")
     (layer,) = rank0["report"]["layers"]
-    assert layer["style"] == "replicate"
-    # 10 out_features: world_size 4 does not divide them; at 2 the output would need a gather.
-    assert layer["code"] == ("not-divisible" if pool.world_size == 4 else "needs-gather")
-    assert rank0["forward"] == {} and rank0["backward"] == {}
+    # 10 out_features: colwise cannot hold (ws 4 does not divide them; at 2 the output would need
+    # a gather), so the input is sliced and the layer is rowwise: NOTE: [rowwise fallback] (case 23).
+    assert (layer["style"], layer["code"]) == ("rowwise", None)
+    assert layer["local_weight_shape"] == [10, 100 // pool.world_size]
+    assert rank0["forward"] == {"all_reduce": 1} and rank0["backward"] == {}
 
 
 def test_mlp(pool):

@@ -119,7 +119,7 @@ def _layer_rule(ctx: RuleContext, ops: LayerOperands) -> Decision:
         else:
             code, why = "user-plan", "the plan makes the consumer colwise"
         raise Conflict(code, f"{why}, so its input must be replicated", "drop the plan entry for the consumer")
-    if isinstance(px, Shard) or state.forced == "rowwise":
+    if isinstance(px, Shard) or state.forced == "rowwise" or state.slice_input and state.demoted is None:
         shard = px if isinstance(px, Shard) else Shard(last, (in_features,))
         if not shard.divisible(ctx.world_size):
             return Decision(REPLICATE, whole, layer=_not_divisible("in_features", in_features, ctx.world_size))
@@ -127,6 +127,8 @@ def _layer_rule(ctx: RuleContext, ops: LayerOperands) -> Decision:
         if not isinstance(px, Shard):
             wants[x] = shard
         reason = "all_reduce after it, bias added once after that" if b is not None else "all_reduce after it"
+        if state.slice_input and not isinstance(px, Shard):
+            reason = "input replicated and sliced locally (colwise cannot hold, NOTE: [rowwise fallback]); " + reason
         local_target = aten.mm.default if ctx.node.target is aten.addmm.default else None
         local_args = (x, w) if b is not None else None
         return Decision(
@@ -181,7 +183,7 @@ def embedding_rule(ctx: RuleContext) -> Decision:
     return Decision(
         Partial(),
         {weight: Shard(0, (vocab,))},
-        local_args=(weight, indices, ShardStart(weight), padding_idx, _arg(ctx.node, 3, "scale_grad_by_freq", False)),
+        local_args=(weight, indices, ShardStart(weight), padding_idx, *((True,) if _arg(ctx.node, 3, "scale_grad_by_freq", False) else ())),
         local_target=local_ops.vocab_parallel_embedding,
         layer=LayerNote("rowwise", reason),
     )
