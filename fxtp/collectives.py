@@ -33,9 +33,9 @@ __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "all_reduce", "all_
 _c10d = torch.ops._c10d_functional
 
 
-def all_reduce(t: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Sum of ``t`` over the group's ranks (a new tensor)."""
-    return _c10d.wait_tensor(_c10d.all_reduce(t.contiguous(), "sum", group_name))
+def all_reduce(t: torch.Tensor, group_name: str, op: str = "sum") -> torch.Tensor:
+    """``op`` (``"sum"``, ``"max"``) of ``t`` over the group's ranks (a new tensor, no autograd)."""
+    return _c10d.wait_tensor(_c10d.all_reduce(t.contiguous(), op, group_name))
 
 
 def all_gather(t: torch.Tensor, dim: int, segments: tuple[int, ...], world_size: int, group_name: str) -> torch.Tensor:

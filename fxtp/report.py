@@ -16,6 +16,7 @@ from tabulate import tabulate
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from fxtp import local_ops
 from fxtp.placement import REPLICATE, Partial, Placement, Shard, is_sharded
 from passes.plan import LayerDecision, ShardingPlan, module_of
 
@@ -213,8 +214,18 @@ def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, at
     gathered = {p for (_, p), a in plan.edges.items() if a.kind == "gather"}
     needs_grad = _needs_grad(program)
     entered = {p for (_, p), a in plan.edges.items() if (a.kind == "enter" or a.enter) and p in needs_grad}
+    # Emitted ops that all_reduce themselves: a vocab-parallel loss, 3 of fp32 (N,) for (N, C) logits.
+    inside = [
+        (nodes[name], local_ops.FORWARD_COLLECTIVES[target])
+        for name, target in plan.local_targets.items()
+        if target in local_ops.FORWARD_COLLECTIVES
+    ]
+    inside_count = sum(count for _, (kind, count) in inside if kind == "all_reduce")
+    inside_bytes = sum(count * 4 * int(n.args[0].meta["val"].shape[0]) for n, (kind, count) in inside if kind == "all_reduce")
     stats = (
-        CollectiveStat("forward", "all_reduce", len(reduces), sum(_nbytes(n.meta["val"]) for n in reduces)),
+        CollectiveStat(
+            "forward", "all_reduce", len(reduces) + inside_count, sum(_nbytes(n.meta["val"]) for n in reduces) + inside_bytes
+        ),
         CollectiveStat("forward", "all_gather", len(gathered), sum(_nbytes(nodes[p].meta["val"]) for p in gathered)),
         CollectiveStat("backward", "all_reduce", len(entered), sum(_nbytes(nodes[p].meta["val"]) for p in entered)),
     )

@@ -26,6 +26,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch.fx import Graph, Node
 
+from fxtp import local_ops
 from fxtp.errors import FxtpError, FxtpPlanError
 from fxtp.placement import REPLICATE, Partial, Placement, Shard
 from passes.propagate import EdgeAction, ParamPiece, PlannerState, Propagation, param_root, propagate
@@ -495,8 +496,13 @@ def _combine(requests: list[tuple[ParamPiece, Placement, Any]], name: str) -> Pl
 
 
 def _rowwise_feeds(layers: list[Node], names: Mapping[Node, str], res: Propagation, param_names) -> dict[Node, list[str]]:
-    """colwise layer -> names of the rowwise layers its shard reaches, and the reverse."""
+    """colwise layer -> names of the rowwise layers (or vocab-parallel losses) its shard reaches,
+    and the reverse."""
     feeds: dict[Node, list[str]] = {}
+    for node, dec in res.decisions.items():
+        if dec.local_target is local_ops.vocab_parallel_cross_entropy:
+            for origin in res.origins.get(node.args[0], frozenset()):
+                feeds.setdefault(origin, []).append("a vocab-parallel cross_entropy (3 all_reduce of (N,), no logits gather)")
     for n in layers:
         note = res.layers.get(n)
         ops = layer_operands(n, lambda a: param_root(a, param_names) is not None)
@@ -511,7 +517,8 @@ def _layer_decision(node: Node, name: str, res: Propagation, state: PlannerState
     note = res.layers.get(node) or state.demoted.get(node.name) or LayerNote("replicate", "inputs replicated")
     partners = ", ".join(feeds.get(node, []))
     if note.style == "colwise" and node.name in state.heads:
-        note = dataclasses.replace(note, reason="output head: its logits are all_gathered at the model output")
+        also = f"; its shard also feeds {partners}" if partners else ""
+        note = dataclasses.replace(note, reason="output head: its logits are all_gathered at the model output" + also)
     if note.style == "colwise" and partners:
         note = dataclasses.replace(note, reason=note.reason.replace("a rowwise layer", partners))
     elif note.style == "rowwise" and partners:

@@ -30,6 +30,7 @@ __all__ = [
     "Conflict",
     "Decision",
     "ShardStart",
+    "GroupName",
     "LayerNote",
     "LayerState",
     "RuleContext",
@@ -67,6 +68,12 @@ class ShardStart:
     rewrite puts the number in (rules do not know the rank)."""
 
     value: Node
+
+
+@dataclass(frozen=True)
+class GroupName:
+    """In ``Decision.local_args``: the name of the tensor-parallel process group, for an emitted
+    op that communicates itself (a vocab-parallel loss); the rewrite puts it in."""
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from fxtp import collectives, rng
 from fxtp.placement import Shard, local_ranges
 from passes.plan import ShardingPlan
 from passes.propagate import EdgeAction
-from passes.registry import ShardStart
+from passes.registry import GroupName, ShardStart
 
 __all__ = ["rewrite"]
 
@@ -102,7 +102,7 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
         if placement is not None:
             node.meta["fxtp_placement"] = str(placement) if not isinstance(placement, tuple) else ", ".join(map(str, placement))
         if name in plan.local_args:
-            node.args = _fill_shard_starts(map_arg(plan.local_args[name], lambda n: nodes[n.name]), plan, rank)
+            node.args = _fill_rank_values(map_arg(plan.local_args[name], lambda n: nodes[n.name]), plan, rank, group_name)
         if name in plan.local_targets:
             node.target = plan.local_targets[name]
         for inp in list(node.all_input_nodes):
@@ -129,13 +129,16 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
     return GraphModule(gm, graph)
 
 
-def _fill_shard_starts(args: tuple, plan: ShardingPlan, rank: int) -> tuple:
-    """Replace each :class:`ShardStart` with this rank's first index of that value's shard."""
+def _fill_rank_values(args: tuple, plan: ShardingPlan, rank: int, group_name: str) -> tuple:
+    """Replace each :class:`ShardStart` with this rank's first index of that value's shard, and
+    each :class:`GroupName` with the process group's name."""
 
     def fill(a):
         if isinstance(a, ShardStart):
             placement = plan.placements[a.value.name]
             return local_ranges(placement, rank, plan.world_size)[0][0]
+        if isinstance(a, GroupName):
+            return group_name
         return a
 
     return tuple(fill(a) for a in args)

@@ -106,9 +106,9 @@ class TiedLM(nn.Module):
 class VocabLoss(nn.Module):
     """Case 8: Linear(16, 11) -> cross_entropy."""
 
-    def __init__(self) -> None:
+    def __init__(self, classes: int = 11) -> None:
         super().__init__()
-        self.head = nn.Linear(16, 11)
+        self.head = nn.Linear(16, classes)
 
     def forward(self, x, target):
         return F.cross_entropy(self.head(x).flatten(0, 1), target.flatten())
@@ -318,5 +318,42 @@ CASES.update(
         "20-lora": _seeded(lambda: (LoRAMLP(), _inputs((B, T, 64)))),
         "22-latent-kv": _seeded(lambda: (LatentKV(), _inputs((B, T, 64)))),
         "23-seed-linear": _seeded(lambda: (nn.Linear(100, 10), _inputs((B, 100)))),
+    }
+)
+
+
+class TinyLMLoss(nn.Module):
+    """Loss parallel: a language model whose loss is computed inside (Hugging Face ``labels=``):
+    the colwise head's logits feed cross_entropy with ``ignore_index`` targets."""
+
+    def __init__(self, vocab: int = 64, dim: int = 16, with_logits: bool = False) -> None:
+        super().__init__()
+        self.emb, self.up, self.down = nn.Embedding(vocab, dim), nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.with_logits = with_logits
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        h = h + self.down(F.gelu(self.up(h)))
+        logits = self.head(h)
+        loss = F.cross_entropy(logits.float()[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+        return (loss, logits) if self.with_logits else loss
+
+
+def _lm_inputs(vocab: int = 64):
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, vocab, (B, T), generator=gen)
+    labels = ids.clone()
+    labels[0, :3] = -100  # ignored targets (padding, a prompt)
+    return ids, labels
+
+
+CASES.update(
+    {
+        "lm-loss": _seeded(lambda: (TinyLMLoss(), _lm_inputs())),
+        "lm-loss-and-logits": _seeded(lambda: (TinyLMLoss(with_logits=True), _lm_inputs())),
+        "vocab-12-loss": _seeded(
+            lambda: (VocabLoss(12), (*_inputs((B, T, 16)), torch.randint(0, 12, (B, T), generator=torch.Generator().manual_seed(2))))
+        ),
     }
 )

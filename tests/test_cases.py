@@ -245,3 +245,18 @@ def test_case23_seed_linear_goes_rowwise_on_its_sliced_input(pool):
     (row,) = r["report"]["layers"]
     assert (row["style"], row["local_weight_shape"]) == ("rowwise", [10, 100 // pool.world_size])
     assert r["forward"] == {"all_reduce": 1} and r["out_shapes"] == [(2, 10)]
+
+
+@pytest.mark.parametrize("name", ["lm-loss", "lm-loss-and-logits", "vocab-12-loss"])
+def test_loss_parallel_cross_entropy_on_a_colwise_head(pool, name):
+    """cross_entropy on sharded classes is Megatron's vocab-parallel loss: exact loss, gradients
+    and SGD steps (ignore_index targets included), 3 forward all_reduce of (N,), no gather."""
+    (r, *_) = pool.run(_train, name)
+    assert _styles(r)["head"] == ("colwise", None)
+    assert "vocab-parallel cross_entropy" in _layers(r)["head"]["reason"]
+    if name == "vocab-12-loss":
+        assert r["forward"] == {"all_reduce": 3}
+    elif name == "lm-loss":  # + the vocab-parallel lookup and the MLP's rowwise layer
+        assert r["forward"] == {"all_reduce": 5}
+    else:  # the logits are a model output too: gathered once for it
+        assert r["forward"] == {"all_reduce": 5, "all_gather": 1}

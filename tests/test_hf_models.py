@@ -111,3 +111,31 @@ def test_bert(pool):
     assert layers["pooler.dense"]["code"] == "needs-gather"  # a square layer at the output
     assert (r["forward"], r["backward"]) == megatron_floor(r["report"], N_BLOCKS)
     _every_replicated_layer_says_why(r)
+
+
+class _LossOnly(torch.nn.Module):
+    """``model(input_ids=ids, labels=labels).loss``: the loss computed inside the model."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, labels):
+        return self.model(input_ids=ids, labels=labels).loss
+
+
+def _train_with_labels():
+    model, (ids,) = examples.llama()
+    labels = ids.clone()
+    labels[:, :4] = -100  # a prompt that is not trained on
+    return compare_training(_LossOnly(model), (ids, labels))
+
+
+def test_llama_labels_keep_the_head_colwise(pool):
+    """``labels=``: Hugging Face's cross entropy on the colwise head's logits is vocab-parallel
+    (3 all_reduce of (N,)), so lm_head stays colwise and its logits are never gathered."""
+    (r, *_) = pool.run(_train_with_labels)
+    head = _layers(r)["model.lm_head"]
+    assert head["style"] == "colwise" and "cross_entropy" in head["reason"]
+    floor_fwd, _ = megatron_floor(r["report"], N_BLOCKS)
+    assert r["forward"] == {"all_reduce": floor_fwd["all_reduce"] + 3}

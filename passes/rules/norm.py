@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from fxtp import local_ops
 from fxtp.placement import REPLICATE, Shard
-from passes.registry import Conflict, Decision, RuleContext, register_rule
+from passes.registry import Conflict, Decision, GroupName, RuleContext, ShardStart, register_rule
 from passes.rules._common import ndim, norm_dim
 
 __all__: list[str] = []
@@ -66,11 +67,34 @@ def reduction_rule(ctx: RuleContext) -> Decision:
     return Decision(p if keepdim else p.with_dim(p.dim - sum(d < p.dim for d in dims)))
 
 
-@register_rule(aten.sum.default, aten.mean.default, aten.cross_entropy_loss.default, aten.nll_loss_nd.default)
+@register_rule(aten.sum.default, aten.mean.default, aten.nll_loss_nd.default)
 def full_reduction_rule(ctx: RuleContext) -> Decision:
-    """Reductions to a scalar (or over the class dim: a loss). A sharded input is refused;
-    vocab-parallel cross entropy (Megatron's) is not implemented."""
+    """Reductions to a scalar (or over the class dim: ``nll_loss``). A sharded input is refused."""
     p = ctx.placement(ctx.node.args[0])
     if isinstance(p, Shard):
         raise _reduces(ctx, str(ctx.node.target.__name__), p.dim)
     return Decision(REPLICATE)
+
+
+@register_rule(aten.cross_entropy_loss.default)
+def cross_entropy_rule(ctx: RuleContext) -> Decision:
+    """``cross_entropy(logits (N, C), target (N,))`` on logits sharded on the class dim (a colwise
+    head's) is Megatron's vocab-parallel cross entropy: three all_reduce of (N,) instead of a
+    gather of the logits (NOTE: [vocab-parallel cross entropy] in ``fxtp/local_ops.py``).
+    Class weights, label smoothing and extra dims are refused on a sharded input."""
+    logits, target = ctx.node.args[:2]
+    p = ctx.placement(logits)
+    if not isinstance(p, Shard):
+        return Decision(REPLICATE)
+    names = ("weight", "reduction", "ignore_index", "label_smoothing")
+    given = dict(zip(names, ctx.node.args[2:]), **ctx.node.kwargs)
+    if ndim(logits) != 2 or p.dim != 1 or len(p.segments) != 1 or isinstance(ctx.placement(target), Shard):
+        raise _reduces(ctx, "cross_entropy_loss", p.dim)
+    if given.get("weight") is not None or given.get("label_smoothing", 0.0) != 0.0:
+        raise Conflict(
+            "reduces-sharded-dim",
+            "cross_entropy with class weights or label smoothing over sharded classes is not vocab-parallel in fxtp",
+            "none needed (the head stays replicated); drop weight=/label_smoothing= to keep it colwise",
+        )
+    args = (logits, target, ShardStart(logits), given.get("reduction", 1), given.get("ignore_index", -100), GroupName())
+    return Decision(REPLICATE, {logits: p}, local_args=args, local_target=local_ops.vocab_parallel_cross_entropy)
