@@ -236,13 +236,14 @@ def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, at
         nbytes = _nbytes(tensor)
         total += nbytes
         per_rank += nbytes * placement.local_size(plan.world_size) // placement.size if isinstance(placement, Shard) else nbytes
+    param_names = {s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.PARAMETER}
     return Report(
         world_size=plan.world_size,
         rank=rank,
         frontend=frontend,
         attempts=tuple(attempts),
         layers=plan.layers,
-        notes=_notes(plan, nodes, {s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.PARAMETER}),
+        notes=_notes(plan, nodes, param_names) + _other_parameters(program, plan, placements),
         collectives=stats,
         param_bytes=total,
         param_bytes_per_rank=per_rank,
@@ -294,6 +295,53 @@ def _needs_grad(program: ExportedProgram) -> set[str]:
         if floating and (node.name in trainable or any(a.name in out for a in node.all_input_nodes)):
             out.add(node.name)
     return out
+
+
+def _other_parameters(program: ExportedProgram, plan: ShardingPlan, placements: dict[str, Placement]) -> tuple[Note, ...]:
+    """Every parameter that is no layer's weight, so the report accounts for all bytes: a note
+    per matrix or larger (``not-a-layer``: MoE experts, conv kernels, a parameter used by an op
+    fxtp does not shard), one note for the vectors (biases, norm weights, scales)."""
+    covered = {layer.weight for layer in plan.layers}
+    by_id: dict[int, list[str]] = {}  # a tied tensor is counted once, under its first FQN
+    for fqn in placements:
+        by_id.setdefault(id(program.state_dict[fqn]), []).append(fqn)
+    users = {s.target: s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.PARAMETER}
+    nodes = {n.name: n for n in program.graph.nodes}
+    notes, vectors, vector_bytes, vector_local = [], 0, 0, 0
+    for fqns in by_id.values():
+        if covered.intersection(fqns):
+            continue
+        tensor, placement = program.state_dict[fqns[0]], placements[fqns[0]]
+        nbytes = _nbytes(tensor)
+        local = nbytes * placement.local_size(plan.world_size) // placement.size if isinstance(placement, Shard) else nbytes
+        if tensor.dim() <= 1:
+            vectors, vector_bytes, vector_local = vectors + 1, vector_bytes + nbytes, vector_local + local
+            continue
+        node = nodes[users[fqns[0]]]
+        ops = sorted({str(u.target).replace("aten.", "") for u in node.users}) or ["(unused)"]
+        how = f"sharded as {placement}" if isinstance(placement, Shard) else "replicated"
+        notes.append(
+            Note(
+                "not-a-layer",
+                node.format_node(),
+                module_of(next(iter(node.users), node)),
+                f"parameter {fqns[0]} {list(tensor.shape)} ({_fmt_bytes(nbytes)}) is used by {', '.join(ops)}, "
+                f"not a layer fxtp plans; it is {how}, {_fmt_bytes(local)} per rank",
+                (),
+            )
+        )
+    if vectors:
+        notes.append(
+            Note(
+                "other-params",
+                "-",
+                "",
+                f"{vectors} other parameters (biases, norm weights, scales) outside the layer rows: "
+                f"{_fmt_bytes(vector_bytes)} in all, {_fmt_bytes(vector_local)} per rank",
+                (),
+            )
+        )
+    return tuple(notes)
 
 
 def _notes(plan: ShardingPlan, nodes, param_names: set[str]) -> tuple[Note, ...]:

@@ -350,19 +350,39 @@ def test_a_tied_table_follows_its_head():
     assert count_graph_collectives(pm) == {}
 
 
-def test_a_loss_inside_the_model_keeps_the_head_replicated():
-    class WithLoss(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm, self.head = nn.LayerNorm(16), nn.Linear(16, 64)
+class _NormHeadLoss(nn.Module):
+    def __init__(self, **loss_options) -> None:
+        super().__init__()
+        self.norm, self.head = nn.LayerNorm(16), nn.Linear(16, 64)
+        self.loss_options = loss_options
 
-        def forward(self, x, labels):
-            return nn.functional.cross_entropy(self.head(self.norm(x)), labels)
+    def forward(self, x, labels):
+        return nn.functional.cross_entropy(self.head(self.norm(x)), labels, **self.loss_options)
 
+
+def test_a_loss_inside_the_model_keeps_the_head_colwise():
     x, labels = torch.randn(8, 16), torch.randint(0, 64, (8,))
-    report = fxtp.analyze(WithLoss(), 2, (x, labels))
+    report = fxtp.analyze(_NormHeadLoss(), 2, (x, labels))
+    head = next(layer for layer in report.layers if layer.name == "head")
+    assert (head.style, head.code) == ("colwise", None)  # vocab-parallel cross entropy
+    assert report.count("forward", "all_reduce") == 3 and report.count("forward", "all_gather") == 0
+
+
+def test_a_loss_with_label_smoothing_keeps_the_head_replicated():
+    x, labels = torch.randn(8, 16), torch.randint(0, 64, (8,))
+    report = fxtp.analyze(_NormHeadLoss(label_smoothing=0.1), 2, (x, labels))
     head = next(layer for layer in report.layers if layer.name == "head")
     assert (head.style, head.code) == ("replicate", "reduces-sharded-dim")
+    assert "label smoothing" in head.reason
+
+
+def test_every_parameter_is_in_the_report():
+    model = nn.Sequential(nn.Conv1d(4, 8, 3), nn.Flatten(), nn.Linear(48, 10), nn.LayerNorm(10))
+    report = fxtp.analyze(model, 2, (torch.randn(2, 4, 8),))
+    notes = {n.code: n for n in report.notes}
+    assert "0.weight [8, 4, 3] (384 B)" in notes["not-a-layer"].message and "conv" in notes["not-a-layer"].message
+    assert notes["other-params"].message.startswith("4 other parameters")  # conv bias, linear bias, norm weight and bias
+    assert report.param_bytes == sum(p.numel() * 4 for p in model.parameters())
 
 
 def test_outputs_keep_the_model_s_containers():
