@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["vocab_parallel_embedding"]
+__all__ = ["vocab_parallel_embedding", "grouped_query_attention"]
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, start: int, padding_idx: int = -1) -> torch.Tensor:
@@ -29,3 +29,36 @@ def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, start:
     pad = padding_idx - start if 0 <= padding_idx - start < n else -1
     out = torch.ops.aten.embedding.default(weight, local, pad)
     return out.masked_fill(outside.unsqueeze(-1), 0)
+
+
+def grouped_query_attention(
+    q_start: int,
+    group: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: "torch.Tensor | None" = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: "float | None" = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """This rank's query heads of ``scaled_dot_product_attention(..., enable_gqa=True)`` with
+    ``key`` and ``value`` whole (NOTE: [enable_gqa] in ``passes/rules/attention.py``).
+
+    Args:
+        q_start: the global index of this rank's first query head.
+        group: query heads per kv head (``Hq // Hkv``).
+        query: ``(..., hq, L, E)``: this rank's ``hq`` query heads.
+        key, value: ``(..., Hkv, S, E)`` and ``(..., Hkv, S, Ev)``: every kv head.
+        attn_mask, dropout_p, is_causal, scale: as in ``scaled_dot_product_attention``.
+        enable_gqa: accepted for the original call's keywords; the heads are matched here.
+
+    Returns:
+        ``(..., hq, L, Ev)``: query head ``q_start + j`` attends with kv head
+        ``(q_start + j) // group``, as on one device.
+    """
+    heads = torch.arange(q_start, q_start + query.shape[-3], device=key.device) // group
+    key, value = key.index_select(-3, heads), value.index_select(-3, heads)
+    return torch.ops.aten.scaled_dot_product_attention.default(query, key, value, attn_mask, dropout_p, is_causal, scale=scale)
