@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["vocab_parallel_embedding", "grouped_query_attention"]
+__all__ = ["vocab_parallel_embedding", "grouped_query_attention", "repeat_interleave"]
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, start: int, padding_idx: int = -1) -> torch.Tensor:
@@ -62,3 +62,15 @@ def grouped_query_attention(
     heads = torch.arange(q_start, q_start + query.shape[-3], device=key.device) // group
     key, value = key.index_select(-3, heads), value.index_select(-3, heads)
     return torch.ops.aten.scaled_dot_product_attention.default(query, key, value, attn_mask, dropout_p, is_causal, scale=scale)
+
+
+def repeat_interleave(x: torch.Tensor, repeats: int, dim: int, output_size: "int | None" = None) -> torch.Tensor:
+    """``x.repeat_interleave(repeats, dim)`` on this rank's shard of ``dim``.
+
+    Args:
+        x: this rank's block of the input.
+        repeats, dim: as in ``torch.repeat_interleave`` (int repeats).
+        output_size: the original call's global output size, a hint only; not passed on (the
+            local output is ``x.shape[dim] * repeats``).
+    """
+    return torch.ops.aten.repeat_interleave.self_int(x, repeats, dim)

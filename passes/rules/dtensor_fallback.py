@@ -84,7 +84,8 @@ def dtensor_rule(op: OpOverload, ctx: RuleContext, skip: frozenset[str] = frozen
     if torch.Tag.nondeterministic_seeded in op.tags:
         raise _unsupported(op, "draws random numbers; a shard would draw a different stream than one device")
     kwargs = {k: v for k, v in node.kwargs.items() if k not in skip}
-    flat, spec = pytree.tree_flatten((node.args, kwargs))
+    args, kwargs = _nonnegative_dims(op, node, kwargs)
+    flat, spec = pytree.tree_flatten((args, kwargs))
     tensors = [a for a in flat if is_tensor_node(a)]
     given = {a: activation_placement(ctx, a) for a in tensors}
     segments = _common_segments(op, given)
@@ -113,6 +114,41 @@ def dtensor_rule(op: OpOverload, ctx: RuleContext, skip: frozenset[str] = frozen
     if any(isinstance(p, Partial) for p in placements) and len(placements) > 1:
         raise _unsupported(op, "returns partial sums among several outputs")
     return Decision(placements if isinstance(node.meta["val"], (tuple, list)) else placements[0], wants)
+
+
+_DIM_ARGS = frozenset({"dim", "dims", "dim0", "dim1", "dim2"})
+
+
+def _nonnegative_dims(op: OpOverload, node: Node, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """``node``'s args and ``kwargs`` with negative dim arguments made non-negative.
+
+    Not every DTensor strategy normalizes them: torch 2.13's ``scan_strategy`` (``cumsum``,
+    ``cumprod``, ``logcumsumexp``) compares ``dim=-1`` with ``Shard(2)`` and keeps a shard it
+    scans over. A dim counts from ``self``'s rank, unless the op adds dims (``unsqueeze``-like:
+    left as is).
+    """
+    self_val = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], Node) else None
+    out_val = node.meta.get("val")
+    if not isinstance(self_val, torch.Tensor) or not isinstance(out_val, torch.Tensor) or out_val.dim() > self_val.dim():
+        return tuple(node.args), kwargs
+    rank = max(self_val.dim(), 1)
+
+    def fix(value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value + rank if value < 0 else value
+        if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+            return type(value)(v + rank if v < 0 else v for v in value)
+        return value
+
+    args = list(node.args)
+    for i, a in enumerate(op._schema.arguments):
+        if a.name not in _DIM_ARGS:
+            continue
+        if i < len(args) and not a.kwarg_only:
+            args[i] = fix(args[i])
+        elif a.name in kwargs:
+            kwargs = {**kwargs, a.name: fix(kwargs[a.name])}
+    return tuple(args), kwargs
 
 
 # A spec as plain data: ("R",), ("S", dim), ("P", reduce_op), ("?", text); None: not a tensor.

@@ -3,14 +3,15 @@
 Grouped-query attention broadcasts its kv heads this way (``k.repeat_interleave(n, dim=1)``,
 neuronx-nemo-megatron, tpu-inference). Input index ``i`` becomes outputs ``[i*n, (i+1)*n)``, so
 a rank's block of the input dim becomes its block of the output dim: a segment ``s`` becomes a
-segment ``s*n`` (NOTE: [segments]) and the op runs locally, with ``output_size`` made local. A
-shard on another dim flows through. Tensor ``repeats`` (``self_Tensor``) are not handled here.
+segment ``s*n`` (NOTE: [segments]) and the op runs locally; a global ``output_size`` is
+dropped (``fxtp.local_ops.repeat_interleave``). A shard on another dim flows through. Tensor ``repeats`` (``self_Tensor``) are not handled here.
 """
 
 from __future__ import annotations
 
 import torch
 
+from fxtp import local_ops
 from fxtp.placement import REPLICATE, Shard
 from passes.registry import Conflict, Decision, RuleContext, register_rule
 from passes.rules._common import ndim, norm_dim
@@ -33,8 +34,7 @@ def repeat_interleave_rule(ctx: RuleContext) -> Decision:
     if norm_dim(dim, ndim(x)) != p.dim:
         return Decision(p)
     out = Shard(p.dim, tuple(s * repeats for s in p.segments))
-    if "output_size" in ctx.node.kwargs:  # local_args rewrites positional args only
-        raise Conflict("unsupported-op", "repeat_interleave with a keyword output_size on the sharded dim", "drop output_size")
-    if args[3] is None:
+    if args[3] is None and "output_size" not in ctx.node.kwargs:
         return Decision(out)
-    return Decision(out, local_args=(x, repeats, dim, out.local_size(ctx.world_size)))
+    # output_size (export passes it as a keyword) is the global size: run without it.
+    return Decision(out, local_args=(x, repeats, dim), local_target=local_ops.repeat_interleave)
