@@ -32,6 +32,7 @@ the same index of the output, so it is correct on any union of blocks too.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -81,6 +82,8 @@ def dtensor_rule(op: OpOverload, ctx: RuleContext, skip: frozenset[str] = frozen
             with a placement fxtp cannot hold) or ``not-divisible``.
     """
     node = ctx.node
+    if not torch.distributed.is_available():
+        raise _unsupported(op, "has no fxtp rule, and this torch build has no torch.distributed.tensor to ask")
     if torch.Tag.nondeterministic_seeded in op.tags:
         raise _unsupported(op, "draws random numbers; a shard would draw a different stream than one device")
     kwargs = {k: v for k, v in node.kwargs.items() if k not in skip}
@@ -110,6 +113,8 @@ def dtensor_rule(op: OpOverload, ctx: RuleContext, skip: frozenset[str] = frozen
             if wants.setdefault(a, shard) != shard:
                 raise _unsupported(op, f"wants input {a.name} sharded two ways")
     out_vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
+    if len(outs) != len(out_vals):
+        raise _unsupported(op, f"has {len(out_vals)} outputs but DTensor places {len(outs)}")
     placements = tuple(_output(op, o, v, segments, ctx.world_size) for o, v in zip(outs, out_vals))
     if any(isinstance(p, Partial) for p in placements) and len(placements) > 1:
         raise _unsupported(op, "returns partial sums among several outputs")
@@ -168,7 +173,11 @@ def _arg_key(a: Any, given: dict[Node, Placement]) -> Any:
     by its value."""
     if is_tensor_node(a):
         val = a.meta["val"]
-        return _TensorArg(tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride()), val.dtype, given[a])
+        shape = shape_of(a)
+        stride = tuple(val.stride())
+        if not all(isinstance(s, int) for s in stride):  # symbolic: strides do not decide a shard
+            stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+        return _TensorArg(shape, stride, val.dtype, given[a])
     if isinstance(a, Node):
         return a.meta.get("val")
     return a
@@ -260,7 +269,7 @@ def _output(op: OpOverload, spec: Optional[_Spec], val: Any, segments: Optional[
     if spec[0] == "R":
         return REPLICATE
     if spec[0] == "S":
-        return _shard(op, spec[1], tuple(int(s) for s in val.shape), segments, ws)
+        return _shard(op, spec[1], tuple(val.shape), segments, ws)
     if spec == ("P", "sum") and val.is_floating_point():
         return Partial()
     raise _unsupported(op, f"returns {_show(spec)}, which fxtp does not represent")
