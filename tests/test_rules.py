@@ -817,3 +817,26 @@ def test_grouped_query_attention_local_op_matches_the_slice(rank):
     full = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
     local = local_ops.grouped_query_attention(2 * rank, 4, q[:, 2 * rank : 2 * rank + 2], k, v, None, 0.0, True, scale=0.3, enable_gqa=True)
     torch.testing.assert_close(local, full[:, 2 * rank : 2 * rank + 2])
+
+
+class MQABroadcast(nn.Module):
+    """One kv head broadcast over 4 query heads by SDPA itself (no enable_gqa, no repeat)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = nn.Linear(64, 64), nn.Linear(64, 16), nn.Linear(64, 16), nn.Linear(64, 64)
+
+    def forward(self, x):
+        q = self.q(x).view(2, 4, 4, 16).transpose(1, 2)
+        k = self.k(x).view(2, 4, 1, 16).transpose(1, 2)
+        v = self.v(x).view(2, 4, 1, 16).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.o(y.transpose(1, 2).reshape(2, 4, 64))
+
+
+def test_sdpa_broadcast_kv_head_is_used_whole():
+    placements, plan, report, layers = analyze(MQABroadcast(), torch.randn(2, 4, 64), ws=2)
+    assert placements["scaled_dot_product_attention"] == S(1, 4)
+    assert layers["q"].style == "colwise" and layers["o"].style == "rowwise"
+    assert layers["k"].style == "replicate"
+    assert plan.edges[("scaled_dot_product_attention", "transpose_1")].kind == "enter"  # whole, f for its gradient
