@@ -320,6 +320,13 @@ def test_fallback_refuses_a_redistribution_naming_the_op(dim):
     assert info.value.code == "unsupported-op" and "aten.cumsum.default" in info.value.message
 
 
+def test_fallback_refuses_a_number_computed_from_a_shard():
+    node, full = _node(aten.is_same_size.default, (_X, _X.clone()), {})  # DTensor answers Replicate
+    with pytest.raises(Conflict) as info:
+        _decide(node, {next(iter(full)): S2})
+    assert info.value.code == "unsupported-op" and "bool" in info.value.message
+
+
 def test_fallback_keeps_segments_only_on_a_dim_that_maps_one_to_one():
     node, full = _node(aten.cumsum.default, (_X, 1), {})
     x = next(iter(full))

@@ -262,8 +262,10 @@ def _shard(op: OpOverload, dim: int, shape: tuple[int, ...], segments: Optional[
 
 
 def _output(op: OpOverload, spec: Optional[_Spec], val: Any, segments: Optional[tuple[int, ...]], ws: int) -> Placement:
-    if not isinstance(val, torch.Tensor):
+    if val is None:
         return REPLICATE
+    if not isinstance(val, torch.Tensor):  # is_same_size, sym sizes: a number of the local shard
+        raise _unsupported(op, f"returns a {type(val).__name__} that a rank would compute from its shard only")
     if spec is None:
         raise _unsupported(op, "returns a value DTensor computes outside the op (e.g. a scalar)")
     if spec[0] == "R":
