@@ -19,7 +19,6 @@ slicing the repeated heads.
 from __future__ import annotations
 
 import torch
-
 from torch.fx import Node
 
 from fxtp import local_ops
@@ -66,7 +65,11 @@ def sdpa_rule(ctx: RuleContext) -> Decision:
     if group > 1 and q in shards and any(
         t in shards and [s * group for s in shards[t].segments] != list(shards[q].segments) for t in (k, v)
     ):
-        raise Conflict("layout-mismatch", f"q and k/v heads sharded in different groups (enable_gqa, {group} q heads per kv head)", "keep the producers replicated")
+        raise Conflict(
+            "layout-mismatch",
+            f"q and k/v heads sharded in different groups (enable_gqa, {group} q heads per kv head)",
+            "keep the producers replicated",
+        )
     wants: dict = dict(shards)
     for t in (q, k, v):
         if t not in shards:

@@ -94,8 +94,8 @@ def dtensor_rule(op: OpOverload, ctx: RuleContext, skip: frozenset[str] = frozen
     segments = _common_segments(op, given)
     try:
         answer = _ask(op, ctx.world_size, tuple(_arg_key(a, given) for a in flat), spec)
-    except TypeError:  # an unhashable argument: no cache, no answer
-        raise _unsupported(op, "has an argument fxtp cannot pass to DTensor") from None
+    except Exception as e:  # an unhashable argument, a spec fxtp cannot build: no answer
+        raise _unsupported(op, f"has arguments fxtp cannot pass to DTensor ({type(e).__name__}: {e})") from None
     if isinstance(answer, str):
         raise _unsupported(op, answer)
     expected, outs = answer
