@@ -244,11 +244,12 @@ def _tries(node: Node, full: dict[Node, torch.Tensor]):
 
 
 def sharded_path(op) -> Optional[str]:
-    """How ``op`` runs with a sharded input: ``"own rule"``, ``"fallback"`` (a sample's shard
-    accepted and checked against the full result), or ``None``. Raises on a wrong result or an
-    uncoded error."""
+    """How ``op`` runs with a sharded input: ``"own rule"``, ``"fallback"`` (some sample's
+    shard kept), or ``None``. Every placement the fallback accepts, on every sample, is checked
+    against the full result; a wrong result or an uncoded error raises."""
     if get_rule(op) is not None:
         return "own rule"
+    path = None
     for args, kwargs in samples().get(op, []):
         node, full = _node(op, args, kwargs)
         for placements in _tries(node, full):
@@ -257,12 +258,11 @@ def sharded_path(op) -> Optional[str]:
             except Conflict as c:
                 assert c.code and str(op) in c.message or c.code == "not-divisible", (op, c)
                 continue
-            outs = dec.out if isinstance(dec.out, tuple) else (dec.out,)
-            if not any(isinstance(p, (Shard, Partial)) for p in outs):
-                continue  # a replicated result from a shard (new_zeros-like): no path through it
             _simulate(node, full, placements, dec)
-            return "fallback"
-    return None
+            outs = dec.out if isinstance(dec.out, tuple) else (dec.out,)
+            if any(isinstance(p, (Shard, Partial)) for p in outs):  # not a new_zeros-like replicated result
+                path = "fallback"
+    return path
 
 
 # --------------------------------------------------------------------------------------------
