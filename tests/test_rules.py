@@ -840,3 +840,23 @@ def test_sdpa_broadcast_kv_head_is_used_whole():
     assert layers["q"].style == "colwise" and layers["o"].style == "rowwise"
     assert layers["k"].style == "replicate"
     assert plan.edges[("scaled_dot_product_attention", "transpose_1")].kind == "enter"  # whole, f for its gradient
+
+
+class SqueezeHeads(nn.Module):
+    """(1, T, 32) -> (1, T, 4 heads, 8) -> squeeze(): at world_size 4 a rank holds 1 head."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = self.up(x).view(1, 3, 4, 8).transpose(1, 2).squeeze()  # (4, 3, 8): only the batch dim goes
+        return self.down(h.transpose(0, 1).reshape(3, 32))
+
+
+def test_squeeze_keeps_a_sharded_dim_of_local_size_one():
+    placements, plan, _, layers = analyze(SqueezeHeads(), torch.randn(1, 3, 8), ws=4)
+    assert placements["squeeze"] == S(0, 4)
+    assert plan.local_targets["squeeze"] is aten.squeeze.dims
+    assert plan.local_args["squeeze"][1] == [0]  # the batch dim only, not the local head dim
+    assert layers["up"].style == "colwise" and layers["down"].style == "rowwise"
