@@ -243,26 +243,30 @@ def _tries(node: Node, full: dict[Node, torch.Tensor]):
             yield together
 
 
-def sharded_path(op) -> Optional[str]:
-    """How ``op`` runs with a sharded input: ``"own rule"``, ``"fallback"`` (some sample's
-    shard kept), or ``None``. Every placement the fallback accepts, on every sample, is checked
-    against the full result; a wrong result or an uncoded error raises."""
-    if get_rule(op) is not None:
-        return "own rule"
-    path = None
+def keeps_a_shard(op) -> bool:
+    """Whether ``op``'s rule keeps some sample's shard. Every placement the rule accepts, on
+    every sample, is checked against the full result; a wrong result or an uncoded error raises."""
+    kept = False
     for args, kwargs in samples().get(op, []):
         node, full = _node(op, args, kwargs)
         for placements in _tries(node, full):
             try:
                 dec = _decide(node, placements)
             except Conflict as c:
-                assert c.code and str(op) in c.message or c.code == "not-divisible", (op, c)
+                assert c.code, (op, c)
                 continue
             _simulate(node, full, placements, dec)
             outs = dec.out if isinstance(dec.out, tuple) else (dec.out,)
-            if any(isinstance(p, (Shard, Partial)) for p in outs):  # not a new_zeros-like replicated result
-                path = "fallback"
-    return path
+            kept |= any(isinstance(p, (Shard, Partial)) for p in outs)  # not a new_zeros-like replicated result
+    return kept
+
+
+def sharded_path(op) -> Optional[str]:
+    """How ``op`` runs with a sharded input: ``"own rule"``, ``"fallback"`` (checked by
+    :func:`keeps_a_shard`), or ``None``."""
+    if get_rule(op) is not None:
+        return "own rule"
+    return "fallback" if keeps_a_shard(op) else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -282,6 +286,21 @@ def test_every_core_op_dtensor_shards_has_a_path():
     covered = sum(path is not None for path in paths.values())
     own = sum(path == "own rule" for path in paths.values())
     print(f"\ncovered {covered} of {len(paths)} core ATen ops ({own} own rules, {covered - own} by the DTensor fallback)")
+
+
+# fxtp's own rules on the same samples, where the simulation can express the input.
+OWN_RULE_NOT_SIMULATED = {
+    "aten.cat.default": "legacy cat of an empty (0,) tensor with a sharded one: the rule asks to slice the empty one",
+    "aten.embedding.default": "a table sharded on its embedding dim: propagation refuses the vocab-parallel want "
+    "(layout-mismatch in _apply_wants), which the one-node simulation does not apply",
+}
+
+
+def test_own_rules_match_the_slices_of_the_full_result():
+    own = [op for op in core_dtensor_ops() if get_rule(op) is not None and str(op) not in OWN_RULE_NOT_SIMULATED]
+    assert len(own) >= 70
+    for op in own:
+        keeps_a_shard(op)
 
 
 # Per-op differential tests of the fallback, by hand, where the answer matters most.
