@@ -290,7 +290,7 @@ def test_rules_cover_the_ops_they_claim():
                aten.rms_norm.default, aten.linear.default, aten.matmul.default, aten.transpose.int,
                aten.permute.default, aten.select.int, aten.scaled_dot_product_attention.default):
         assert get_rule(op) is not None, op
-    assert get_rule(aten.cumsum.default) is None  # used below as the op without a rule
+    assert get_rule(aten.cumsum.default) is None  # used below as an op without an own rule (DTensor answers)
 
 
 # --------------------------------------------------------------------------------------------
