@@ -28,9 +28,10 @@ import torch
 from torch.fx import Graph, Node
 
 from fxtp.placement import REPLICATE, Partial, Placement, Replicate, Shard, is_sharded
-from passes.registry import Conflict, Decision, LayerNote, LayerState, RuleContext, get_rule, is_tensor_node
+from passes.registry import Conflict, Decision, LayerNote, LayerState, RuleContext, is_tensor_node
 from passes.rules._common import norm_dim, tensor_inputs
 from passes.rules.matmul import layer_weight
+from passes.rules.variants import rule_for
 
 __all__ = ["EdgeAction", "PlannerState", "Propagation", "Rejection", "ParamPiece", "propagate", "param_root"]
 
@@ -208,7 +209,7 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
             res.placements[node] = _replicated_like(node)
             _mark_gathers(node, res, state, sharded_out=False)
             continue
-        rule = get_rule(node.target)
+        rule = rule_for(node.target)  # own, functional's (in-place, out=), or DTensor's
         ctx = RuleContext(
             node,
             world_size,

@@ -52,6 +52,8 @@ class Attention(nn.Module):
             return t
         if self.repeat == "interleave":
             return t.repeat_interleave(n, dim=1)
+        if self.repeat == "enable_gqa":
+            return t  # scaled_dot_product_attention(..., enable_gqa=True) pairs the heads
         b, h, s, d = t.shape  # Hugging Face's repeat_kv
         return t[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)
 
@@ -60,7 +62,7 @@ class Attention(nn.Module):
         q = self.q(x).view(b, t, self.heads, self.hd).transpose(1, 2)
         k = self._repeat_kv(self.k(x).view(b, t, self.kv_heads, self.hd).transpose(1, 2))
         v = self._repeat_kv(self.v(x).view(b, t, self.kv_heads, self.hd).transpose(1, 2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.repeat == "enable_gqa")
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -172,6 +174,34 @@ class SelfAttentionMHA(nn.Module):
         return self.mha(x, x, x, need_weights=False)[0]
 
 
+class GluFFN(nn.Module):
+    """Case 18 (torchtitan 827): RMSNorm -> fused w12 -> glu -> w3 -> + x."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.w12, self.w3 = nn.RMSNorm(64), nn.Linear(64, 256), nn.Linear(128, 64)
+
+    def forward(self, x):
+        return self.w3(F.glu(self.w12(self.norm(x)), dim=-1)) + x
+
+
+class InPlaceMLP(nn.Module):
+    """Case 21 (pytorch/examples PR 1099): Linear -> ``h *= gain`` -> ``h += c`` ->
+    ReLU(inplace) -> Linear. The in-place ops come before the ReLU: relu's backward reads its
+    own output, so mutating it afterwards fails on one device too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(64, 256), nn.ReLU(inplace=True), nn.Linear(256, 64)
+        self.gain = nn.Parameter(torch.rand(256) + 0.5)
+
+    def forward(self, x, c):
+        h = self.up(x)
+        h.mul_(self.gain)
+        h += c
+        return self.down(self.act(h))
+
+
 def _seeded(fn):
     def build():
         torch.manual_seed(0)
@@ -205,6 +235,9 @@ CASES = {
         lambda: (nn.TransformerEncoderLayer(64, nhead=4, dim_feedforward=128, batch_first=True).eval(), _inputs((2, 10, 64)))
     ),
     "14-mha": _seeded(lambda: (SelfAttentionMHA(), _inputs((B, T, 64)))),
+    "18-glu": _seeded(lambda: (GluFFN(), _inputs((B, T, 64)))),
+    "19-gqa-enable-gqa": _seeded(lambda: (Attention(64, 8, 2, repeat="enable_gqa"), _inputs((B, T, 64)))),
+    "21-in-place": _seeded(lambda: (InPlaceMLP(), _inputs((B, T, 64), (B, T, 256)))),
 }
 
 

@@ -69,13 +69,20 @@ def test_case04_grouped_query_attention(pool):
     assert r["forward"] == {"all_reduce": 1}
 
 
-def test_case04_grouped_query_attention_repeat_interleave(pool):
-    (r, *_) = pool.run(_train, "4-gqa-interleave")
-    styles = _styles(r)
-    assert styles["q"] == ("colwise", None) and styles["o"] == ("rowwise", None)
-    if pool.world_size == 2:
-        assert styles["k"] == ("replicate", "unsupported-op")
-        assert "repeat_interleave" in _layers(r)["k"]["reason"]
+@pytest.mark.parametrize("name", ["4-gqa-interleave", "19-gqa-enable-gqa"])
+def test_case19_grouped_query_attention_repeat_interleave_or_enable_gqa(pool, name):
+    (r, *_) = pool.run(_train, name)
+    if pool.world_size == 2:  # 2 kv heads divide 2: k/v colwise, one kv head per rank
+        assert _styles(r) == MEGATRON_ATTENTION
+        assert r["backward"] == {}  # x needs no gradient: no f sends anything
+    else:  # 2 kv heads, 4 ranks: k/v whole, each rank uses the kv head its 2 q heads need
+        styles = _styles(r)
+        assert styles["q"] == ("colwise", None) and styles["o"] == ("rowwise", None)
+        assert styles["k"] == styles["v"] == ("replicate", "not-divisible")
+        assert r["backward"] == {"all_reduce": 2}  # f on the whole k and v
+    assert r["forward"] == {"all_reduce": 1}
+    if name == "19-gqa-enable-gqa" and pool.world_size == 4:
+        assert "grouped_query_attention" in r["code"]
 
 
 @pytest.mark.parametrize("name", ["5a-fused-chunk", "5b-fused-unbind"])
@@ -260,3 +267,23 @@ def test_loss_parallel_cross_entropy_on_a_colwise_head(pool, name):
         assert r["forward"] == {"all_reduce": 5}
     else:  # the logits are a model output too: gathered once for it
         assert r["forward"] == {"all_reduce": 5, "all_gather": 1}
+
+
+def test_case18_glu_on_a_fused_projection(pool):
+    (r, *_) = pool.run(_train, "18-glu")
+    assert _styles(r) == {"w12": ("colwise", None), "w3": ("rowwise", None)}
+    layers = _layers(r)
+    assert "[128, 128]" in layers["w12"]["reason"]  # each rank holds [w1_r | w2_r]
+    assert layers["w12"]["local_weight_shape"] == [256 // pool.world_size, 64]
+    assert layers["w3"]["local_weight_shape"] == [64, 128 // pool.world_size]
+    assert r["forward"] == {"all_reduce": 1}
+    assert r["backward"] == {"all_reduce": 1}  # f after the norm, whose weight needs its gradient
+    assert "aten.glu.default" in r["code"]
+
+
+def test_case21_in_place_activation(pool):
+    (r, *_) = pool.run(_train, "21-in-place")  # the gain's gradient is compared too
+    assert _styles(r) == {"up": ("colwise", None), "down": ("rowwise", None)}
+    for op in ("aten.relu_.default", "aten.mul_.Tensor"):
+        assert op in r["code"]  # the in-place ops run on the local shards
+    assert r["forward"] == {"all_reduce": 1}

@@ -203,3 +203,27 @@ def _mismatched_world_size():
 def test_world_size_must_match_group(pool):
     msg = pool.run(_mismatched_world_size)[0]
     assert f"the process group has {pool.world_size} ranks" in msg
+
+
+class _SqueezeHeads(torch.nn.Module):
+    """(1, T, 32) -> 4 heads of 8 -> ``squeeze()``: at world_size 4 each rank holds 1 head, a dim
+    of local size 1 that the rank must not squeeze (only the global batch of 1 goes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = self.up(x).view(1, 3, 4, 8).transpose(1, 2).squeeze()
+        return self.down(h.transpose(0, 1).reshape(3, 32))
+
+
+def _squeeze_heads():
+    torch.manual_seed(0)
+    return compare_training(_SqueezeHeads(), (torch.randn(1, 3, 8),))
+
+
+def test_squeeze_keeps_a_sharded_dim_of_local_size_one(pool):
+    (rank0, *_) = pool.run(_squeeze_heads)
+    assert rank0["plan"] == {"up": "colwise", "down": "rowwise"}
+    assert "torch.ops.aten.squeeze.dims(" in rank0["code"]

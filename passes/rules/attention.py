@@ -1,17 +1,29 @@
 """``scaled_dot_product_attention``: shards on batch or head dims only.
 
 q, k, v are ``(..., heads, seq, head_dim)``. Any dim before the last two may be sharded, the
-same one in q, k and v, so every rank attends with whole heads. Grouped-query attention
-(fewer kv heads) works when both head counts are sharded in the same number of segments.
-Sharding seq or head_dim is refused: it would split inside an attention head.
+same one in q, k and v, so every rank attends with whole heads. Sharding seq or head_dim is
+refused: it would split inside an attention head. The keywords ``scale`` and ``is_causal`` act
+within a head and pass through unchanged.
+
+NOTE: [enable_gqa]
+With ``enable_gqa=True`` and ``Hkv`` kv heads for ``Hq`` query heads, query head ``h`` attends
+with kv head ``h // (Hq / Hkv)`` (``repeat_interleave`` semantics). When both head counts are
+sharded in the same number of segments with the same ratio, every rank's local call pairs its
+query heads with its own kv heads. When ``Hkv`` does not divide by world_size, k and v stay
+whole (replicated) and each rank gathers the kv heads its query heads use
+(``fxtp.local_ops.grouped_query_attention``): at 8 query heads, 2 kv heads and world_size 4,
+ranks 0 and 1 use kv head 0, ranks 2 and 3 kv head 1, as the ``expand`` form of GQA does by
+slicing the repeated heads.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.fx import Node
 
+from fxtp import local_ops
 from fxtp.placement import Shard
-from passes.registry import Conflict, Decision, RuleContext, register_rule, shape_of
+from passes.registry import Conflict, Decision, RuleContext, ShardStart, register_rule, shape_of
 from passes.rules._common import ndim
 
 __all__: list[str] = []
@@ -23,6 +35,7 @@ aten = torch.ops.aten
 def sdpa_rule(ctx: RuleContext) -> Decision:
     q, k, v = ctx.node.args[:3]
     mask = ctx.node.args[3] if len(ctx.node.args) > 3 else ctx.node.kwargs.get("attn_mask")
+    gqa = bool(ctx.node.kwargs.get("enable_gqa", False))
     nd = ndim(q)
     placements = {t: ctx.placement(t) for t in (q, k, v)}
     shards = {t: p for t, p in placements.items() if isinstance(p, Shard)}
@@ -46,18 +59,51 @@ def sdpa_rule(ctx: RuleContext) -> Decision:
     nseg = len(first.segments)
     if any(len(p.segments) != nseg for p in shards.values()):
         raise Conflict("layout-mismatch", "q, k, v sharded with different segment counts", "keep the producers replicated")
+    group = shape_of(q)[dim] // shape_of(k)[dim] if gqa and dim == nd - 3 else 1
+    if group > 1 and q in shards and k not in shards and v not in shards and not _heads_divide(k, dim, nseg, ctx.world_size):
+        return _gathered_kv_heads(ctx, q, placements[q], group, mask, dim, nd)
+    if group > 1 and q in shards and any(
+        t in shards and [s * group for s in shards[t].segments] != list(shards[q].segments) for t in (k, v)
+    ):
+        raise Conflict(
+            "layout-mismatch",
+            f"q and k/v heads sharded in different groups (enable_gqa, {group} q heads per kv head)",
+            "keep the producers replicated",
+        )
     wants: dict = dict(shards)
     for t in (q, k, v):
         if t not in shards:
             size = shape_of(t)[dim]
+            if size == 1 and not gqa:
+                continue  # broadcast over the heads (or batch): used whole
             if size % nseg or (size // nseg) % ctx.world_size:
                 raise Conflict("not-divisible", f"{size} heads of an unsharded attention input at world_size {ctx.world_size}", "keep the producers replicated")
             wants[t] = Shard(dim, (size // nseg,) * nseg)
-    if mask is not None:
-        mdim = dim - (nd - ndim(mask))
-        if isinstance(ctx.placement(mask), Shard):
-            raise Conflict("layout-mismatch", "sharded attention mask", "keep the mask's producer replicated")
-        if mdim >= 0 and shape_of(mask)[mdim] != 1:
-            wants[mask] = Shard(mdim, placements[q].segments if q in shards else wants[q].segments)
+    _want_mask(ctx, mask, dim, nd, placements[q] if q in shards else wants[q], wants)
     out = placements[q] if q in shards else wants[q]
     return Decision(out, wants)
+
+
+def _heads_divide(t: Node, dim: int, nseg: int, ws: int) -> bool:
+    size = shape_of(t)[dim]
+    return size % nseg == 0 and (size // nseg) % ws == 0
+
+
+def _want_mask(ctx: RuleContext, mask, dim: int, nd: int, q_shard: Shard, wants: dict) -> None:
+    if mask is None:
+        return
+    mdim = dim - (nd - ndim(mask))
+    if isinstance(ctx.placement(mask), Shard):
+        raise Conflict("layout-mismatch", "sharded attention mask", "keep the mask's producer replicated")
+    if mdim >= 0 and shape_of(mask)[mdim] != 1:
+        wants[mask] = Shard(mdim, q_shard.segments)
+
+
+def _gathered_kv_heads(ctx: RuleContext, q: Node, pq: Shard, group: int, mask, dim: int, nd: int) -> Decision:
+    """NOTE: [enable_gqa]: k and v whole, each rank gathers the kv heads its query heads use."""
+    if len(pq.segments) != 1:
+        raise Conflict("layout-mismatch", "enable_gqa with fused query segments and whole k/v", "keep the producers replicated")
+    wants: dict = {q: pq}
+    _want_mask(ctx, mask, dim, nd, pq, wants)
+    args = (ShardStart(q), group, *ctx.node.args)
+    return Decision(pq, wants, local_args=args, local_target=local_ops.grouped_query_attention)

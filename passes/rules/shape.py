@@ -146,12 +146,29 @@ def view_rule(ctx: RuleContext) -> Decision:
     return _view_decision(ctx, size_arg=1)
 
 
-@register_rule(
-    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default, aten.flatten.using_ints
-)
+@register_rule(aten.unsqueeze.default, aten.flatten.using_ints)
 def squeeze_rule(ctx: RuleContext) -> Decision:
     """Dim-only views: the args name dims, not sizes, so nothing is rewritten."""
     return _view_decision(ctx, size_arg=None)
+
+
+@register_rule(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def global_squeeze_rule(ctx: RuleContext) -> Decision:
+    """``squeeze``: only dims of global size 1. A sharded dim whose local size is 1 (4 heads
+    at world_size 4) must not be squeezed on the rank, so a sharded input's squeeze becomes
+    ``squeeze.dims`` of the global singletons (DTensor's ``_adjust_squeeze_to_global_singletons``)."""
+    dec = _view_decision(ctx, size_arg=None)
+    x = ctx.node.args[0]
+    if not isinstance(ctx.placement(x), Shard):
+        return dec
+    shape, nd = shape_of(x), ndim(x)
+    if ctx.node.target is aten.squeeze.default:
+        asked = range(nd)
+    else:
+        dims = ctx.node.args[1] if len(ctx.node.args) > 1 else ctx.node.kwargs["dim"]
+        asked = [dims] if isinstance(dims, int) else dims
+    singletons = sorted({norm_dim(d, nd) for d in asked if shape[norm_dim(d, nd)] == 1})
+    return Decision(dec.out, local_args=(x, singletons), local_target=aten.squeeze.dims)
 
 
 @register_rule(aten.unflatten.int)
