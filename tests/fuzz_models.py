@@ -32,7 +32,8 @@ class Mlp:
     ``"chunk"``, ``"split"``, ``"strided"`` (``[..., ::2]``), ``"unbind"`` (``view(..., 2, ffn)``)
     or ``F.glu``. ``act``: ``relu``, ``gelu``, ``silu``, ``tanh``, ``relu_`` (``Tensor.relu_``) or
     ``relu_module_inplace`` (``nn.ReLU(inplace=True)``). ``residual``: ``none``, ``add``
-    (``x + y``) or ``iadd`` (``y += x``)."""
+    (``x + y``) or ``iadd`` (``y += x``). ``lora``: rank-4 LoRA adapters (``B(A(x))``, peft's
+    layout) on ``up`` (added in place: ``h += c``) and on ``down`` (needs ``gate="none"``)."""
 
     ffn: int
     act: str = "relu"
@@ -41,6 +42,7 @@ class Mlp:
     norm: str = "none"
     residual: str = "none"
     dropout: bool = False
+    lora: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,8 @@ class Spec:
     """A whole model. ``head``: ``none``, ``linear`` (``Linear(hidden, vocab)``), ``linear_bias``
     or ``tied`` (sharing the embedding's table; needs ``embed``). ``loss``: the model returns
     ``cross_entropy(logits, targets)`` (needs a head; ``targets`` becomes a second input).
-    ``train``: train mode (dropout draws masks; the check seeds every forward alike), else eval."""
+    ``train``: train mode (dropout draws masks; the check seeds every forward alike), else eval.
+    ``also_hidden``: return ``(result, last hidden state)``."""
 
     hidden: int
     blocks: tuple[Block, ...]
@@ -121,6 +124,7 @@ class Spec:
     head: str = "none"
     loss: bool = False
     train: bool = False
+    also_hidden: bool = False
     batch: int = 2
     seq: int = 8
     seed: int = 0
@@ -147,7 +151,7 @@ def features(spec: Spec) -> set[str]:
         out |= {f"embed.{f.name}" for f in dataclasses.fields(spec.embed) if getattr(spec.embed, f.name) not in (None, False)}
     if spec.head != "none":
         out.add(f"head:{spec.head}")
-    for flag in ("loss", "train"):
+    for flag in ("loss", "train", "also_hidden"):
         if getattr(spec, flag):
             out.add(flag)
     return out
@@ -177,6 +181,9 @@ class MlpBlock(nn.Module):
             self.up = nn.Linear(hidden, 2 * s.ffn, bias=s.bias)
         self.relu = nn.ReLU(inplace=True)
         self.down = nn.Linear(s.ffn, hidden, bias=s.bias)
+        if s.lora:
+            self.up_a, self.up_b = nn.Linear(hidden, 4, bias=False), nn.Linear(4, s.ffn, bias=False)
+            self.down_a, self.down_b = nn.Linear(s.ffn, 4, bias=False), nn.Linear(4, hidden, bias=False)
         self.drop = nn.Dropout(0.5) if s.dropout else nn.Identity()
 
     def _act(self, t: torch.Tensor) -> torch.Tensor:
@@ -189,7 +196,11 @@ class MlpBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, gate, ffn = self.norm(x), self.s.gate, self.s.ffn
-        if gate == "none":
+        if gate == "none" and self.s.lora:
+            u = self.up(h)
+            u += self.up_b(self.up_a(h))
+            u = self._act(u)
+        elif gate == "none":
             u = self._act(self.up(h))
         elif gate == "swiglu":
             u = self._act(self.w1(h)) * self.w3(h)
@@ -207,7 +218,8 @@ class MlpBlock(nn.Module):
                 assert gate == "unbind", gate
                 a, b = fused.view(*fused.shape[:-1], 2, ffn).unbind(-2)
             u = self._act(a) * b
-        y = self.drop(self.down(u))
+        y = self.down(u) + self.down_b(self.down_a(u)) if self.s.lora else self.down(u)
+        y = self.drop(y)
         if self.s.residual == "add":
             return x + y
         if self.s.residual == "iadd":
@@ -278,8 +290,9 @@ class AttnBlock(nn.Module):
         return [p.view(b, t, -1, self.hd) for p in parts]
 
     def _rope_complex(self, t: torch.Tensor) -> torch.Tensor:
-        """Meta's Llama ``apply_rotary_emb`` on ``(B, T, n, hd)``."""
-        tc = torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
+        """Meta's Llama ``apply_rotary_emb`` on ``(B, T, n, hd)`` (``contiguous``: a strided qkv cut
+        has no unit last stride, which ``view_as_complex`` needs)."""
+        tc = torch.view_as_complex(t.float().contiguous().reshape(*t.shape[:-1], -1, 2))
         return torch.view_as_real(tc * self.freqs_cis[None, :, None, :]).flatten(3).type_as(t)
 
     def _rope_real(self, t: torch.Tensor) -> torch.Tensor:
@@ -380,17 +393,17 @@ class FuzzModel(nn.Module):
             if spec.head == "tied":
                 self.head.weight = self.emb.weight
 
-    def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple]:
         h = self.emb(x) if self.spec.embed is not None else x
         for block in self.blocks:
             h = block(h)
         h = self.final_norm(h)
-        if self.spec.head == "none":
-            return h
-        logits = self.head(h)
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        out = h
+        if self.spec.head != "none":
+            out = self.head(h)
+            if targets is not None:
+                out = F.cross_entropy(out.flatten(0, 1), targets.flatten())
+        return (out, h) if self.spec.also_hidden else out
 
 
 def _block(hidden: int, s: Block, seq: int) -> nn.Module:

@@ -52,6 +52,7 @@ def mlps(draw: st.DrawFn, exclude: frozenset[str]) -> Mlp:
         norm=draw(_pick("norm", NORMS, exclude)),
         residual=draw(_pick("residual", ("none", "add", "iadd"), exclude)),
         dropout=draw(_flag("mlp.dropout", exclude)),
+        lora=draw(_flag("mlp.lora", exclude)) if gate == "none" else False,
     )
 
 
@@ -112,10 +113,8 @@ def specs(draw: st.DrawFn, exclude: frozenset[str] = frozenset()) -> Spec:
     """A random :class:`Spec` using no feature in ``exclude``."""
     hidden = draw(st.sampled_from(HIDDEN))
     vocab = draw(st.sampled_from(VOCAB))
-    kinds = [mlps(exclude)]
-    kinds += [s for name, s in (("block:attn", attns(hidden, exclude)), ("block:mha", mhas(hidden, exclude))) if name not in exclude]
-    if "block:einsum" not in exclude:
-        kinds.append(einsums(hidden, exclude))
+    others = {"block:attn": attns(hidden, exclude), "block:mha": mhas(hidden, exclude), "block:einsum": einsums(hidden, exclude)}
+    kinds = [mlps(exclude), *(s for name, s in others.items() if name not in exclude)]
     blocks = tuple(draw(st.lists(st.one_of(kinds), min_size=1, max_size=3)))
     embed = draw(st.none() | embeds(vocab, exclude)) if "embed" not in exclude else None
     heads = ("none", "linear", "linear_bias", *(("tied",) if embed is not None else ()))
@@ -129,6 +128,7 @@ def specs(draw: st.DrawFn, exclude: frozenset[str] = frozenset()) -> Spec:
         head=head,
         loss=draw(_flag("loss", exclude)) if head != "none" else False,
         train=draw(_flag("train", exclude)),
+        also_hidden=draw(_flag("also_hidden", exclude)),
         batch=draw(st.sampled_from((2, 1))),
         seq=draw(st.sampled_from((8, 4, 5))),
         seed=draw(st.integers(0, 3)),

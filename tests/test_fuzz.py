@@ -29,7 +29,7 @@ KNOWN_BROKEN: dict[str, str] = {
     **{cut: _CASE22 for cut in ("gate:chunk", "gate:split", "gate:unbind", "proj:chunk", "proj:split", "proj:unbind")},
 }
 
-EXAMPLES = int(os.environ.get("FXTP_FUZZ_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("FXTP_FUZZ_EXAMPLES", "12"))
 
 
 @settings(
