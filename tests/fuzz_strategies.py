@@ -1,0 +1,135 @@
+"""Hypothesis strategies drawing :class:`fuzz_models.Spec` models from the block grammar.
+
+Sizes are small (hidden 16-64, 1-8 heads, batch <= 2, seq <= 8) and picked so that some divide
+world sizes 2 and 4 and some do not (hidden 24 and 40, 3/5/6 heads, ffn 10 and 30, vocab 11 and
+50); tables of 96 and 128 rows are at least twice the hidden size, so fxtp makes them
+vocab-parallel.
+Choices are listed plainest first, so a failure shrinks toward the plainest model that breaks.
+``exclude``: feature names (:func:`fuzz_models.features`) never to draw, e.g. those of a
+known bug.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from fuzz_models import Attn, Einsum, Embed, Mha, Mlp, Spec
+from hypothesis import strategies as st
+
+__all__ = ["specs"]
+
+HIDDEN = (16, 32, 24, 48, 64, 40)
+FFN = (16, 32, 10, 24, 30, 48, 64)
+VOCAB = (16, 128, 11, 50, 96)
+NORMS = ("none", "rms", "layer", "layer_noaffine")
+
+
+def _pick(field: str, options: Sequence[Any], exclude: frozenset[str]) -> st.SearchStrategy:
+    """One of ``options`` whose feature ``"<field>:<option>"`` is not excluded (the first,
+    plainest option is never excluded)."""
+    return st.sampled_from([o for i, o in enumerate(options) if i == 0 or f"{field}:{o}" not in exclude])
+
+
+def _flag(name: str, exclude: frozenset[str]) -> st.SearchStrategy:
+    return st.just(False) if name in exclude else st.booleans()
+
+
+def _divisors(n: int, at_most: int = 8) -> list[int]:
+    return [d for d in range(1, at_most + 1) if n % d == 0]
+
+
+@st.composite
+def mlps(draw: st.DrawFn, exclude: frozenset[str]) -> Mlp:
+    gate = draw(_pick("gate", ("none", "swiglu", "chunk", "split", "strided", "unbind", "glu"), exclude))
+    # an in-place activation on a view of a multi-output op (chunk, unbind) is an autograd error
+    in_place = ("relu_", "relu_module_inplace") if gate in ("none", "swiglu") else ()
+    act = draw(_pick("act", ("relu", "gelu", "silu", "tanh", *in_place), exclude))
+    return Mlp(
+        ffn=draw(st.sampled_from(FFN)),
+        act=act,
+        gate=gate,
+        bias=draw(st.booleans().map(lambda b: not b)),
+        norm=draw(_pick("norm", NORMS, exclude)),
+        residual=draw(_pick("residual", ("none", "add", "iadd"), exclude)),
+        dropout=draw(_flag("mlp.dropout", exclude)),
+        lora=draw(_flag("mlp.lora", exclude)) if gate == "none" else False,
+    )
+
+
+@st.composite
+def attns(draw: st.DrawFn, hidden: int, exclude: frozenset[str]) -> Attn:
+    heads = draw(st.sampled_from(_divisors(hidden)))
+    kv_heads = draw(st.sampled_from(sorted(_divisors(heads), reverse=True)))
+    same = kv_heads == heads
+    proj = draw(_pick("proj", ("separate", "split", "slice", *(("chunk", "unbind", "strided") if same else ())), exclude))
+    repeat = draw(_pick("repeat", ("expand", "interleave", "enable_gqa"), exclude)) if not same else "expand"
+    rotary = draw(_pick("rotary", ("none", "real", "complex"), exclude)) if (hidden // heads) % 2 == 0 else "none"
+    return Attn(
+        heads=heads,
+        kv_heads=kv_heads,
+        proj=proj,
+        repeat=repeat,
+        rotary=rotary,
+        alibi=draw(_flag("attn.alibi", exclude)),
+        causal=draw(st.booleans().map(lambda b: not b)),
+        qk_norm=draw(_pick("qk_norm", ("none", "rms", "layer"), exclude)),
+        head_scale=draw(_flag("attn.head_scale", exclude)),
+        shared_head_linear=draw(_flag("attn.shared_head_linear", exclude)),
+        sdpa_dropout=draw(_flag("attn.sdpa_dropout", exclude)),
+        bias=draw(st.booleans().map(lambda b: not b)),
+        norm=draw(_pick("norm", NORMS, exclude)),
+        residual=draw(st.booleans().map(lambda b: not b)),
+        dropout=draw(_flag("attn.dropout", exclude)),
+    )
+
+
+@st.composite
+def mhas(draw: st.DrawFn, hidden: int, exclude: frozenset[str]) -> Mha:
+    return Mha(
+        heads=draw(st.sampled_from(_divisors(hidden))),
+        bias=draw(st.booleans().map(lambda b: not b)),
+        norm=draw(_pick("norm", NORMS, exclude)),
+        residual=draw(st.booleans().map(lambda b: not b)),
+    )
+
+
+@st.composite
+def einsums(draw: st.DrawFn, hidden: int, exclude: frozenset[str]) -> Einsum:
+    form = draw(st.sampled_from([f for f in ("einsum_ff", "bmm_heads", "einsum_heads") if f"form:{f}" not in exclude]))
+    return Einsum(form=form, ffn=draw(st.sampled_from(FFN)), heads=draw(st.sampled_from(_divisors(hidden))))
+
+
+@st.composite
+def embeds(draw: st.DrawFn, vocab: int, exclude: frozenset[str]) -> Embed:
+    return Embed(
+        padding_idx=draw(st.none() | st.just(0)) if "embed.padding_idx" not in exclude else None,
+        scale_grad_by_freq=draw(_flag("embed.scale_grad_by_freq", exclude)),
+        max_norm=draw(st.none() | st.just(1.0)) if "embed.max_norm" not in exclude else None,
+    )
+
+
+@st.composite
+def specs(draw: st.DrawFn, exclude: frozenset[str] = frozenset()) -> Spec:
+    """A random :class:`Spec` using no feature in ``exclude``."""
+    hidden = draw(st.sampled_from(HIDDEN))
+    vocab = draw(st.sampled_from(VOCAB))
+    others = {"block:attn": attns(hidden, exclude), "block:mha": mhas(hidden, exclude), "block:einsum": einsums(hidden, exclude)}
+    kinds = [mlps(exclude), *(s for name, s in others.items() if name not in exclude)]
+    blocks = tuple(draw(st.lists(st.one_of(kinds), min_size=1, max_size=3)))
+    embed = draw(st.none() | embeds(vocab, exclude)) if "embed" not in exclude else None
+    heads = ("none", "linear", "linear_bias", *(("tied",) if embed is not None else ()))
+    head = draw(_pick("head", heads, exclude))
+    return Spec(
+        hidden=hidden,
+        blocks=blocks,
+        embed=embed,
+        vocab=vocab,
+        final_norm=draw(_pick("final_norm", NORMS, exclude)),
+        head=head,
+        loss=draw(_flag("loss", exclude)) if head != "none" else False,
+        train=draw(_flag("train", exclude)),
+        also_hidden=draw(_flag("also_hidden", exclude)),
+        batch=draw(st.sampled_from((2, 1))),
+        seq=draw(st.sampled_from((8, 4, 5))),
+        seed=draw(st.integers(0, 3)),
+    )
