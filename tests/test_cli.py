@@ -174,7 +174,7 @@ def test_bad_input(capsys, user_file, argv, status, message):
 
 def test_verbose_adds_the_traceback(capsys):
     code, _, err = run(capsys, "inspect", "mlp", "-n", "2", "--input", "3x5", "--verbose")
-    assert code == 1 and "Traceback" in err and err.rstrip().splitlines()[-1].startswith("fxtp: error: example inputs")
+    assert code == 1 and "Traceback" in err and err.rstrip().splitlines()[-1].startswith("fxtp: error: mlp does not run on --input 3x5: example inputs")
 
 
 def test_input_specs():
