@@ -55,7 +55,7 @@ examples:
   fxtp inspect llama --world-size 2
   fxtp inspect transformer -n 4 --format json > plan.json
   fxtp inspect mlp -n 2 --format graph --rank 1
-  fxtp inspect mlp -n 2 --format dot --out mlp.svg     (needs Graphviz's dot)
+  fxtp inspect mlp -n 2 --format dot --out mlp.svg     # needs Graphviz's dot
   fxtp inspect llama-7b -n 8
   fxtp inspect path/to/config.json -n 8
   fxtp inspect tiny-gpt -n 2 --input '4x16:int64[0,128)' --verify

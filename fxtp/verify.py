@@ -103,9 +103,9 @@ def _rank_main(
             results.put(("ok", found))
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent as a message
         text = str(exc)
-        if not isinstance(exc, FxtpError):
-            lines = text.strip().splitlines()
-            text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+        if not isinstance(exc, FxtpError):  # its first line, and the next when the first announces it
+            lines = [line.strip() for line in text.splitlines() if line.strip()] or [""]
+            text = f"{type(exc).__name__}: {' '.join(lines[:2]) if lines[0].endswith(':') else lines[0]}"
         results.put(("error", (rank, text, traceback.format_exc())))
     finally:
         dist.destroy_process_group()
