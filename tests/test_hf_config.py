@@ -97,6 +97,32 @@ def test_config_json_table_and_inputs(capsys, tmp_path):
 
 
 @pytest.mark.parametrize(
+    "make_config, args, kwargs",
+    [
+        (  # an encoder-decoder: the decoder gets as many ids
+            lambda: transformers.T5Config(vocab_size=128, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16,
+                                          architectures=["T5ForConditionalGeneration"]),
+            [((1, DEFAULT_SEQ), torch.long)], {"decoder_input_ids": ((1, DEFAULT_SEQ), torch.long)},
+        ),
+        (  # an image model: pixels of the config's size
+            lambda: transformers.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                           image_size=32, patch_size=8, architectures=["ViTModel"]),
+            [((1, 3, 32, 32), torch.float32)], {},
+        ),
+    ],
+    ids=["t5", "vit"],
+)
+def test_other_inputs_by_the_models_main_input(capsys, tmp_path, make_config, args, kwargs):
+    make_config().save_pretrained(tmp_path)
+    path = str(tmp_path / "config.json")
+    _, got_args, got_kwargs = load_config_model(path)
+    assert [(tuple(a.shape), a.dtype) for a in got_args] == args
+    assert {k: (tuple(v.shape), v.dtype) for k, v in got_kwargs.items()} == kwargs
+    report = _inspect_json(capsys, path)
+    assert {row["style"] for row in report["layers"]} >= {"colwise", "rowwise"}
+
+
+@pytest.mark.parametrize(
     "content, message",
     [
         ({"model_type": "llama", "architectures": ["FooForBar"]}, "has no architecture 'FooForBar' (model_type 'llama')"),
