@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxtp.errors import FxtpConfigError, FxtpInputError
+from fxtp.errors import FxtpConfigError, FxtpError, FxtpInputError
 
 __all__ = ["DEFAULT_BATCH", "DEFAULT_SEQ", "example_inputs", "is_config_path", "load_config_model"]
 
@@ -107,7 +107,13 @@ def load_config_model(text: str) -> tuple[nn.Module, tuple[torch.Tensor, ...], d
         ) from None
     if hasattr(config, "use_cache"):
         config.use_cache = False
-    model = _build(config, path).eval()
+    try:
+        model = _build(config, path).eval()
+    except (FxtpError, ModuleNotFoundError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a config its own class refuses (e.g. a negative size)
+        first = next((line for line in str(exc).splitlines() if line.strip()), "")
+        raise FxtpConfigError(f"{path}: transformers cannot build it: {type(exc).__name__}: {first[:300]}. fix: check the file") from exc
     args, kwargs = example_inputs(model)
     return model, args, kwargs
 

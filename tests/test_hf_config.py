@@ -129,6 +129,7 @@ def test_other_inputs_by_the_models_main_input(capsys, tmp_path, make_config, ar
         ({"model_type": "foo"}, "does not know model_type 'foo'"),
         ({"hidden_size": 64}, "has no 'model_type': not a Hugging Face config.json"),
         ("{not json", "is not a readable JSON file"),
+        ({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": -1}, "transformers cannot build it: RuntimeError"),
     ],
 )
 def test_unknown_configs_are_one_line_errors(capsys, tmp_path, content, message):
