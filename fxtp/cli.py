@@ -6,7 +6,8 @@ Examples::
     fxtp inspect llama --world-size 2           # the plan of a tiny Llama, as a table
     fxtp inspect mlp -n 2 --format graph        # rank 0's emitted code with placements
     fxtp inspect mlp -n 2 --format dot --out mlp.svg
-    fxtp inspect my_models.py:build -n 4 --input 2x16:int64[0,1000) --verify
+    fxtp inspect path/to/config.json -n 8      # a Hugging Face config, on the meta device
+    fxtp inspect my_models.py:build -n 4 --input '2x16:int64[0,1000)' --verify
 
 Exit status: 0 on success, 1 on an fxtp error (one message; ``--verbose`` adds the traceback),
 2 on bad usage (a malformed argument or an impossible combination of them).
@@ -34,24 +35,31 @@ _INSPECT_EPILOG = """\
 MODEL:
   a built-in example:  mlp, tiny-gpt, transformer (torch's TP reference model), gpt2, llama,
                        bert (tiny configs, random weights, real inputs); gpt2-124m, llama-7b
-                       (full size on the meta device: tables and graphs, no --verify)
+                       (full size on the meta device: tables and graphs, no --verify);
+                       all but mlp and tiny-gpt need: pip install 'fxtp[examples]'
+  path/to/config.json  a Hugging Face config (its architectures / model_type), built on the
+                       meta device: no weights, no download; example input: token ids (1, 128)
+                       (shorter if its positions are fewer); needs fxtp[examples]
   package.module:callable, path/to/file.py:callable
                        the callable takes no arguments and returns an nn.Module or
                        (nn.Module, example_inputs); it runs after torch.manual_seed(0)
 
---input SPEC (one per positional input, replacing the example inputs):
+--input SPEC (one per positional input, replacing the example inputs; quote it in a shell):
   AxBxC[:dtype][[lo,hi)]   dtype defaults to float32 (randn); integer dtypes need a range
                            and draw from [lo,hi); values come from a generator seeded with 0
   2x16x64                  float32 (2, 16, 64)
-  2x16:int64[0,128)        int64 token ids below 128
+  '2x16:int64[0,128)'      int64 token ids below 128
+The model runs once on the inputs before it is planned: inputs it cannot take are an error.
 
 examples:
   fxtp inspect llama --world-size 2
   fxtp inspect transformer -n 4 --format json > plan.json
   fxtp inspect mlp -n 2 --format graph --rank 1
-  fxtp inspect mlp -n 2 --format dot --out mlp.svg     (needs Graphviz's dot)
+  fxtp inspect mlp -n 2 --format dot --out mlp.svg     # needs Graphviz's dot
   fxtp inspect llama-7b -n 8
-  fxtp inspect my_models.py:build -n 2 --input 2x16:int64[0,1000) --verify
+  fxtp inspect path/to/config.json -n 8
+  fxtp inspect tiny-gpt -n 2 --input '4x16:int64[0,128)' --verify
+  fxtp inspect my_models.py:build -n 2 --input '2x16:int64[0,1000)' --verify
   python -m fxtp inspect mypkg.models:tiny_model -n 2 --format graph
 
 exit status: 0 ok (and --verify within tolerance), 1 fxtp error or --verify over tolerance,
@@ -123,14 +131,19 @@ def get_args_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--out", "-o", metavar="FILE", help="write to FILE; with --format dot, FILE.svg/.png/.pdf renders it with dot")
     inspect.add_argument("--verify", action="store_true", help="run the ranks on local gloo and compare outputs and gradients with the single-device model")
     inspect.add_argument("--tolerance", metavar="TOL", type=float, default=1e-4, help="max abs error --verify accepts (default: 1e-4)")
-    inspect.add_argument("--verbose", "-v", action="store_true", help="print the traceback of an fxtp error")
+    inspect.add_argument(
+        "--verbose", "-v", action="store_true",
+        help="print the traceback of an fxtp error, and each failed capture frontend's error",
+    )
     inspect.set_defaults(subparser=inspect)
     return parser
 
 
 def _inspect(args: argparse.Namespace) -> int:
     from fxtp.examples import EXAMPLES
-    from fxtp.inspection import RENDERED, UsageError, example_name, inspect_text, load_model, resolve_inputs, write_output
+    from fxtp.inspection import (
+        RENDERED, UsageError, check_inputs, example_name, inspect_text, load_model, resolve_inputs, write_output,
+    )
 
     if not 0 <= args.rank < args.world_size:
         raise UsageError(f"--rank {args.rank} is outside world size {args.world_size} (0..{args.world_size - 1})")
@@ -143,14 +156,15 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.verify and loaded.on_meta:
         raise UsageError(f"--verify runs the model, but {args.model} is on the meta device (no weights): analysis only")
     inputs = resolve_inputs(loaded, args.inputs)
-    text = inspect_text(loaded, inputs, world_size=args.world_size, rank=args.rank, fmt=args.format)
+    check_inputs(loaded, inputs, args.inputs)
+    text = inspect_text(loaded, inputs, world_size=args.world_size, rank=args.rank, fmt=args.format, verbose=args.verbose)
     write_output(text, args.out, args.format)
     if not args.verify:
         return 0
     from fxtp.verify import verify
 
     sys.stdout.flush()
-    result = verify(args.model, loaded.model, inputs, args.world_size, tolerance=args.tolerance)
+    result = verify(args.model, loaded.model, inputs, args.world_size, tolerance=args.tolerance, verbose=args.verbose)
     print(result)
     return 0 if result.ok else 1
 

@@ -1,4 +1,9 @@
-"""Built-in example models with example inputs (tiny, random weights, nothing downloaded)."""
+"""Built-in example models with example inputs (tiny, random weights, nothing downloaded).
+
+``mlp`` and ``tiny-gpt`` need torch only; the others need the ``examples`` extra
+(:data:`EXTRA`: ``pip install 'fxtp[examples]'``): transformers for the Hugging Face models,
+expecttest for torch's TP reference ``Transformer`` (``torch.testing._internal`` imports it).
+"""
 
 from __future__ import annotations
 
@@ -23,7 +28,14 @@ __all__ = [
     "llama_7b",
     "Example",
     "EXAMPLES",
+    "EXTRA",
+    "EXTRA_PACKAGES",
 ]
+
+# pyproject.toml's optional dependencies the built-ins beyond mlp/tiny-gpt (and `fxtp inspect
+# config.json`) need, and the top-level packages it installs.
+EXTRA = "examples"
+EXTRA_PACKAGES = ("transformers", "expecttest")
 
 
 @dataclass(frozen=True)

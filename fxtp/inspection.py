@@ -1,8 +1,10 @@
 """``fxtp inspect``: load a model, plan it, and show the report, the rank's graph or a picture.
 
-MODEL is a built-in example (:data:`fxtp.examples.EXAMPLES`), ``package.module:callable`` or
+MODEL is a built-in example (:data:`fxtp.examples.EXAMPLES`), a Hugging Face ``config.json``
+(:mod:`fxtp.hf_config`: built on ``meta``), ``package.module:callable`` or
 ``path/to/file.py:callable``. The callable takes no arguments and returns an ``nn.Module`` or
 ``(nn.Module, example_inputs)``; ``--input`` specs (:class:`InputSpec`) replace the inputs.
+The model runs once on the inputs (:func:`check_inputs`) before it is planned.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -24,8 +26,10 @@ import torch
 from torch import nn
 
 import fxtp
+from fxtp.capture import diagnose_inputs
 from fxtp.errors import FxtpConfigError, FxtpError, FxtpInputError
-from fxtp.examples import EXAMPLES
+from fxtp.examples import EXAMPLES, EXTRA, EXTRA_PACKAGES
+from fxtp.hf_config import is_config_path, load_config_model
 from fxtp.render import graph_dot, graph_text
 
 __all__ = [
@@ -33,6 +37,7 @@ __all__ = [
     "InputSpec",
     "Loaded",
     "UsageError",
+    "check_inputs",
     "check_model_arg",
     "example_name",
     "inspect_text",
@@ -97,6 +102,13 @@ class InputSpec:
             raise ValueError(f"input spec {text!r}: an integer range needs integer bounds")
         return cls(shape, dtype, low, high)
 
+    def __str__(self) -> str:
+        """The spec as ``--input`` takes it, e.g. ``2x16:int64[0,128)``."""
+        text = "x".join(map(str, self.shape)) + ("" if self.dtype == torch.float32 else f":{str(self.dtype).removeprefix('torch.')}")
+        if self.low is not None:
+            text += f"[{self.low:g},{self.high:g})"
+        return text
+
     def make(self, generator: torch.Generator, device: torch.device) -> torch.Tensor:
         if self.dtype == torch.bool:
             value = torch.randint(0, 2, self.shape, generator=generator).bool()
@@ -119,11 +131,13 @@ def make_inputs(specs: list[InputSpec], device: torch.device) -> tuple[torch.Ten
 
 @dataclass
 class Loaded:
-    """A loaded MODEL: ``name`` is the example name or the MODEL text as given."""
+    """A loaded MODEL: ``name`` is the example name or the MODEL text as given; ``kwargs`` are
+    keyword inputs that stay when ``--input`` replaces the positional ones."""
 
     name: str
     model: nn.Module
     inputs: Optional[tuple[Any, ...]]
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def on_meta(self) -> bool:
@@ -137,11 +151,12 @@ def example_name(text: str) -> Optional[str]:
 
 
 def check_model_arg(text: str) -> str:
-    """argparse ``type=`` for MODEL: a built-in name or ``something:callable``."""
-    if example_name(text) is None and (":" not in text or not text.rpartition(":")[2]):
+    """argparse ``type=`` for MODEL: a built-in name, a ``.json`` file or ``something:callable``."""
+    callable_ref = ":" in text and text.rpartition(":")[2]
+    if example_name(text) is None and not is_config_path(text) and not callable_ref:
         raise ValueError(
-            f"unknown model {text!r}: use a built-in example ({', '.join(EXAMPLES)}), "
-            "package.module:callable or path/to/file.py:callable"
+            f"unknown model {text!r}: use a built-in example ({', '.join(EXAMPLES)}), a Hugging Face "
+            "path/to/config.json, package.module:callable or path/to/file.py:callable"
         )
     return text
 
@@ -165,18 +180,36 @@ def _import(where: str) -> Any:
         raise FxtpConfigError(f"cannot import {where!r}: {exc} (MODEL is package.module:callable)") from exc
 
 
+def _missing_package(what: str, exc: ModuleNotFoundError) -> FxtpConfigError:
+    package = (exc.name or "").partition(".")[0]
+    if package in EXTRA_PACKAGES:
+        return FxtpConfigError(
+            f"{what} needs {package}, which is not installed: pip install 'fxtp[{EXTRA}]' "
+            f"(in a clone: pip install -e '.[{EXTRA}]')"
+        )
+    return FxtpConfigError(f"{what} needs the module {exc.name!r}, which is not installed")
+
+
 def load_model(text: str) -> Loaded:
     """Build the model MODEL names (``torch.manual_seed(0)`` first, so unseeded builders repeat).
 
     Raises:
         FxtpConfigError: a missing file or module, a missing callable, a callable that fails or
-            does not return an ``nn.Module`` (or ``(nn.Module, example_inputs)``).
+            does not return an ``nn.Module`` (or ``(nn.Module, example_inputs)``); a built-in or a
+            ``config.json`` whose packages are not installed (naming the extra that installs them);
+            a ``config.json`` transformers cannot build (:func:`fxtp.hf_config.load_config_model`).
     """
     torch.manual_seed(0)
     name = example_name(text)
-    if name is not None:
-        model, inputs = EXAMPLES[name].build()
-        return Loaded(name, model, tuple(inputs))
+    try:
+        if name is not None:
+            model, inputs = EXAMPLES[name].build()
+            return Loaded(name, model, tuple(inputs))
+        if is_config_path(text):
+            model, inputs, kwargs = load_config_model(text)
+            return Loaded(text, model, inputs, kwargs)
+    except ModuleNotFoundError as exc:
+        raise _missing_package(f"fxtp inspect {text}", exc) from None
     where, _, attr = text.rpartition(":")
     module = _import(where)
     try:
@@ -219,22 +252,44 @@ def resolve_inputs(loaded: Loaded, specs: list[InputSpec]) -> tuple[Any, ...]:
 # --- the command ------------------------------------------------------------------------------
 
 
-def inspect_text(loaded: Loaded, inputs: tuple[Any, ...], *, world_size: int, rank: int, fmt: str) -> str:
-    """What ``fxtp inspect`` prints in format ``fmt`` for rank ``rank`` of ``world_size``."""
+def check_inputs(loaded: Loaded, inputs: tuple[Any, ...], specs: list[InputSpec]) -> None:
+    """Run the model once, on one device, on ``inputs`` (a copy of it: the model is not touched),
+    so inputs it cannot take (a sequence longer than its position table, ids beyond its
+    vocabulary, a wrong feature size) are refused before a plan is printed: tracing with fake
+    tensors does not check index values, and the ranks would fail later. A model on ``meta``
+    is not run (it has no values, and Hugging Face models read some, e.g. to build masks);
+    capture checks its shapes.
+
+    Raises:
+        FxtpInputError: naming the inputs, the module that refused them and what it expects.
+    """
+    if loaded.on_meta:
+        return
+    mismatch = diagnose_inputs(loaded.model, inputs, loaded.kwargs)
+    if mismatch is not None:
+        given = " ".join(f"--input {spec}" for spec in specs) if specs else "its example inputs"
+        raise FxtpInputError(f"{loaded.name} does not run on {given}: {mismatch}")
+
+
+def inspect_text(
+    loaded: Loaded, inputs: tuple[Any, ...], *, world_size: int, rank: int, fmt: str, verbose: bool = False
+) -> str:
+    """What ``fxtp inspect`` prints in format ``fmt`` for rank ``rank`` of ``world_size``
+    (``verbose``: the table shows each failed capture frontend's error)."""
     if fmt in ("table", "json"):
-        report = fxtp.analyze(loaded.model, world_size, inputs)
+        report = fxtp.analyze(loaded.model, world_size, inputs, example_kwargs=loaded.kwargs)
         report.rank = rank  # the plan is the same on every rank; the header names the one asked for
-        return render(report, fmt)
-    pm = fxtp.compile(loaded.model, world_size, inputs, rank=rank)
+        return render(report, fmt, verbose=verbose)
+    pm = fxtp.compile(loaded.model, world_size, inputs, example_kwargs=loaded.kwargs, rank=rank)
     return render(pm, fmt, name=loaded.name)
 
 
-def render(what: "fxtp.ParallelModule | fxtp.Report", fmt: str, *, name: str = "") -> str:
+def render(what: "fxtp.ParallelModule | fxtp.Report", fmt: str, *, name: str = "", verbose: bool = False) -> str:
     """A report as ``table``/``json``, or a compiled rank as ``graph``/``dot`` (titled with
     ``name``, the rank and the world size); also what the golden files hold."""
     if fmt in ("table", "json"):
         report = what.report if isinstance(what, fxtp.ParallelModule) else what
-        return str(report) + "\n" if fmt == "table" else json.dumps(report.to_dict(), indent=2) + "\n"
+        return report.to_text(verbose=verbose) + "\n" if fmt == "table" else json.dumps(report.to_dict(), indent=2) + "\n"
     assert isinstance(what, fxtp.ParallelModule), "graph and dot need a compiled rank"
     title = f"{name}: rank {what.report.rank} of world_size {what.report.world_size}"
     return (graph_text if fmt == "graph" else graph_dot)(what.graph_module, title=title)

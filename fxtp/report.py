@@ -124,6 +124,10 @@ class Report:
         }
 
     def __str__(self) -> str:
+        return self.to_text()
+
+    def to_text(self, *, verbose: bool = False) -> str:
+        """The tables and the :meth:`summary` (``verbose``: with each failed frontend's error)."""
         show_module = any(layer.module != layer.name for layer in self.layers)
         rows = []
         for layer in self.layers:
@@ -144,13 +148,19 @@ class Report:
         if self.notes:
             note_rows = [(n.code, n.module or "-", n.node, n.message, ", ".join(n.layers)) for n in self.notes]
             parts.append(tabulate(note_rows, headers=("code", "module", "node", "why", "layers"), tablefmt="simple", maxcolwidths=[None, None, 50, 50, 40]))
-        parts.append(self.summary())
+        parts.append(self.summary(verbose=verbose))
         return "\n\n".join(parts)
 
-    def summary(self) -> str:
-        lines = []
-        failed = "; ".join(f"{f} failed: {r}" for f, r in self.attempts)
-        lines.append(f"capture: {self.frontend}" + (f" ({failed})" if failed else ""))
+    def summary(self, *, verbose: bool = False) -> str:
+        """Capture, collectives, regions and parameter bytes, one line each. A frontend that
+        failed before the one used is the usual fallback (Hugging Face models do not
+        symbolic_trace), not a problem: named in one plain line; ``verbose`` adds its error."""
+        capture = f"capture: {self.frontend}"
+        if self.attempts:
+            failed = " and ".join(f for f, _ in self.attempts)
+            why = "".join(f"; {f} failed: {r}" for f, r in self.attempts) if verbose else "; why: --verbose, report.attempts"
+            capture += f" ({failed} could not capture the model, {self.frontend} could: nothing to fix{why})"
+        lines = [capture]
         for phase in ("forward", "backward"):
             stats = [c for c in self.collectives if c.phase == phase and c.count]
             text = ", ".join(f"{c.count} {c.kind} ({_fmt_bytes(c.bytes)})" for c in stats) or "none"

@@ -3,7 +3,8 @@
 Every rank rebuilds the model from MODEL (seeded, then loaded with the parent's state dict, so a
 model defined in a file works too), compiles it, runs forward and backward on the parent's
 inputs, and compares its outputs with the single-device model's, and every parameter's gradient
-(a shard against the matching slice of the full gradient).
+(a shard against the matching slice of the full gradient). A rank that fails reports one line
+(its traceback with ``verbose``); ranks that fail alike are reported once.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _compare(model: torch.nn.Module, inputs: tuple, world_size: int) -> tuple[fl
         if local is not None and full is not None:
             pairs.append((local, shard_tensor(full, placement, rank, world_size)))
         elif (local is None) != (full is None):
-            raise FxtpRuntimeError(f"rank {rank}: {fqn} has a gradient on one side only (parallel: {local is not None})")
+            raise FxtpRuntimeError(f"{fqn} has a gradient on one side only (parallel: {local is not None})")
     errors = torch.tensor([out_err, _max_error(pairs)], dtype=torch.float64)
     dist.all_reduce(errors, op=dist.ReduceOp.MAX)
     return float(errors[0]), float(errors[1]), len(pairs)
@@ -100,23 +101,32 @@ def _rank_main(
         found = _compare(model, inputs, world_size)
         if rank == 0:
             results.put(("ok", found))
-    except FxtpError as exc:
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent as a message
         text = str(exc)
-        results.put(("error", text if text.startswith(f"rank {rank}:") else f"rank {rank}: {text}"))
-    except BaseException:
-        results.put(("error", f"rank {rank} failed:\n{traceback.format_exc()}"))
+        if not isinstance(exc, FxtpError):  # its first line, and the next when the first announces it
+            lines = [line.strip() for line in text.splitlines() if line.strip()] or [""]
+            text = f"{type(exc).__name__}: {' '.join(lines[:2]) if lines[0].endswith(':') else lines[0]}"
+        results.put(("error", (rank, text, traceback.format_exc())))
     finally:
         dist.destroy_process_group()
 
 
 def verify(
-    model_text: str, model: torch.nn.Module, inputs: tuple, world_size: int, *, tolerance: float = 1e-4, timeout_s: int = 120
+    model_text: str,
+    model: torch.nn.Module,
+    inputs: tuple,
+    world_size: int,
+    *,
+    tolerance: float = 1e-4,
+    timeout_s: int = 120,
+    verbose: bool = False,
 ) -> VerifyResult:
     """Run ``world_size`` local gloo ranks on MODEL ``model_text`` (``model`` is its single-device
     instance: its state dict is sent to the ranks) and return the max abs errors.
 
     Raises:
-        FxtpRuntimeError: a rank failed (the message names it and says why).
+        FxtpRuntimeError: a rank failed: one line per distinct error, naming the ranks
+            (``verbose``: each failing rank's traceback too).
     """
     results = mp.get_context("spawn").SimpleQueue()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -127,13 +137,28 @@ def verify(
             nprocs=world_size,
             join=True,
         )
-    except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
-        raise FxtpRuntimeError(f"verify: a rank failed: {exc}") from exc
+    except mp.ProcessExitedException as exc:  # killed, or exited without reporting
+        raise FxtpRuntimeError(f"verify: a rank died: {exc}") from None
+    except mp.ProcessRaisedException as exc:  # raised outside _rank_main's try (the process group)
+        last = str(exc).strip().splitlines()[-1]
+        raise FxtpRuntimeError(f"verify: a rank failed before it ran: {last}") from None
     answers = []
     while not results.empty():
         answers.append(results.get())
-    errors = [text for kind, text in answers if kind == "error"]
+    errors = [found for kind, found in answers if kind == "error"]
     if errors:
-        raise FxtpRuntimeError("verify failed: " + "\n".join(errors))
+        raise FxtpRuntimeError(_failure_message(errors, verbose))
     ((_, (out_err, grad_err, params)),) = answers
     return VerifyResult(world_size, out_err, grad_err, params, tolerance)
+
+
+def _failure_message(errors: list[tuple[int, str, str]], verbose: bool) -> str:
+    """``verify failed on rank(s) 0, 1: <error>``, one line per distinct error (sorted by rank);
+    ``verbose`` appends each failing rank's traceback."""
+    by_text: dict[str, list[int]] = {}
+    for rank, text, _ in sorted(errors):
+        by_text.setdefault(text, []).append(rank)
+    lines = [f"verify failed on rank(s) {', '.join(map(str, ranks))}: {text}" for text, ranks in by_text.items()]
+    if verbose:
+        lines += [f"rank {rank}:\n{trace}" for rank, _, trace in sorted(errors)]
+    return "\n".join(lines)

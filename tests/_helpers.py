@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import collections
 import copy
+import os
+import shutil
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,7 +19,15 @@ import fxtp
 from fxtp.report import megatron_floor  # noqa: F401 - re-exported for the tests
 from fxtp.placement import shard_tensor
 
-__all__ = ["CollectiveCounter", "loss_of", "compare_training", "assert_report_counts", "count_graph_collectives", "megatron_floor"]
+__all__ = [
+    "CollectiveCounter",
+    "loss_of",
+    "compare_training",
+    "assert_report_counts",
+    "count_graph_collectives",
+    "megatron_floor",
+    "shell_calls",
+]
 
 _KINDS = {
     "all_reduce": "all_reduce",
@@ -111,3 +123,21 @@ def compare_training(
         "code": pm.graph_module.code,
         "out_shapes": [tuple(t.shape) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)],
     }
+
+
+def shell_calls(command: str, cwd: Path) -> list[list[str]]:
+    """The argv of each ``fxtp``/``python`` call bash makes for the pasted ``command``: bash
+    parses, quotes and expands it (a shell syntax error fails the assert), the calls are
+    recorded, not run. ``cwd`` gets a scratch folder ``.calls``."""
+    calls = Path(cwd) / ".calls"
+    shutil.rmtree(calls, ignore_errors=True)
+    calls.mkdir()
+    script = (
+        'n=0; record() { n=$((n+1)); printf "%s\\0" "$@" > "$CALLS/$n"; }\n'
+        'fxtp() { record fxtp "$@"; }\npython() { record python "$@"; }\n' + command + "\n"
+    )
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=cwd,
+                          env=dict(os.environ, CALLS=str(calls)), timeout=60, check=False)
+    assert done.returncode == 0, f"bash refuses {command!r}: {done.stderr}"
+    files = sorted(calls.iterdir(), key=lambda f: int(f.name))
+    return [f.read_text().split("\0")[:-1] for f in files]

@@ -168,7 +168,8 @@ def test_auto_falls_back_and_says_why():
     assert report.frontend == "export"
     assert [f for f, _ in report.attempts] == ["fx"]
     assert "TraceError" in report.attempts[0][1]
-    assert "capture: export (fx failed: TraceError" in str(report)
+    assert "capture: export (fx could not capture the model, export could: nothing to fix; why: --verbose" in str(report)
+    assert "TraceError" not in str(report) and "fx failed: TraceError" in report.to_text(verbose=True)
 
 
 def test_world_size_1_is_an_exact_no_op():

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxtp.cli import main
+from _helpers import shell_calls
+from fxtp.cli import get_args_parser, main
+from fxtp.examples import EXAMPLES
 from fxtp.inspection import InputSpec
 from fxtp.verify import VerifyResult
 
@@ -42,6 +44,11 @@ USER_MODELS = textwrap.dedent(
             return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)), (torch.zeros(4, 16, device="meta"),)
 
     model_instance = nn.Linear(16, 16)
+
+    def other_on_ranks():  # a builder that is not deterministic: the ranks get another shape
+        import torch.distributed as dist
+
+        return nn.Linear(16, 32 if dist.is_initialized() else 16), (torch.randn(4, 16),)
     """
 )
 
@@ -70,6 +77,47 @@ def test_help_shows_examples(capsys):
     assert code == 0
     for text in ("2x16:int64[0,128)", "llama-7b", "file.py:callable", "--format dot --out mlp.svg", "2 bad usage"):
         assert text in out, text
+
+
+def _help_examples(capsys) -> list[str]:
+    texts = [run(capsys, "--help")[1], run(capsys, "inspect", "--help")[1]]
+    lines = [line.strip() for text in texts for line in text.splitlines()]
+    return [line for line in lines if line.startswith(("fxtp ", "python -m fxtp "))]
+
+
+# --help examples not run here, and why (each still parses, in bash and in argparse).
+_HELP_NOT_RUN = {
+    "--verify": "spawns ranks: the README's tiny-gpt --verify runs in test_readme.py, mlp's below",
+    "demo --world-size 4": "4 ranks: the README's `fxtp demo` (2 ranks) runs in test_readme.py",
+    "llama-7b": "32 layers, ~10 s: tests/test_big_configs.py plans the same model",
+    "path/to/": "a placeholder for the user's file (test_hf_config.py runs config.json files)",
+    "mypkg.": "a placeholder for the user's module",
+    "--out mlp.svg": "needs Graphviz's dot (test_renders_svg_with_graphviz)",
+}
+
+
+def test_help_examples_run_as_pasted(capsys, tmp_path, monkeypatch):
+    """Every example in --help is valid shell and valid usage; the cheap ones run (exit 0)."""
+    examples = _help_examples(capsys)
+    assert len(examples) >= 10
+    monkeypatch.chdir(tmp_path)
+    ran = []
+    for line in examples:
+        ((program, *args),) = shell_calls(line, tmp_path)
+        args = args[2:] if program == "python" else args  # python -m fxtp ...
+        if "--help" not in args:
+            get_args_parser().parse_args(args)  # exits 2 on bad usage
+        if any(key in line for key in _HELP_NOT_RUN):
+            continue
+        code, _, err = run(capsys, *args)
+        assert code == 0 and "Traceback" not in err, f"{line}: {err}"
+        ran.append(args[0:2])
+    assert ["inspect", "llama"] in ran and ["inspect", "transformer"] in ran
+
+
+def test_an_unquoted_input_spec_is_a_shell_error(tmp_path):
+    with pytest.raises(AssertionError, match="syntax error"):
+        shell_calls("fxtp inspect mlp -n 2 --input 2x16:int64[0,1000)", tmp_path)
 
 
 def test_table_and_graph_are_the_goldens(capsys):
@@ -154,6 +202,10 @@ def test_meta_models_plan_and_graph_but_do_not_verify(capsys, user_file):
         (["mlp", "--input", "2x16:int64"], 2, "an integer input needs a range"),
         (["mlp", "--input", "2x16:floaty"], 2, "unknown dtype 'floaty'"),
         (["mlp", "--input", "3x5"], 1, "received input of shape (3, 5) but expects (..., 64)"),
+        (["tiny-gpt", "-i", "2x17:int64[0,128)"], 1,
+         "tiny-gpt does not run on --input 2x17:int64[0,128): example inputs do not fit the model: module 'pos' "
+         "(Embedding(16, 64)) received input of shape (17,) but expects integer indices < 16"),
+        (["tiny-gpt", "-i", "2x16:int64[128,200)", "--verify"], 1, "module 'tok' (Embedding(128, 64)) received input of shape (2, 16) but expects integer indices < 128"),
         (["mlp", "--world-size", "0"], 2, "world size must be >= 1, got 0"),
         (["mlp", "--world-size", "two"], 2, "invalid world size 'two'"),
         (["mlp", "--rank", "2"], 2, "--rank 2 is outside world size 2"),
@@ -174,7 +226,7 @@ def test_bad_input(capsys, user_file, argv, status, message):
 
 def test_verbose_adds_the_traceback(capsys):
     code, _, err = run(capsys, "inspect", "mlp", "-n", "2", "--input", "3x5", "--verbose")
-    assert code == 1 and "Traceback" in err and err.rstrip().splitlines()[-1].startswith("fxtp: error: example inputs")
+    assert code == 1 and "Traceback" in err and err.rstrip().splitlines()[-1].startswith("fxtp: error: mlp does not run on --input 3x5: example inputs")
 
 
 def test_input_specs():
@@ -195,6 +247,25 @@ def test_verify_over_tolerance_exits_1(capsys, monkeypatch):
     monkeypatch.setattr(fxtp.verify, "verify", lambda *a, **k: VerifyResult(2, 1e-7, 3e-2, 4, 1e-4))
     code, out, _ = run(capsys, "inspect", "mlp", "-n", "2", "--verify")
     assert code == 1 and "gradients: max abs error 3.00e-02" in out and "FAIL: over tolerance" in out
+
+
+def test_verify_failure_on_the_ranks_is_one_line(capsys, user_file):
+    """Ranks that fail (here: the builder gives them another shape) are one message, no traceback."""
+    code, _, err = run(capsys, "inspect", f"{user_file}:other_on_ranks", "-n", "2", "--verify")
+    assert code == 1 and "Traceback" not in err
+    assert err.startswith(
+        "fxtp: error: verify failed on rank(s) 0, 1: RuntimeError: Error(s) in loading state_dict for Linear: "
+        "size mismatch for weight: copying a param with shape torch.Size([16, 16]) from checkpoint"
+    )
+    assert err.count("\n") == 1
+
+
+def test_verify_failure_message():
+    from fxtp.verify import _failure_message
+
+    errors = [(1, "IndexError: index out of range", "Traceback 1"), (0, "IndexError: index out of range", "Traceback 0"), (2, "x", "T2")]
+    assert _failure_message(errors, verbose=False) == "verify failed on rank(s) 0, 1: IndexError: index out of range\nverify failed on rank(s) 2: x"
+    assert _failure_message(errors, verbose=True).endswith("rank 0:\nTraceback 0\nrank 1:\nTraceback 1\nrank 2:\nT2")
 
 
 def test_python_dash_m_fxtp_verify():
