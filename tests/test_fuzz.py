@@ -21,12 +21,8 @@ from hypothesis import HealthCheck, event, given, settings
 
 # Grammar features with a known bug, never drawn here (each is a regression test in
 # test_fuzz_regressions.py); remove an entry when its fix lands.
-_CASE22 = "case 22: an f after a multi-output op (split/chunk/unbind) runs a backward all_reduce the report does not count"
 KNOWN_BROKEN: dict[str, str] = {
-    "attn.shared_head_linear": "case 15: a replicated Linear on head-sharded values gets each rank's partial gradient",
-    "embed.scale_grad_by_freq": "case 16: the vocab-parallel lookup does not divide the table's gradient by the id counts",
     "attn.sdpa_dropout": "case 17: SDPA dropout on sharded heads draws per-rank masks, not the slice of one mask",
-    **{cut: _CASE22 for cut in ("gate:chunk", "gate:split", "gate:unbind", "proj:chunk", "proj:split", "proj:unbind")},
 }
 
 EXAMPLES = int(os.environ.get("FXTP_FUZZ_EXAMPLES", "12"))

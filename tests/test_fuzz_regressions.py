@@ -16,19 +16,11 @@ REGRESSIONS: dict[str, tuple[Spec, dict[int, str]]] = {
     # name: (spec, {world_size: symptom today}); a world size not listed passes today
     "case15-shared-per-head-linear": (
         Spec(hidden=16, blocks=(Attn(heads=4, kv_heads=4, shared_head_linear=True),)),
-        {
-            2: "case 15: per_head (a replicated Linear on head-sharded values) gets each rank's partial "
-            "weight/bias gradient (max error 0.020 weight, 0.0090 bias); per_head is replicated without a code",
-            4: "case 15: as at ws 2 (max error 0.020 weight, 0.025 bias); per_head replicated without a code",
-        },
+        {},  # fixed: the shared Linear's weight and bias enter through f (NOTE: [replicated parameter in a sharded region])
     ),
     "case16-scale-grad-by-freq": (
         Spec(hidden=16, blocks=(Mlp(ffn=16),), embed=Embed(scale_grad_by_freq=True), vocab=128),
-        {
-            2: "case 16: the vocab-parallel lookup does not divide emb.weight's gradient by the id counts "
-            "(max error 0.0030 on rank 0's rows)",
-            4: "case 16: as at ws 2 (max error 0.0030)",
-        },
+        {},  # fixed: vocab_parallel_embedding honours scale_grad_by_freq
     ),
     "case17-sdpa-dropout": (
         Spec(hidden=16, blocks=(Attn(heads=4, kv_heads=4, sdpa_dropout=True),), train=True),
@@ -40,16 +32,12 @@ REGRESSIONS: dict[str, tuple[Spec, dict[int, str]]] = {
     ),
     "case22-count-after-split": (
         Spec(hidden=16, blocks=(Attn(heads=1, kv_heads=1, proj="split", shared_head_linear=True),)),
-        {
-            2: "case 22: the f entering the colwise per_head after split of the replicated qkv runs a backward "
-            "all_reduce the report does not count (report 0, ran 1)",
-            4: "case 22: as at ws 2 (report 0, ran 1)",
-        },
+        {},  # fixed: the report counts an f after a split piece (_needs_grad through multi-output nodes)
     ),
     "case22-count-after-split-mlp": (
         # ws 2: up is colwise, no f after the split; ws 4: 10 does not divide, up replicated, down colwise
         Spec(hidden=16, blocks=(Mlp(ffn=10, gate="split"),)),
-        {4: "case 22: the f entering the colwise down after split of the replicated up is not counted (report 0, ran 1)"},
+        {},  # fixed: as above
     ),
 }
 

@@ -111,7 +111,7 @@ def _layer_rule(ctx: RuleContext, ops: LayerOperands) -> Decision:
     state = ctx.layer()
     whole = {t: REPLICATE for t in (w, b) if t is not None}  # a replicated layer needs its full weight
     if isinstance(px, Shard) and px.dim < last:
-        return Decision(px, whole, layer=LayerNote("replicate", f"input is sharded on dim {px.dim}, not on features"))
+        return Decision(px, whole, layer=_on_other_dim(f"input is sharded on dim {px.dim}, not on features"))
     if isinstance(px, Shard) and (state.demoted is not None or state.forced == "colwise"):
         # The user's plan wants this layer's input whole: keep the producers replicated.
         if state.demoted is not None:
@@ -149,6 +149,16 @@ def _layer_rule(ctx: RuleContext, ops: LayerOperands) -> Decision:
     return Decision(out, wants, layer=LayerNote("colwise", reason))
 
 
+def _on_other_dim(why: str) -> LayerNote:
+    return LayerNote(
+        "replicate",
+        f"{why}: the layer runs on the rank's shard with its whole weight, whose gradient is summed over the "
+        "ranks (NOTE: [replicated parameter in a sharded region])",
+        code="shard-on-other-dim",
+        fix="none needed",
+    )
+
+
 def _not_divisible(what: str, size: int, ws: int) -> LayerNote:
     options = [d for d in range(2, min(size, 64) + 1) if size % d == 0][:4]
     hint = f"use world_size {' or '.join(map(str, options))}" if options else "use world_size 1"
@@ -171,7 +181,7 @@ def embedding_rule(ctx: RuleContext) -> Decision:
     state = ctx.layer()
     p = ctx.placement(indices)
     if isinstance(p, Shard) or state.demoted is not None:
-        note = state.demoted or LayerNote("replicate", "the indices are sharded; the table stays whole")
+        note = state.demoted or _on_other_dim("the indices are sharded")
         return Decision(p if isinstance(p, Shard) else REPLICATE, {weight: REPLICATE}, layer=note)
     vocab = shape_of(weight)[0]
     if vocab % ctx.world_size:
