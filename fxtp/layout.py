@@ -219,8 +219,15 @@ def local_form(current: torch.Tensor, tp_local: torch.Tensor) -> torch.Tensor:
     if not isinstance(current, DTensor):
         return tp_local
     dim, start, length = _fsdp_range(current)
-    return DTensor.from_local(tp_local.narrow(dim, start, length), current.device_mesh, current.placements,
-                              run_check=False, shape=current.shape, stride=current.stride())
+    return _like(current, tp_local.narrow(dim, start, length))
+
+
+def _like(current: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (the local tensor of ``current``'s form) as ``current``: FSDP2's DTensor or plain."""
+    if not isinstance(current, DTensor):
+        return local
+    return DTensor.from_local(local, current.device_mesh, current.placements, run_check=False, shape=current.shape,
+                              stride=current.stride())
 
 
 def from_checkpoint(key: str, value: Any, current: torch.Tensor, placement: Placement, rank: int, world_size: int) -> torch.Tensor:
@@ -237,7 +244,7 @@ def from_checkpoint(key: str, value: Any, current: torch.Tensor, placement: Plac
 
     if isinstance(value, LocalChunks):
         if tuple(value.shape) == shape and value.chunks == tuple(chunks):
-            return local_form(current, value.local)
+            return _like(current, value.local)
         got = f"chunks {[(c.offsets, c.sizes) for c in value.chunks]} of {tuple(value.shape)}"
     elif isinstance(value, DTensor):
         if isinstance(current, DTensor) and value.device_mesh == current.device_mesh and value.placements == current.placements \
