@@ -152,7 +152,7 @@ def _tp_chunks(local_shape: tuple[int, ...], placement: Placement, rank: int, wo
 def _fsdp_range(value: DTensor) -> tuple[int, int, int]:
     """``(dim, start, length)`` of FSDP2's local shard in the tensor it sharded (``torch.chunk``
     blocks over a 1-D data-parallel mesh, ``fully_shard``'s layout)."""
-    (placement,) = value.placements if len(value.placements) == 1 else (None,)
+    placement = value.placements[0] if len(value.placements) == 1 else None
     if value.device_mesh.ndim != 1 or not isinstance(placement, DShard):
         raise FxtpInputError(
             f"a DTensor parameter on a {value.device_mesh.ndim}-D mesh with {value.placements}: fxtp takes DTensor "
@@ -164,6 +164,19 @@ def _fsdp_range(value: DTensor) -> tuple[int, int, int]:
     return dim, start, value.to_local().shape[dim]
 
 
+def _restrict(chunks: list[Chunk], dim: int, start: int, length: int) -> list[Chunk]:
+    """The parts of ``chunks`` inside ``[start, start + length)`` of their local tensor's ``dim``,
+    with local offsets relative to ``start`` (FSDP2's block of the tensor-parallel local tensor)."""
+    kept = []
+    for c in chunks:
+        lo, hi = max(c.local[dim], start), min(c.local[dim] + c.sizes[dim], start + length)
+        if hi > lo:
+            shift = lo - c.local[dim]
+            kept.append(Chunk(_replace(c.local, dim, lo - start), _replace(c.offsets, dim, c.offsets[dim] + shift),
+                              _replace(c.sizes, dim, hi - lo)))
+    return kept
+
+
 def _layout(value: torch.Tensor, placement: Placement, rank: int, world_size: int) -> tuple[torch.Tensor, tuple[int, ...], list[Chunk]]:
     """``(local tensor, global shape, chunks)`` of a parameter-shaped ``value`` (plain local, or a
     DTensor of FSDP2 over the local one)."""
@@ -171,16 +184,8 @@ def _layout(value: torch.Tensor, placement: Placement, rank: int, world_size: in
     chunks = _tp_chunks(tp_shape, placement, rank, world_size)
     local = value
     if isinstance(value, DTensor):
-        dim, start, length = _fsdp_range(value)
         local = value.to_local()
-        kept = []
-        for c in chunks:
-            lo, hi = max(c.local[dim], start), min(c.local[dim] + c.sizes[dim], start + length)
-            if hi > lo:
-                shift = lo - c.local[dim]
-                kept.append(Chunk(_replace(c.local, dim, lo - start), _replace(c.offsets, dim, c.offsets[dim] + shift),
-                                  _replace(c.sizes, dim, hi - lo)))
-        chunks = kept
+        chunks = _restrict(chunks, *_fsdp_range(value))
     shape = _replace(tp_shape, placement.dim, placement.size) if isinstance(placement, Shard) else tp_shape
     return local, shape, chunks
 
@@ -274,15 +279,15 @@ def from_checkpoint(key: str, value: Any, current: torch.Tensor, placement: Plac
 
 
 def _mesh(pm: nn.Module, device: torch.device) -> Optional[DeviceMesh]:
-    """The tensor-parallel mesh of ``pm`` for tensors on ``device`` (None without a group)."""
+    """The tensor-parallel mesh of ``pm`` for tensors on ``device`` (None without a group): the
+    user's 1-D DeviceMesh, or one made once per device type from the group."""
     if pm._world_size == 1 or pm._group is None:
         return None
     if pm._mesh is not None:
         return pm._mesh
-    meshes = pm.__dict__.setdefault("_meshes", {})
-    if device.type not in meshes:
-        meshes[device.type] = DeviceMesh.from_group(pm._group, device.type)
-    return meshes[device.type]
+    if device.type not in pm._meshes:
+        pm._meshes[device.type] = DeviceMesh.from_group(pm._group, device.type)
+    return pm._meshes[device.type]
 
 
 def _owners(pm: nn.Module) -> dict[str, torch.Tensor]:

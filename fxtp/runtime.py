@@ -91,6 +91,7 @@ class ParallelModule(nn.Module):
         self._rank, self._world_size = rank, world_size
         # The tensor-parallel group; mesh: the user's 1-D DeviceMesh of it (DTensor state-dict values).
         self._group, self._mesh = group, mesh
+        self._meshes: dict[str, DeviceMesh] = {}  # made from the group, per device type (fxtp.layout)
         self._group_name = group.group_name if group is not None else None
         self._in_spec, self._out_spec = program.call_spec.in_spec, program.call_spec.out_spec
         # What the graph was specialized to, per flat input: (shape, dtype) of a tensor, or the value.
