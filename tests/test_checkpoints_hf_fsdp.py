@@ -55,6 +55,7 @@ def _meta_load(name: str, path: str):
         model, _ = getattr(examples, name)()
     pm = fxtp.compile(model, dist.get_world_size(), tuple(t.to("meta") for t in inputs))
     assert all(p.is_meta for p in pm.parameters())
+    assert "device(type='meta')" not in pm.graph_module.code  # normalize: no device literal survives
     stats = pm.load_safetensors(path)
     torch.testing.assert_close(_hidden(pm(*inputs)), _hidden(ref(*inputs)))
     return stats
@@ -72,6 +73,25 @@ def test_meta_hf_model_loads_its_slices_from_a_checkpoint_directory(rank_pools, 
         assert s.sharded_bytes_read * pool.world_size == s.sharded_bytes_full > 0  # exactly 1/ws of the sharded bytes
         assert s.bytes_read < s.file_bytes and 1 <= s.files <= len(files)
     print(f"{name}: {len(files)} files, {stats[0].file_bytes} bytes; each rank read {[s.bytes_read for s in stats]}")
+
+
+def test_normalize_replaces_device_literals_in_every_position():
+    """A positional device (``aten.to.device``) and a keyword one (``arange(device=)``) both
+    become the run-time device of the first parameter."""
+    from torch.fx import Graph
+
+    from passes.normalize import normalize
+
+    graph = Graph()
+    weight = graph.placeholder("p_weight")
+    weight.meta["val"] = torch.empty(2, device="meta")
+    moved = graph.call_function(torch.ops.aten.to.device, (weight, torch.device("meta"), torch.float32))
+    arange = graph.call_function(torch.ops.aten.arange.default, (2,), {"device": torch.device("cpu")})
+    graph.output((moved, arange))
+    normalize(graph)
+    device = next(n for n in graph.nodes if n.target is getattr)
+    assert device.args == (weight, "device")
+    assert moved.args == (weight, device, torch.float32) and arange.kwargs == {"device": device}
 
 
 def test_buffers_on_meta_are_one_error_at_load(tmp_path):
