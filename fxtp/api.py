@@ -73,8 +73,7 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
     """
     ws = _check_world_size(world_size)
     args, kwargs = _check_inputs(model, example_inputs, example_kwargs)
-    tp_group, rank = _resolve_group(ws, rank, group)
-    group_name = tp_group.group_name if tp_group is not None else None
+    group_name, rank = _resolve_group(ws, rank, group)
     captured, sharding, report = _analyze(model, ws, args, kwargs, capture, plan, rank)
     program = captured.program
     if ws == 1:
@@ -86,8 +85,7 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
         if group_name is not None and draws_random(gm.graph):  # NOTE: [dropout across ranks]
             sync_generators(group.get_group() if hasattr(group, "get_group") else group or dist.group.WORLD)
     pm = ParallelModule(
-        program, gm, sharding, report, rank=rank, world_size=ws, group=tp_group, example=(args, kwargs),
-        mesh=group if hasattr(group, "get_group") and tp_group is not None else None,
+        program, gm, sharding, report, rank=rank, world_size=ws, group_name=group_name, example=(args, kwargs)
     )
     bind_state_keys(pm, model)
     return pm
@@ -159,8 +157,8 @@ def _check_plan(plan: Any) -> dict[str, str]:
     return dict(plan)
 
 
-def _resolve_group(ws: int, rank: Optional[int], group: Group) -> tuple[Optional[dist.ProcessGroup], int]:
-    """(the tensor-parallel process group or None, this rank)."""
+def _resolve_group(ws: int, rank: Optional[int], group: Group) -> tuple[Optional[str], int]:
+    """(group name for the collectives or None, this rank)."""
     if group is not None and not isinstance(group, dist.ProcessGroup) and not hasattr(group, "get_group"):
         raise FxtpConfigError(f"group must be a ProcessGroup or a 1-D DeviceMesh, got {type(group).__name__}")
     if group is not None and hasattr(group, "get_group"):  # DeviceMesh
@@ -181,4 +179,4 @@ def _resolve_group(ws: int, rank: Optional[int], group: Group) -> tuple[Optional
     group_rank = dist.get_rank(group)
     if rank is not None and rank != group_rank:
         raise FxtpConfigError(f"rank={rank} but this process is rank {group_rank} of the group; drop rank=")
-    return group, group_rank
+    return group.group_name, group_rank

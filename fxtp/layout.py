@@ -33,13 +33,14 @@ the parameters; ``pm.load_state_dict(sd)`` then checks every value's layout agai
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _resolve_process_group  # NOTE: [group by name]
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
@@ -278,16 +279,25 @@ def from_checkpoint(key: str, value: Any, current: torch.Tensor, placement: Plac
 # --- hooks ------------------------------------------------------------------------------------
 
 
-def _mesh(pm: nn.Module, device: torch.device) -> Optional[DeviceMesh]:
-    """The tensor-parallel mesh of ``pm`` for tensors on ``device`` (None without a group): the
-    user's 1-D DeviceMesh, or one made once per device type from the group."""
-    if pm._world_size == 1 or pm._group is None:
-        return None
-    if pm._mesh is not None:
-        return pm._mesh
-    if device.type not in pm._meshes:
-        pm._meshes[device.type] = DeviceMesh.from_group(pm._group, device.type)
-    return pm._meshes[device.type]
+def _meshes(pm: nn.Module) -> Callable[[torch.device], Optional[DeviceMesh]]:
+    """``mesh(device)``: the tensor-parallel mesh of ``pm`` for tensors on ``device`` (None
+    without a group), made once per device type per call of a hook.
+
+    NOTE: [group by name] ``pm`` keeps its group's *name* (what the functional collectives take;
+    a ProcessGroup object would make ``pm`` impossible to deepcopy or pickle).
+    ``torch.distributed.distributed_c10d._resolve_process_group`` is the name's inverse; it is
+    private, so it is called here only.
+    """
+    made: dict[str, DeviceMesh] = {}
+
+    def mesh(device: torch.device) -> Optional[DeviceMesh]:
+        if pm._world_size == 1 or pm._group_name is None:
+            return None
+        if device.type not in made:
+            made[device.type] = DeviceMesh.from_group(_resolve_process_group(pm._group_name), device.type)
+        return made[device.type]
+
+    return mesh
 
 
 def _owners(pm: nn.Module) -> dict[str, torch.Tensor]:
@@ -297,11 +307,12 @@ def _owners(pm: nn.Module) -> dict[str, torch.Tensor]:
 def state_dict_hook(pm: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """``nn.Module.register_state_dict_post_hook`` of a ParallelModule: parameters become
     :func:`to_checkpoint` values (buffers stay plain; everything stays plain without a group)."""
+    mesh = _meshes(pm)
     for fqn, param in _owners(pm).items():
         key = prefix + fqn
         if key in state_dict:
-            mesh = _mesh(pm, param.device)
-            state_dict[key] = to_checkpoint(param.detach(), pm.placements.get(fqn, REPLICATE), pm._rank, pm._world_size, mesh)
+            placement = pm.placements.get(fqn, REPLICATE)
+            state_dict[key] = to_checkpoint(param.detach(), placement, pm._rank, pm._world_size, mesh(param.device))
 
 
 def load_state_dict_hook(pm: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
@@ -349,6 +360,7 @@ def register_optimizer(pm: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     def convert(opt: torch.optim.Optimizer, state_dict: dict[str, Any], saving: bool) -> dict[str, Any]:
         # A new dict: the inner dicts of ``Optimizer.state_dict()`` are the optimizer's own state.
         params = param_of(opt, state_dict["param_groups"])
+        mesh = _meshes(pm)
         state = {}
         for pid, entries in state_dict["state"].items():
             state[pid] = dict(entries)
@@ -360,7 +372,7 @@ def register_optimizer(pm: nn.Module, optimizer: torch.optim.Optimizer) -> None:
                 if not isinstance(v, torch.Tensor):
                     continue
                 if saving and v.shape == p.shape:  # a local tensor like the parameter
-                    state[pid][k] = to_checkpoint(v, placement, pm._rank, pm._world_size, _mesh(pm, p.device))
+                    state[pid][k] = to_checkpoint(v, placement, pm._rank, pm._world_size, mesh(p.device))
                 elif not saving and v.dim() == p.dim():  # global (checkpoint or full) tensors; not a scalar step
                     state[pid][k] = from_checkpoint(f"{fqn}.{k}", v, p, placement, pm._rank, pm._world_size)
         return {**state_dict, "state": state}

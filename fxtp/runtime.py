@@ -13,8 +13,6 @@ from typing import Any, Mapping, Optional, Union
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import GraphModule
@@ -80,19 +78,14 @@ class ParallelModule(nn.Module):
         *,
         rank: int,
         world_size: int,
-        group: Optional[ProcessGroup],
+        group_name: Optional[str],
         example: tuple[tuple, dict],
-        mesh: Optional[DeviceMesh] = None,
     ) -> None:
         super().__init__()
         self.graph_module = graph_module
         self.report = report
         self.plan = report.plan
-        self._rank, self._world_size = rank, world_size
-        # The tensor-parallel group; mesh: the user's 1-D DeviceMesh of it (DTensor state-dict values).
-        self._group, self._mesh = group, mesh
-        self._meshes: dict[str, DeviceMesh] = {}  # made from the group, per device type (fxtp.layout)
-        self._group_name = group.group_name if group is not None else None
+        self._rank, self._world_size, self._group_name = rank, world_size, group_name
         self._in_spec, self._out_spec = program.call_spec.in_spec, program.call_spec.out_spec
         # What the graph was specialized to, per flat input: (shape, dtype) of a tensor, or the value.
         self._example_leaves = [
