@@ -253,14 +253,15 @@ def from_checkpoint(key: str, value: Any, current: torch.Tensor, placement: Plac
             return _like(current, value.local)
         got = f"chunks {[(c.offsets, c.sizes) for c in value.chunks]} of {tuple(value.shape)}"
     elif isinstance(value, DTensor):
-        if isinstance(current, DTensor) and value.device_mesh == current.device_mesh and value.placements == current.placements \
-                and value.shape == current.shape:
-            return value
-        want = _dtensor_placement(placement, local, shape, world_size)
         mesh = value.device_mesh
-        if (want is not None and not isinstance(current, DTensor) and tuple(value.shape) == shape and mesh.ndim == 1
-                and mesh.size() == world_size and mesh.get_local_rank() == rank and value.placements == (want,)):
-            return value.to_local()
+        if isinstance(current, DTensor):  # FSDP2's own value of the parameter
+            if (mesh, value.placements, value.shape) == (current.device_mesh, current.placements, current.shape):
+                return value
+        else:  # the tensor-parallel DTensor to_checkpoint gives
+            want = _dtensor_placement(placement, local, shape, world_size)
+            if (want is not None and tuple(value.shape) == shape and mesh.ndim == 1 and mesh.size() == world_size
+                    and mesh.get_local_rank() == rank and value.placements == (want,)):
+                return value.to_local()
         got = f"a DTensor {tuple(value.shape)} {value.placements} on a mesh of {value.device_mesh.size()} ranks"
     elif isinstance(value, torch.Tensor):
         if tuple(value.shape) == shape:
