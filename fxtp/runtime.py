@@ -18,7 +18,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import GraphModule
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
-from fxtp import checkpoint
+from fxtp import checkpoint, layout
 from fxtp.errors import FxtpInputError, FxtpRuntimeError
 from fxtp.placement import Placement, shard_tensor
 from fxtp.report import Report, parameter_placements
@@ -64,7 +64,9 @@ class ParallelModule(nn.Module):
             slice (``fxtp.placement.shard_tensor`` of the full one).
 
     Checkpoints (``fxtp.checkpoint``): :meth:`full_state_dict`, :meth:`load_full_state_dict`,
-    :meth:`load_safetensors`.
+    :meth:`load_safetensors`. ``state_dict()`` values carry their global layout for
+    ``torch.distributed.checkpoint`` and ``load_state_dict`` checks it (``fxtp.layout``, NOTE:
+    [checkpoint layouts]); :meth:`register_optimizer` does the same for an optimizer's state.
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class ParallelModule(nn.Module):
         ]
         self.placements: dict[str, Placement] = {}
         constants = nn.Module()
+        self._constant_targets: dict[str, str] = {}  # fxtp's name of a constant -> the model's
         shared: dict[tuple[int, str], nn.Parameter] = {}  # tied parameters stay one Parameter
         param_placements = parameter_placements(program, sharding)  # tied FQNs share one placement
         for spec in program.graph_signature.input_specs:
@@ -115,12 +118,15 @@ class ParallelModule(nn.Module):
             elif spec.kind == InputKind.CONSTANT_TENSOR:
                 key = f"c{len(constants._buffers)}"
                 constants.register_buffer(key, program.constants[spec.target].detach().clone(), persistent=False)
+                self._constant_targets[f"_fxtp_constants.{key}"] = spec.target
                 self._inputs.append(("buffer", f"_fxtp_constants.{key}"))
             elif spec.kind == InputKind.USER_INPUT:
                 self._inputs.append(("user", ""))
             else:
                 raise FxtpInputError(f"fxtp does not support graph inputs of kind {spec.kind.name} ({spec.arg.name})")
         self._fxtp_constants = constants
+        self.register_state_dict_post_hook(layout.state_dict_hook)  # NOTE: [checkpoint layouts]
+        self.register_load_state_dict_pre_hook(layout.load_state_dict_hook)
 
     def _register(self, fqn: str, value: torch.Tensor, persistent: bool = True) -> None:
         *path, leaf = fqn.split(".")
@@ -240,3 +246,11 @@ class ParallelModule(nn.Module):
         model compiled on ``meta``); returns the bytes read. See :func:`fxtp.checkpoint.load_safetensors`.
         """
         return checkpoint.load_safetensors(self, path, device=device, extra=extra)
+
+    def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.state_dict()`` (and so ``get_optimizer_state_dict``) carry the layouts
+        of this module's parameters, and its ``load_state_dict`` take them back, so
+        ``torch.distributed.checkpoint`` reshards the optimizer state too. Call it once per
+        optimizer of ``self.parameters()``. See :func:`fxtp.layout.register_optimizer`.
+        """
+        layout.register_optimizer(self, optimizer)

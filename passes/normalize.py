@@ -5,15 +5,27 @@ the user's model):
 
 * ``_assert_tensor_metadata`` nodes (export's checks of ``.to()`` calls, which also pin the
   capture device) are removed.
-* Device literals of factory ops (``arange(..., device=cpu)``) become the device of the first
-  parameter (or input) at run time, so the emitted graph runs wherever the model lives.
+* Device literals, in any argument position (factory ops' ``device=``, ``aten.to.device``'s
+  positional device, ``_to_copy(..., device=)``), become the device of the first parameter (or
+  input) at run time, so the emitted graph runs wherever the model lives: a model captured on
+  ``meta`` (NOTE: [meta models]) or on the cpu runs on the device its weights are loaded to.
 
     Matches:  arange = aten.arange.start(0, 16, device=device(type='cpu'), pin_memory=False)
+              to_3 = aten.to.device(b_rotary_emb_inv_freq, device(type='meta'), torch.float32)
     Rewrite:  device = getattr(p_tok_embeddings_weight, 'device')
               arange = aten.arange.start(0, 16, device=device, pin_memory=False)
+              to_3 = aten.to.device(b_rotary_emb_inv_freq, device, torch.float32)
+
+NOTE: [meta models]
+A model built with its parameters on ``meta`` is captured with ``meta`` example inputs, so every
+device the model code computes (``x.device``) is traced as the literal ``meta``; its weights
+become real at load time (``ParallelModule.load_safetensors``/``load_full_state_dict``). Buffers
+no checkpoint holds must be real when the model is built (see ``fxtp.checkpoint._check_meta``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch.fx import Graph, Node
@@ -31,14 +43,20 @@ def normalize(graph: Graph) -> Graph:
     anchor = _device_anchor(graph)
     device_node: Node | None = None
     for node in list(graph.nodes):
-        if node.op != "call_function" or not isinstance(node.kwargs.get("device"), torch.device) or anchor is None:
+        if node.op != "call_function" or anchor is None or not _has_device(node):
             continue
         if device_node is None:
             with graph.inserting_after(_last_placeholder(graph)):
                 device_node = graph.call_function(getattr, (anchor, "device"))
-        node.update_kwarg("device", device_node)
+        node.args = tuple(device_node if isinstance(a, torch.device) else a for a in node.args)
+        node.kwargs = {k: device_node if isinstance(v, torch.device) else v for k, v in node.kwargs.items()}
     graph.lint()
     return graph
+
+
+def _has_device(node: Node) -> bool:
+    values: list[Any] = [*node.args, *node.kwargs.values()]
+    return any(isinstance(v, torch.device) for v in values)
 
 
 def _device_anchor(graph: Graph) -> Node | None:
