@@ -7,6 +7,7 @@ codes are stable and documented in the README.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +16,10 @@ import torch
 from tabulate import tabulate
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from fxtp.placement import REPLICATE, Partial, Placement, Shard, is_sharded
+from fxtp.shapes import InputSpec, describe_dims
 from passes.plan import LayerDecision, ShardingPlan, module_of
 
 __all__ = ["Report", "CollectiveStat", "Note", "build_report", "megatron_floor", "parameter_placements"]
@@ -92,7 +95,10 @@ class Report:
         self.param_bytes_per_rank = param_bytes_per_rank
         self.rounds = rounds
         self.regions = regions
-        self.timings: dict[str, float] = {}  # capture_s, passes_s (normalize, plan, report), rewrite_s
+        self.timings: dict[str, float] = {}  # capture_s, passes_s (normalize, plan, report), rewrite_s, modes_s
+        self.inputs: tuple[InputSpec, ...] = ()  # the user inputs and their dims (fxtp.shapes)
+        self.shape_notes: tuple[str, ...] = ()  # dims specialized by fxtp or a fallback, and why
+        self.modes: dict[str, str] = {}  # mode -> how its graph was captured (NOTE: [modes])
 
     @property
     def plan(self) -> dict[str, str]:
@@ -120,6 +126,9 @@ class Report:
             "planning_rounds": self.rounds,
             "regions": [list(r) for r in self.regions],
             "timings": dict(self.timings),
+            "inputs": [_input_dict(spec) for spec in self.inputs],
+            "shape_notes": list(self.shape_notes),
+            "modes": dict(self.modes),
         }
 
     def __str__(self) -> str:
@@ -150,6 +159,12 @@ class Report:
         lines = []
         failed = "; ".join(f"{f} failed: {r}" for f, r in self.attempts)
         lines.append(f"capture: {self.frontend}" + (f" ({failed})" if failed else ""))
+        tensors = [spec for spec in self.inputs if spec.is_tensor]
+        if tensors:
+            lines.append("input dims (symbol in its range: dynamic; a number: static): " + "; ".join(map(describe_dims, tensors)))
+        lines += [f"  {note}" for note in self.shape_notes]
+        if self.modes:
+            lines.append("modes: " + "; ".join(f"{mode}: {how}" for mode, how in self.modes.items()))
         for phase in ("forward", "backward"):
             stats = [c for c in self.collectives if c.phase == phase and c.count]
             text = ", ".join(f"{c.count} {c.kind} ({_fmt_bytes(c.bytes)})" for c in stats) or "none"
@@ -194,6 +209,15 @@ def megatron_floor(report: dict[str, Any], n_blocks: int, input_grad: bool = Tru
     return forward, backward
 
 
+def _input_dict(spec: InputSpec) -> dict[str, Any]:
+    """One user input for ``to_dict``: per dim its static size, or its symbol and range."""
+    dims = [
+        {"size": d.size} if not d.dynamic else {"symbol": d.symbol, "min": d.lo, "max": d.hi, "example": d.example}
+        for d in spec.dims
+    ]
+    return {"name": spec.name, "dtype": str(spec.dtype) if spec.is_tensor else None, "dims": dims}
+
+
 def _layer_comm(layer: LayerDecision) -> str:
     if layer.style == "colwise":
         return "f: all_reduce bwd"
@@ -203,7 +227,10 @@ def _layer_comm(layer: LayerDecision) -> str:
 
 
 def _nbytes(val: Any) -> int:
-    return int(val.numel() * val.element_size()) if isinstance(val, torch.Tensor) else 0
+    """Bytes of ``val`` at the example's sizes (a dynamic size counts its example value)."""
+    if not isinstance(val, torch.Tensor):
+        return 0
+    return math.prod(optimization_hint(s) for s in val.shape) * val.element_size()
 
 
 def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, attempts, rank: int) -> Report:
