@@ -201,17 +201,21 @@ def _analyze(model, ws, args, kwargs, how, plan, rank, shapes, report: bool = Tr
     start = time.perf_counter()
     captured, sharding, capture_s = _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes)
     symbols = plan_symbols(captured.program.graph, sharding)
+    notes = list(captured.notes)
     if symbols:  # NOTE: [dynamic shapes]: a decision reads a dynamic size: specialize it, capture again
-        flat = pytree.tree_leaves((args, kwargs))
-        respec = specialized_shapes(flat, input_specs(captured.program), set(symbols))
+        flat, specs = pytree.tree_leaves((args, kwargs)), input_specs(captured.program)
+        dims = {d.symbol: f"{s.name} dim {i} ({d.symbol}) specialized to {d.example}" for s in specs for i, d in enumerate(s.dims) if d.dynamic}
+        notes += [f"{dims.get(sym, sym + ' specialized')}: the plan depends on its size ({why})" for sym, why in symbols.items()]
+        respec = specialized_shapes(flat, specs, set(symbols))
         captured, sharding, again_s = _capture_and_plan(model, ws, args, kwargs, captured.frontend, overrides, respec)
         capture_s += again_s
+        notes += list(captured.notes)
     if not report:
         return captured, sharding, None
     program = captured.program
     rep = build_report(program, sharding, captured.frontend, captured.attempts, rank)
     rep.inputs = input_specs(program)
-    rep.shape_notes = (*captured.notes, *(f"{sym} specialized to the example: {why}" for sym, why in symbols.items()))
+    rep.shape_notes = tuple(notes)
     rep.timings = {"capture_s": capture_s, "passes_s": time.perf_counter() - start - capture_s}
     return captured, sharding, rep
 

@@ -19,12 +19,12 @@ from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from fxtp.placement import REPLICATE, Partial, Placement, Shard, is_sharded
+from fxtp.rng import is_random, sharded_call
 from fxtp.shapes import InputSpec, describe_dims
 from passes.plan import LayerDecision, ShardingPlan, module_of
 
 __all__ = ["Report", "CollectiveStat", "Note", "build_report", "megatron_floor", "parameter_placements"]
 
-_DROPOUTS = (torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default)
 _aten = torch.ops.aten
 _OTHER_MATMULS = (_aten.mm.default, _aten.addmm.default, _aten.matmul.default, _aten.bmm.default, _aten.einsum.default)
 _VIEWS = (_aten.t.default, _aten.transpose.int, _aten.permute.default, _aten.view.default, _aten.reshape.default, _aten.expand.default)
@@ -320,18 +320,18 @@ def _notes(plan: ShardingPlan, nodes, param_names: set[str]) -> tuple[Note, ...]
     ]
     for name, placement in plan.placements.items():
         node = nodes[name]
-        if node.target in _DROPOUTS and isinstance(placement, Shard) and node.args[2] is True:
-            notes.append(
-                Note(
-                    "dropout-on-shard",
-                    node.format_node(),
-                    module_of(node),
-                    "dropout on a sharded value: every rank draws the mask of the full value and keeps its slice "
-                    "(one global mask, as on one device; replicated values get the identical mask on every rank: "
-                    "fxtp.compile syncs the generators from rank 0)",
-                    (),
-                )
-            )
+        shard = placement[0] if isinstance(placement, tuple) else placement
+        if not isinstance(shard, Shard) or not is_random(node.target, node.args, node.kwargs):
+            continue
+        if sharded_call(node.target, node.args, node.kwargs, shard, 0, plan.world_size) is not None:
+            why = ("random op on a sharded value: every rank draws the mask of the full value and keeps its slice "
+                   "(one global mask, as on one device; replicated values get the identical mask on every rank: "
+                   "fxtp.compile syncs the generators from rank 0)")
+            notes.append(Note("dropout-on-shard", node.format_node(), module_of(node), why, ()))
+        else:
+            why = ("random op on a sharded value that fxtp cannot draw as one global mask: each rank draws its own "
+                   "(independent masks per rank, not the single device's; the generators fall out of step)")
+            notes.append(Note("random-per-rank", node.format_node(), module_of(node), why, ()))
     layer_nodes = {layer.node for layer in plan.layers}
     for node in nodes.values():
         if node.name in layer_nodes:

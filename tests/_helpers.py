@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
-from typing import Any
+from typing import Any, Iterator
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -15,7 +17,7 @@ import fxtp
 from fxtp.report import megatron_floor  # noqa: F401 - re-exported for the tests
 from fxtp.placement import shard_tensor
 
-__all__ = ["CollectiveCounter", "loss_of", "compare_training", "count_graph_collectives", "megatron_floor"]
+__all__ = ["CollectiveCounter", "loss_of", "compare_training", "compare_shapes", "no_capture", "count_graph_collectives", "megatron_floor"]
 
 _KINDS = {
     "all_reduce": "all_reduce",
@@ -102,3 +104,40 @@ def compare_training(
         "code": pm.graph_module.code,
         "out_shapes": [tuple(t.shape) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)],
     }
+
+
+@contextlib.contextmanager
+def no_capture() -> Iterator[None]:
+    """Fail if anything calls ``torch.export.export`` (a recapture) inside the block."""
+    with mock.patch("torch.export.export", side_effect=AssertionError("fxtp captured the model again")):
+        yield
+
+
+def compare_shapes(model, example, calls, *, lr: float = 0.1, tol: dict | None = None, **compile_kwargs) -> dict[str, Any]:
+    """Compile ``model`` once on ``example`` over the default process group, then for each input
+    tuple of ``calls`` (other batch sizes and sequence lengths, in a mixed order): outputs,
+    every gradient (shard against slice) and one SGD step, against the single-device model,
+    with no recapture. Returns the report and the output shapes."""
+    tol = tol or {}
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    ref = copy.deepcopy(model)
+    pm = fxtp.compile(model, ws, example, **compile_kwargs)
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=lr), torch.optim.SGD(ref.parameters(), lr=lr)
+    shapes = []
+    with no_capture():
+        for i, inputs in enumerate(calls):
+            out, ref_out = pm(*inputs), ref(*inputs)
+            torch.testing.assert_close(out, ref_out, **tol, msg=lambda m: f"call {i} {[tuple(t.shape) for t in inputs]}: {m}")
+            loss_of(out).backward()
+            loss_of(ref_out).backward()
+            for fqn, p in pm.named_parameters():
+                ref_grad = ref.get_parameter(fqn).grad
+                if ref_grad is not None:
+                    expected = shard_tensor(ref_grad, pm.placements[fqn], rank, ws)
+                    torch.testing.assert_close(p.grad, expected, **tol, msg=lambda m: f"call {i}, gradient of {fqn}: {m}")
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            shapes.append([tuple(t.shape) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)])
+    return {"report": pm.report.to_dict(), "shapes": shapes}
