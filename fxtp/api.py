@@ -98,8 +98,9 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
     start = time.perf_counter()
     for mode in ("train", "eval"):  # NOTE: [modes]
         if mode not in graphs:
-            graphs[mode] = _other_mode(model, mode, ws, args, kwargs, captured, plan, rank, shapes, group_name, program, sharding)
-            same = graphs[mode].gm.code == gm.code
+            other = _other_mode(model, mode, ws, args, kwargs, captured, plan, rank, shapes, group_name, program, sharding)
+            same = other.gm.code == gm.code and other.specs == graphs[compiled].specs
+            graphs[mode] = graphs[compiled] if same else other
             report.modes[mode] = "captured at compile" + (": the same graph" if same else ": its own graph")
     report.timings["modes_s"] = time.perf_counter() - start
     if group_name is not None and any(draws_random(g.gm.graph) for g in graphs.values()):  # NOTE: [dropout across ranks]

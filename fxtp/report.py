@@ -163,8 +163,6 @@ class Report:
         if tensors:
             lines.append("input dims (symbol in its range: dynamic; a number: static): " + "; ".join(map(describe_dims, tensors)))
         lines += [f"  {note}" for note in self.shape_notes]
-        if self.modes:
-            lines.append("modes: " + "; ".join(f"{mode}: {how}" for mode, how in self.modes.items()))
         for phase in ("forward", "backward"):
             stats = [c for c in self.collectives if c.phase == phase and c.count]
             text = ", ".join(f"{c.count} {c.kind} ({_fmt_bytes(c.bytes)})" for c in stats) or "none"

@@ -218,3 +218,21 @@ def test_dynamic_false_specializes_every_dim():
     report = fxtp.analyze(model, 2, (ids,), dynamic=False)
     assert [d.size for d in report.inputs[0].dims] == [2, 16]
     assert report.to_dict()["inputs"][0]["dims"] == [{"size": 2}, {"size": 16}]
+
+
+def test_dims_that_share_a_symbol_must_agree():
+    class Gate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x, mask):
+            return self.fc(x) * mask
+
+    torch.manual_seed(0)
+    model = Gate()
+    pm = fxtp.compile(model, 1, (torch.randn(2, 5, 8), torch.ones(2, 5, 1)))
+    x, mask = torch.randn(3, 7, 8), torch.ones(3, 7, 1)
+    torch.testing.assert_close(pm(x, mask), model(x, mask))
+    with pytest.raises(fxtp.FxtpInputError, match=r"input 'mask' dim 0 is 4 but must equal input 'x' dim 0 \(3\)"):
+        pm(x, torch.ones(4, 7, 1))
