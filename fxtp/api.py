@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import time
 from typing import Any, Iterator, Mapping, Optional, Union
 
@@ -208,7 +209,9 @@ def _analyze(model, ws, args, kwargs, how, plan, rank, shapes, report: bool = Tr
         dims = {d.symbol: f"{s.name} dim {i} ({d.symbol}) specialized to {d.example}" for s in specs for i, d in enumerate(s.dims) if d.dynamic}
         notes += [f"{dims.get(sym, sym + ' specialized')}: the plan depends on its size ({why})" for sym, why in symbols.items()]
         respec = specialized_shapes(flat, specs, set(symbols))
-        captured, sharding, again_s = _capture_and_plan(model, ws, args, kwargs, captured.frontend, overrides, respec)
+        first = captured
+        captured, sharding, again_s = _capture_and_plan(model, ws, args, kwargs, first.frontend, overrides, respec)
+        captured = dataclasses.replace(captured, attempts=first.attempts + captured.attempts)
         capture_s += again_s
         notes += list(captured.notes)
     if not report:
