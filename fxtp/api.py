@@ -196,7 +196,7 @@ def analyze(
     return _analyze(model, ws, args, kwargs, capture, plan, 0, shapes)[2]
 
 
-def _analyze(model, ws, args, kwargs, how, plan, rank, shapes, report: bool = True) -> tuple[Captured, ShardingPlan, Optional[Report]]:
+def _analyze(model, ws, args, kwargs, how, plan, rank, shapes=None, report: bool = True) -> tuple[Captured, ShardingPlan, Optional[Report]]:
     if how not in (*FRONTENDS, "auto"):
         raise FxtpConfigError(f"capture must be one of {', '.join(repr(f) for f in (*FRONTENDS, 'auto'))}, not {how!r}")
     overrides = _check_plan(plan)

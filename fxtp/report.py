@@ -161,7 +161,10 @@ class Report:
         lines.append(f"capture: {self.frontend}" + (f" ({failed})" if failed else ""))
         tensors = [spec for spec in self.inputs if spec.is_tensor]
         if tensors:
-            lines.append("input dims (symbol in its range: dynamic; a number: static): " + "; ".join(map(describe_dims, tensors)))
+            lines.append(
+                "input dims (a symbol: dynamic, in its range; a number: static, as the model, an example size of 0 or 1, "
+                "dynamic=False or a note below fixes it): " + "; ".join(map(describe_dims, tensors))
+            )
         lines += [f"  {note}" for note in self.shape_notes]
         for phase in ("forward", "backward"):
             stats = [c for c in self.collectives if c.phase == phase and c.count]

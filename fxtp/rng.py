@@ -85,8 +85,8 @@ def is_random(target: Any, args: tuple, kwargs: Mapping[str, Any]) -> bool:
     dropout, does not)."""
     if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
         return False
-    if target in _TRAIN_FLAG:
-        return args[2] is not False  # (input, p, train)
+    if target in _TRAIN_FLAG:  # (input, p, train); ATen's dropouts return the input at p == 0, native_dropout draws
+        return args[2] is not False and (args[1] != 0 or target is _aten.native_dropout.default)
     if target is _aten.scaled_dot_product_attention.default:
         return _dropout_p(args, kwargs) != 0
     return True

@@ -15,7 +15,7 @@ that names the input, the dim and the range.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import sympy
 import torch
@@ -142,9 +142,7 @@ def describe_dims(spec: InputSpec) -> str:
     return f"{spec.name}: ({', '.join(parts)})"
 
 
-def specialized_shapes(
-    flat: list[Any], specs: tuple[InputSpec, ...], symbols: set[str]
-) -> Union[ShapesCollection, None]:
+def specialized_shapes(flat: list[Any], specs: tuple[InputSpec, ...], symbols: set[str]) -> ShapesCollection:
     """A ``dynamic_shapes`` spec (a ``torch.export.ShapesCollection`` over the example tensors
     ``flat``) that reproduces ``specs`` but makes every dim whose symbol is in ``symbols``
     static at the example's size: one ``Dim`` per remaining symbol, with its range, shared by
