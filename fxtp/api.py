@@ -19,7 +19,7 @@ from fxtp.checkpoint import bind_state_keys
 from fxtp.errors import FxtpConfigError, FxtpInputError, FxtpPlanError
 from fxtp.report import Report, build_report, parameter_placements
 from fxtp.rng import draws_random, sync_generators
-from fxtp.runtime import ModeGraph, ParallelModule
+from fxtp.runtime import ParallelModule
 from fxtp.shapes import input_specs, specialized_shapes
 from passes.dynamic import plan_symbols
 from passes.normalize import normalize
@@ -94,17 +94,17 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
     gm = _rewrite(program, sharding, ws, rank, group_name)
     report.timings["rewrite_s"] = time.perf_counter() - start
     compiled = _mode_of(model)
-    graphs = {compiled: ModeGraph.of(program, gm)}
+    graphs = {compiled: (program, gm)}
     report.modes = {compiled: "captured at compile (the model's mode)"}
     start = time.perf_counter()
     for mode in ("train", "eval"):  # NOTE: [modes]
         if mode not in graphs:
             other = _other_mode(model, mode, ws, args, kwargs, captured, plan, rank, shapes, group_name, program, sharding)
-            same = other.gm.code == gm.code and other.specs == graphs[compiled].specs
+            same = other[1].code == gm.code and input_specs(other[0]) == input_specs(program)
             graphs[mode] = graphs[compiled] if same else other
             report.modes[mode] = "captured at compile" + (": the same graph" if same else ": its own graph")
     report.timings["modes_s"] = time.perf_counter() - start
-    if group_name is not None and any(draws_random(g.gm.graph) for g in graphs.values()):  # NOTE: [dropout across ranks]
+    if group_name is not None and any(draws_random(g.graph) for _, g in graphs.values()):  # NOTE: [dropout across ranks]
         sync_generators(group.get_group() if hasattr(group, "get_group") else group or dist.group.WORLD)
     pm = ParallelModule(
         program, gm, sharding, report, rank=rank, world_size=ws, group_name=group_name, graphs=graphs, mode=compiled
@@ -144,7 +144,9 @@ def _in_mode(model: nn.Module, training: bool) -> Iterator[None]:
             m.training = flag
 
 
-def _other_mode(model, mode, ws, args, kwargs, first: Captured, plan, rank, shapes, group_name, program, sharding) -> "ModeGraph":
+def _other_mode(
+    model, mode, ws, args, kwargs, first: Captured, plan, rank, shapes, group_name, program, sharding
+) -> tuple[torch.export.ExportedProgram, torch.fx.GraphModule]:
     """Capture, plan and rewrite ``model`` in ``mode``; its parameters must be sharded as in
     the compiled mode's plan (NOTE: [modes])."""
     with _in_mode(model, mode == "train"):
@@ -157,7 +159,7 @@ def _other_mode(model, mode, ws, args, kwargs, first: Captured, plan, rank, shap
                 f"{want[fqn]}: one set of shards cannot serve both. fix: pass plan= to force the layer's style, or "
                 "compile in the other mode"
             )
-    return ModeGraph.of(captured.program, _rewrite(captured.program, other, ws, rank, group_name))
+    return captured.program, _rewrite(captured.program, other, ws, rank, group_name)
 
 
 def _rewrite(program, sharding: ShardingPlan, ws: int, rank: int, group_name: Optional[str]) -> torch.fx.GraphModule:

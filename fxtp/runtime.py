@@ -8,7 +8,7 @@ original model's structure (``torch.export``'s pytree specs).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -56,21 +56,21 @@ _RESERVED = ("graph_module", "report", "plan", "_fxtp_constants", "mode")
 
 @dataclass(eq=False)
 class ModeGraph:
-    """One mode's rank graph and how to call it (NOTE: [modes] in fxtp/api.py)."""
+    """One mode's rank graph and how to call it (NOTE: [modes] in fxtp/api.py). Holds no
+    reference to the captured program (whose state dict is the user's full weights)."""
 
-    program: ExportedProgram
     gm: GraphModule
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
     outputs: list[tuple[OutputKind, Optional[str]]]
     specs: tuple[InputSpec, ...]  # the user inputs it runs on (fxtp.shapes)
-    inputs: list[tuple[str, str]] = field(default_factory=list)  # (kind, key) per placeholder
+    inputs: list[tuple[str, str]]  # (kind, key) per placeholder
     slots: Optional[list[tuple[Optional[nn.Module], str]]] = None
 
     @classmethod
-    def of(cls, program: ExportedProgram, gm: GraphModule) -> "ModeGraph":
+    def of(cls, program: ExportedProgram, gm: GraphModule, inputs: list[tuple[str, str]]) -> "ModeGraph":
         outputs = [(spec.kind, spec.target) for spec in program.graph_signature.output_specs]
-        return cls(program, gm, program.call_spec.in_spec, program.call_spec.out_spec, outputs, input_specs(program))
+        return cls(gm, program.call_spec.in_spec, program.call_spec.out_spec, outputs, input_specs(program), inputs)
 
 
 class ParallelModule(nn.Module):
@@ -98,7 +98,7 @@ class ParallelModule(nn.Module):
         rank: int,
         world_size: int,
         group_name: Optional[str],
-        graphs: Optional[Mapping[str, "ModeGraph"]] = None,
+        graphs: Optional[Mapping[str, tuple[ExportedProgram, GraphModule]]] = None,
         mode: str = "train",
     ) -> None:
         super().__init__()
@@ -109,14 +109,18 @@ class ParallelModule(nn.Module):
         self.placements: dict[str, Placement] = {}
         self._fxtp_constants = nn.Module()
         self._shared: dict[tuple[int, str], nn.Parameter] = {}  # tied parameters stay one Parameter
-        # NOTE: [modes] in fxtp/api.py: one graph per mode; ``mode`` is the compiled one.
-        self._graphs: dict[str, ModeGraph] = dict(graphs or {mode: ModeGraph.of(program, graph_module)})
+        # NOTE: [modes] in fxtp/api.py: one graph per mode (``graphs``: mode -> (program, rank
+        # graph), a graph shared by modes given once); ``mode`` is the compiled one, bound first.
+        graphs = dict(graphs or {mode: (program, graph_module)})
         self._mode = mode
-        first = self._graphs[mode]
-        first.inputs = self._bind(program, parameter_placements(program, sharding))  # tied FQNs share one placement
-        for graph in self._graphs.values():
-            if graph is not first:
-                graph.inputs = self._bind(graph.program)
+        self._graphs: dict[str, ModeGraph] = {}
+        built: dict[int, ModeGraph] = {}
+        for key in sorted(graphs, key=lambda m: m != mode):
+            prog, gm = graphs[key]
+            if id(gm) not in built:
+                placements = parameter_placements(prog, sharding) if prog is program else None  # tied FQNs share one
+                built[id(gm)] = ModeGraph.of(prog, gm, self._bind(prog, placements))
+            self._graphs[key] = built[id(gm)]
 
     def _bind(self, program: ExportedProgram, placements: Optional[Mapping[str, Placement]] = None) -> list[tuple[str, str]]:
         """Register ``program``'s parameters, buffers and constants (those not registered yet;
