@@ -21,6 +21,7 @@ import sympy
 import torch
 from torch.export import Dim, ExportedProgram, ShapesCollection
 from torch.export.graph_signature import InputKind
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils._sympy.numbers import int_oo
 
 from fxtp.errors import FxtpInputError
@@ -86,7 +87,7 @@ def input_specs(program: ExportedProgram) -> tuple[InputSpec, ...]:
             vr = ranges.get(str(expr))
             lo = int(vr.lower) if vr is not None else 0
             hi = None if vr is None or vr.upper in (int_oo, sympy.oo) else int(vr.upper)
-            dims.append(DimSpec(symbol=str(expr), lo=lo, hi=hi, example=int(size.node.hint)))
+            dims.append(DimSpec(symbol=str(expr), lo=lo, hi=hi, example=optimization_hint(size)))
         specs.append(InputSpec(spec.arg.name, dtype=val.dtype, dims=tuple(dims)))
     return tuple(specs)
 
