@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import time
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Iterator, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.export.graph_signature import InputKind
 
-from fxtp.capture import FRONTENDS, Captured, capture
+from fxtp.capture import FRONTENDS, Captured, auto_dynamic_shapes, capture
 from fxtp.checkpoint import bind_state_keys
-from fxtp.errors import FxtpConfigError, FxtpInputError
-from fxtp.report import Report, build_report
+from fxtp.errors import FxtpConfigError, FxtpInputError, FxtpPlanError
+from fxtp.report import Report, build_report, parameter_placements
 from fxtp.rng import draws_random, sync_generators
 from fxtp.runtime import ParallelModule
+from fxtp.shapes import input_specs, specialized_shapes
+from passes.dynamic import plan_symbols
 from passes.normalize import normalize
 from passes.plan import STYLES, ShardingPlan, plan_sharding
 from passes.rewrite import rewrite
@@ -36,6 +41,8 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
     group: Group = None,
     capture: str = "auto",
     plan: Optional[Mapping[str, str]] = None,
+    dynamic: bool = True,
+    dynamic_shapes: Any = None,
 ) -> ParallelModule:
     """Turn ``model`` into this rank's part of a ``world_size``-way tensor-parallel model.
 
@@ -46,7 +53,7 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
         model: any ``nn.Module``; never mutated (parameters are copied into the result).
         world_size: the tensor-parallel degree, an int >= 1; 1 is an exact no-op.
         example_inputs: positional inputs, used for capture and shapes; the result runs on
-            inputs of these shapes.
+            any input the capture allows (``dynamic``), else on inputs of these shapes.
         example_kwargs: keyword inputs, likewise.
         rank: this rank; defaults to the rank in ``group``, or 0 without a process group.
         group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``world_size`` ranks; defaults to
@@ -54,9 +61,15 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
             running it raises ``FxtpRuntimeError``.
         capture: ``"fx"``, ``"export"``, ``"dynamo"`` or ``"auto"`` (see ``fxtp.capture``).
         plan: overrides ``{fqn_or_glob: "colwise" | "rowwise" | "replicate"}``.
+        dynamic: capture with dynamic shapes (default): every input dim the model allows
+            (batch, sequence) stays symbolic, so one module runs every such size; ``False``
+            specializes every dim to the example (NOTE: [dynamic shapes] in fxtp/capture.py).
+        dynamic_shapes: torch.export's ``dynamic_shapes`` spec, passed through (overrides
+            ``dynamic``), e.g. ``{"ids": {0: Dim("batch", min=1)}}``.
 
     Returns:
-        A :class:`ParallelModule`: same call signature and outputs as ``model``.
+        A :class:`ParallelModule`: same call signature and outputs as ``model``. Its
+        ``train()``/``eval()`` switch the graph like the model's own switch (NOTE: [modes]).
 
     Raises:
         FxtpConfigError: bad ``world_size``, ``capture``, ``plan`` or ``group``.
@@ -74,21 +87,93 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
     ws = _check_world_size(world_size)
     args, kwargs = _check_inputs(model, example_inputs, example_kwargs)
     group_name, rank = _resolve_group(ws, rank, group)
-    captured, sharding, report = _analyze(model, ws, args, kwargs, capture, plan, rank)
+    shapes = _shapes_spec(args, kwargs, dynamic, dynamic_shapes)
+    captured, sharding, report = _analyze(model, ws, args, kwargs, capture, plan, rank, shapes)
     program = captured.program
-    if ws == 1:
-        gm = copy.deepcopy(program.graph_module)
-    else:
-        start = time.perf_counter()
-        gm = rewrite(program.graph_module, sharding, rank=rank, group_name=group_name or "")
-        report.timings["rewrite_s"] = time.perf_counter() - start
-        if group_name is not None and draws_random(gm.graph):  # NOTE: [dropout across ranks]
-            sync_generators(group.get_group() if hasattr(group, "get_group") else group or dist.group.WORLD)
+    start = time.perf_counter()
+    gm = _rewrite(program, sharding, ws, rank, group_name)
+    report.timings["rewrite_s"] = time.perf_counter() - start
+    compiled = _mode_of(model)
+    graphs = {compiled: (program, gm)}
+    report.modes = {compiled: "captured at compile (the model's mode)"}
+    start = time.perf_counter()
+    for mode in ("train", "eval"):  # NOTE: [modes]
+        if mode not in graphs:
+            other = _other_mode(model, mode, ws, args, kwargs, captured, plan, rank, shapes, group_name, program, sharding)
+            same = other[1].code == gm.code and input_specs(other[0]) == input_specs(program)
+            graphs[mode] = graphs[compiled] if same else other
+            report.modes[mode] = "captured at compile" + (": the same graph" if same else ": its own graph")
+    report.timings["modes_s"] = time.perf_counter() - start
+    if group_name is not None and any(draws_random(g.graph) for _, g in graphs.values()):  # NOTE: [dropout across ranks]
+        sync_generators(group.get_group() if hasattr(group, "get_group") else group or dist.group.WORLD)
     pm = ParallelModule(
-        program, gm, sharding, report, rank=rank, world_size=ws, group_name=group_name, example=(args, kwargs)
+        program, gm, sharding, report, rank=rank, world_size=ws, group_name=group_name, graphs=graphs, mode=compiled
     )
     bind_state_keys(pm, model)
     return pm
+
+
+# NOTE: [modes]
+# ``pm.train()`` / ``pm.eval()`` must do what ``model.train()`` / ``model.eval()`` do, and the
+# model's Python may branch on ``self.training`` anywhere (dropout_p of an attention, batch-norm
+# statistics, Hugging Face's ``0.0 if not self.training``), so a graph captured in one mode is
+# not the other's. fxtp captures one graph per mode at compile: the model's own mode, then
+# every module in train mode and every module in eval mode (the flags are set for the capture
+# and restored; no weight is touched). A model compiled in a mixed state (a frozen batch norm)
+# keeps that graph until the first ``train()``/``eval()``. Every mode's plan must shard the
+# parameters alike (they are one set of shards); a mode that would shard one differently is an
+# ``FxtpPlanError``. The cost is one more capture at compile; the graphs are kept, so a switch
+# costs nothing.
+
+
+def _mode_of(model: nn.Module) -> str:
+    flags = {m.training for m in model.modules()}
+    return "mixed" if len(flags) > 1 else ("train" if flags.pop() else "eval")
+
+
+@contextlib.contextmanager
+def _in_mode(model: nn.Module, training: bool) -> Iterator[None]:
+    """Every module's ``training`` flag set for the block, then restored one by one."""
+    saved = [(m, m.training) for m in model.modules()]
+    try:
+        for m, _ in saved:
+            m.training = training
+        yield
+    finally:
+        for m, flag in saved:
+            m.training = flag
+
+
+def _other_mode(
+    model, mode, ws, args, kwargs, first: Captured, plan, rank, shapes, group_name, program, sharding
+) -> tuple[torch.export.ExportedProgram, torch.fx.GraphModule]:
+    """Capture, plan and rewrite ``model`` in ``mode``; its parameters must be sharded as in
+    the compiled mode's plan (NOTE: [modes])."""
+    with _in_mode(model, mode == "train"):
+        captured, other, _ = _analyze(model, ws, args, kwargs, first.frontend, plan, rank, shapes, report=False)
+    want = parameter_placements(program, sharding)
+    for fqn, placement in parameter_placements(captured.program, other).items():
+        if fqn in want and want[fqn] != placement:
+            raise FxtpPlanError(
+                f"in {mode} mode the plan would shard {fqn} as {placement}, but in the mode it was compiled in as "
+                f"{want[fqn]}: one set of shards cannot serve both. fix: pass plan= to force the layer's style, or "
+                "compile in the other mode"
+            )
+    return captured.program, _rewrite(captured.program, other, ws, rank, group_name)
+
+
+def _rewrite(program, sharding: ShardingPlan, ws: int, rank: int, group_name: Optional[str]) -> torch.fx.GraphModule:
+    if ws == 1:
+        return copy.deepcopy(program.graph_module)
+    return rewrite(program.graph_module, sharding, rank=rank, group_name=group_name or "")
+
+
+def _shapes_spec(args: tuple, kwargs: dict, dynamic: bool, dynamic_shapes: Any) -> Any:
+    if dynamic_shapes is not None:
+        return dynamic_shapes
+    if not isinstance(dynamic, bool):
+        raise FxtpConfigError(f"dynamic must be True or False, got {dynamic!r}")
+    return auto_dynamic_shapes(args, kwargs) if dynamic else None
 
 
 def analyze(
@@ -99,33 +184,60 @@ def analyze(
     example_kwargs: Optional[dict[str, Any]] = None,
     capture: str = "auto",
     plan: Optional[Mapping[str, str]] = None,
+    dynamic: bool = True,
+    dynamic_shapes: Any = None,
 ) -> Report:
     """The :class:`Report` ``compile`` would give, without creating any shard.
 
-    Works on models on the ``meta`` device. Arguments and errors as in :func:`compile`.
+    Works on models on the ``meta`` device. Arguments and errors as in :func:`compile`
+    (one mode: the model's).
     """
     ws = _check_world_size(world_size)
     args, kwargs = _check_inputs(model, example_inputs, example_kwargs)
-    return _analyze(model, ws, args, kwargs, capture, plan, 0)[2]
+    shapes = _shapes_spec(args, kwargs, dynamic, dynamic_shapes)
+    return _analyze(model, ws, args, kwargs, capture, plan, 0, shapes)[2]
 
 
-def _analyze(model, ws, args, kwargs, how, plan, rank) -> tuple[Captured, ShardingPlan, Report]:
+def _analyze(model, ws, args, kwargs, how, plan, rank, shapes=None, report: bool = True) -> tuple[Captured, ShardingPlan, Optional[Report]]:
     if how not in (*FRONTENDS, "auto"):
         raise FxtpConfigError(f"capture must be one of {', '.join(repr(f) for f in (*FRONTENDS, 'auto'))}, not {how!r}")
     overrides = _check_plan(plan)
     start = time.perf_counter()
-    captured = capture(model, args, kwargs, how)
-    captured_at = time.perf_counter()
+    captured, sharding, capture_s = _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes)
+    symbols = plan_symbols(captured.program.graph, sharding)
+    notes = list(captured.notes)
+    if symbols:  # NOTE: [dynamic shapes]: a decision reads a dynamic size: specialize it, capture again
+        flat, specs = pytree.tree_leaves((args, kwargs)), input_specs(captured.program)
+        dims = {d.symbol: f"{s.name} dim {i} ({d.symbol}) specialized to {d.example}" for s in specs for i, d in enumerate(s.dims) if d.dynamic}
+        notes += [f"{dims.get(sym, sym + ' specialized')}: the plan depends on its size ({why})" for sym, why in symbols.items()]
+        respec = specialized_shapes(flat, specs, set(symbols))
+        first = captured
+        captured, sharding, again_s = _capture_and_plan(model, ws, args, kwargs, first.frontend, overrides, respec)
+        captured = dataclasses.replace(captured, attempts=first.attempts + captured.attempts)
+        capture_s += again_s
+        notes += list(captured.notes)
+    if not report:
+        return captured, sharding, None
+    program = captured.program
+    rep = build_report(program, sharding, captured.frontend, captured.attempts, rank)
+    rep.inputs = input_specs(program)
+    rep.shape_notes = tuple(notes)
+    rep.timings = {"capture_s": capture_s, "passes_s": time.perf_counter() - start - capture_s}
+    return captured, sharding, rep
+
+
+def _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes) -> tuple[Captured, ShardingPlan, float]:
+    """Capture, normalize and plan; also the seconds the capture took."""
+    start = time.perf_counter()
+    captured = capture(model, args, kwargs, how, dynamic_shapes=shapes)
+    capture_s = time.perf_counter() - start
     program = captured.program
     normalize(program.graph_module.graph)
     program.graph_module.recompile()
     param_fqns = {
         spec.arg.name: spec.target for spec in program.graph_signature.input_specs if spec.kind == InputKind.PARAMETER
     }
-    sharding = plan_sharding(program.graph, param_fqns, ws, overrides)
-    report = build_report(program, sharding, captured.frontend, captured.attempts, rank)
-    report.timings = {"capture_s": captured_at - start, "passes_s": time.perf_counter() - captured_at}
-    return captured, sharding, report
+    return captured, plan_sharding(program.graph, param_fqns, ws, overrides), capture_s
 
 
 def _check_world_size(world_size: Any) -> int:

@@ -1,8 +1,8 @@
 """Capture frontends: turn an ``nn.Module`` into one ATen-level graph.
 
 Every frontend hands the passes the same form, a ``torch.export.ExportedProgram`` (training
-IR: ATen ops such as ``aten.linear.default``, parameters and buffers as placeholders, static
-shapes in ``node.meta["val"]``, module FQNs in ``node.meta["nn_module_stack"]``):
+IR: ATen ops such as ``aten.linear.default``, parameters and buffers as placeholders, shapes in
+``node.meta["val"]``, module FQNs in ``node.meta["nn_module_stack"]``):
 
 * ``"fx"``: ``torch.fx.symbolic_trace``, then ``torch.export`` of the traced module to lower it
   to ATen. Fails on data-dependent Python control flow.
@@ -12,16 +12,20 @@ shapes in ``node.meta["val"]``, module FQNs in ``node.meta["nn_module_stack"]``)
 * ``"auto"``: the three in that order; the report says which one was used and why the
   others failed.
 
-Shapes are specialized to the example inputs: the parallel module runs on inputs of those
-shapes.
+Dynamic shapes (NOTE: [dynamic shapes]): by default every dim of every tensor input is
+``Dim.AUTO``, so export keeps each dim the model allows dynamic (a symbol with a range, e.g.
+batch and sequence) and specializes the others (a ``Linear``'s ``in_features``); the graph's
+shape arguments are then ``sym_size`` nodes, not ints. ``dynamic_shapes=`` passes torch.export's
+own spec through; ``dynamic=False`` specializes every dim to the example. Where export refuses
+a dynamic spec, capture falls back (torch.export's suggested fixes for a user spec, then static
+shapes) and says so in ``Captured.notes``, never fails for it.
 """
 
 from __future__ import annotations
 
-import inspect
-
 import contextlib
 import copy
+import inspect
 import io
 import logging
 import re
@@ -29,11 +33,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
+from torch.export import Dim, ShapesCollection
+from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
 
 from fxtp.errors import FxtpCaptureError, FxtpInputError
 
-__all__ = ["Captured", "capture", "FRONTENDS"]
+__all__ = ["Captured", "capture", "auto_dynamic_shapes", "FRONTENDS"]
 
 FRONTENDS = ("fx", "export", "dynamo")
 
@@ -45,22 +52,53 @@ class Captured:
     program: torch.export.ExportedProgram
     frontend: str
     attempts: tuple[tuple[str, str], ...]  # (frontend, one-line reason it failed)
+    notes: tuple[str, ...] = ()  # how the dynamic shapes spec was adjusted, if it was
 
 
-def _fx(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+def auto_dynamic_shapes(args: tuple, kwargs: dict) -> ShapesCollection:
+    """``Dim.AUTO`` on every dim of every tensor input: export decides which stay dynamic."""
+    shapes = ShapesCollection()
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            shapes[leaf] = {d: Dim.AUTO for d in range(leaf.dim())}
+    return shapes
+
+
+def _export_with(model: nn.Module, args: tuple, kwargs: dict, shapes: Any, strict: bool) -> tuple[torch.export.ExportedProgram, list[str]]:
+    """``torch.export.export`` with ``shapes``; where export refuses them, torch.export's
+    suggested fixes, then static shapes, each with a note (NOTE: [dynamic shapes])."""
+    notes: list[str] = []
+    if shapes is not None and not isinstance(shapes, ShapesCollection):
+        try:
+            return torch.export.export(model, args, kwargs, strict=strict, dynamic_shapes=shapes), notes
+        except torch._dynamo.exc.UserError as exc:  # a constraint violation: torch suggests fixes
+            if "Suggested fixes" not in str(exc):
+                raise
+            shapes = refine_dynamic_shapes_from_suggested_fixes(exc.msg, shapes)
+            fixes = str(exc).split("Suggested fixes:", 1)[1].strip().split("\n\n", 1)[0]
+            notes.append(f"dynamic_shapes adjusted by torch.export's suggested fixes: {' '.join(fixes.split())}")
+    if shapes is not None:
+        try:
+            return torch.export.export(model, args, kwargs, strict=strict, dynamic_shapes=shapes), notes
+        except Exception as exc:  # noqa: BLE001 - a dynamic capture that fails falls back to static shapes
+            notes.append(f"dynamic capture failed ({_one_line(exc)}); every input dim specialized to the example")
+    return torch.export.export(model, args, kwargs, strict=strict), notes
+
+
+def _fx(model: nn.Module, args: tuple, kwargs: dict, shapes: Any) -> tuple[torch.export.ExportedProgram, list[str]]:
     traced = torch.fx.symbolic_trace(model)
-    return torch.export.export(traced, args, kwargs, strict=False)
+    return _export_with(traced, args, kwargs, shapes, strict=False)
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
-    return torch.export.export(model, args, kwargs, strict=False)
+def _export(model: nn.Module, args: tuple, kwargs: dict, shapes: Any) -> tuple[torch.export.ExportedProgram, list[str]]:
+    return _export_with(model, args, kwargs, shapes, strict=False)
 
 
-def _dynamo(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
-    return torch.export.export(model, args, kwargs, strict=True)
+def _dynamo(model: nn.Module, args: tuple, kwargs: dict, shapes: Any) -> tuple[torch.export.ExportedProgram, list[str]]:
+    return _export_with(model, args, kwargs, shapes, strict=True)
 
 
-_FRONTEND_FNS: dict[str, Callable[[nn.Module, tuple, dict], torch.export.ExportedProgram]] = {
+_FRONTEND_FNS: dict[str, Callable[[nn.Module, tuple, dict, Any], tuple[torch.export.ExportedProgram, list[str]]]] = {
     "fx": _fx,
     "export": _export,
     "dynamo": _dynamo,
@@ -99,8 +137,11 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first[:240]}{where}"
 
 
-def capture(model: nn.Module, args: tuple, kwargs: dict, how: str = "auto") -> Captured:
+def capture(model: nn.Module, args: tuple, kwargs: dict, how: str = "auto", *, dynamic_shapes: Any = None) -> Captured:
     """Capture ``model(*args, **kwargs)`` with the frontend(s) ``how`` names.
+
+    ``dynamic_shapes``: torch.export's spec (a dict/tuple by argument, a ``ShapesCollection``,
+    e.g. :func:`auto_dynamic_shapes`), or ``None`` for static shapes.
 
     Raises:
         FxtpInputError: the example inputs do not fit the model (names the module and the
@@ -114,12 +155,12 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, how: str = "auto") -> C
             # Grad mode on: fused inference fast paths (nn.TransformerEncoderLayer, nn.MultiheadAttention)
             # only run without grad, and would hide the linears inside one opaque op.
             with torch.enable_grad(), _quiet_torch_logs():
-                program = _FRONTEND_FNS[name](model, args, kwargs)
+                program, notes = _FRONTEND_FNS[name](model, args, kwargs, dynamic_shapes)
         except Exception as exc:  # noqa: BLE001 - every frontend failure is reported, none is fatal
             attempts.append((name, _one_line(exc)))
             continue
         check_operand_dtypes(program.graph)
-        return Captured(program, name, tuple(attempts))
+        return Captured(program, name, tuple(attempts), tuple(notes))
     mismatch = diagnose_inputs(model, args, kwargs)
     if mismatch is not None:
         raise FxtpInputError(mismatch)

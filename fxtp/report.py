@@ -7,6 +7,7 @@ codes are stable and documented in the README.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,14 +16,16 @@ import torch
 from tabulate import tabulate
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from fxtp import local_ops
 from fxtp.placement import REPLICATE, Partial, Placement, Shard, is_sharded
+from fxtp.rng import is_random, sharded_call
+from fxtp.shapes import InputSpec, describe_dims
 from passes.plan import LayerDecision, ShardingPlan, module_of
 
 __all__ = ["Report", "CollectiveStat", "Note", "build_report", "megatron_floor", "parameter_placements"]
 
-_DROPOUTS = (torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default)
 _aten = torch.ops.aten
 _OTHER_MATMULS = (_aten.mm.default, _aten.addmm.default, _aten.matmul.default, _aten.bmm.default, _aten.einsum.default)
 _VIEWS = (_aten.t.default, _aten.transpose.int, _aten.permute.default, _aten.view.default, _aten.reshape.default, _aten.expand.default)
@@ -93,7 +96,10 @@ class Report:
         self.param_bytes_per_rank = param_bytes_per_rank
         self.rounds = rounds
         self.regions = regions
-        self.timings: dict[str, float] = {}  # capture_s, passes_s (normalize, plan, report), rewrite_s
+        self.timings: dict[str, float] = {}  # capture_s, passes_s (normalize, plan, report), rewrite_s, modes_s
+        self.inputs: tuple[InputSpec, ...] = ()  # the user inputs and their dims (fxtp.shapes)
+        self.shape_notes: tuple[str, ...] = ()  # dims specialized by fxtp or a fallback, and why
+        self.modes: dict[str, str] = {}  # mode -> how its graph was captured (NOTE: [modes])
 
     @property
     def plan(self) -> dict[str, str]:
@@ -121,6 +127,9 @@ class Report:
             "planning_rounds": self.rounds,
             "regions": [list(r) for r in self.regions],
             "timings": dict(self.timings),
+            "inputs": [_input_dict(spec) for spec in self.inputs],
+            "shape_notes": list(self.shape_notes),
+            "modes": dict(self.modes),
         }
 
     def __str__(self) -> str:
@@ -161,6 +170,13 @@ class Report:
             why = "".join(f"; {f} failed: {r}" for f, r in self.attempts) if verbose else "; why: --verbose, report.attempts"
             capture += f" ({failed} could not capture the model, {self.frontend} could: nothing to fix{why})"
         lines = [capture]
+        tensors = [spec for spec in self.inputs if spec.is_tensor]
+        if tensors:
+            lines.append(
+                "input dims (a symbol: dynamic, in its range; a number: static, as the model, an example size of 0 or 1, "
+                "dynamic=False or a note below fixes it): " + "; ".join(map(describe_dims, tensors))
+            )
+        lines += [f"  {note}" for note in self.shape_notes]
         for phase in ("forward", "backward"):
             stats = [c for c in self.collectives if c.phase == phase and c.count]
             text = ", ".join(f"{c.count} {c.kind} ({_fmt_bytes(c.bytes)})" for c in stats) or "none"
@@ -205,6 +221,15 @@ def megatron_floor(report: dict[str, Any], n_blocks: int, input_grad: bool = Tru
     return forward, backward
 
 
+def _input_dict(spec: InputSpec) -> dict[str, Any]:
+    """One user input for ``to_dict``: per dim its static size, or its symbol and range."""
+    dims = [
+        {"size": d.size} if not d.dynamic else {"symbol": d.symbol, "min": d.lo, "max": d.hi, "example": d.example}
+        for d in spec.dims
+    ]
+    return {"name": spec.name, "dtype": str(spec.dtype) if spec.is_tensor else None, "dims": dims}
+
+
 def _layer_comm(layer: LayerDecision) -> str:
     if layer.style == "colwise":
         return "f: all_reduce bwd"
@@ -214,7 +239,10 @@ def _layer_comm(layer: LayerDecision) -> str:
 
 
 def _nbytes(val: Any) -> int:
-    return int(val.numel() * val.element_size()) if isinstance(val, torch.Tensor) else 0
+    """Bytes of ``val`` at the example's sizes (a dynamic size counts its example value)."""
+    if not isinstance(val, torch.Tensor):
+        return 0
+    return math.prod(optimization_hint(s) for s in val.shape) * val.element_size()
 
 
 def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, attempts, rank: int) -> Report:
@@ -231,7 +259,7 @@ def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, at
         if target in local_ops.FORWARD_COLLECTIVES
     ]
     inside_count = sum(count for _, (kind, count) in inside if kind == "all_reduce")
-    inside_bytes = sum(count * 4 * int(n.args[0].meta["val"].shape[0]) for n, (kind, count) in inside if kind == "all_reduce")
+    inside_bytes = sum(count * 4 * optimization_hint(n.args[0].meta["val"].shape[0]) for n, (kind, count) in inside if kind == "all_reduce")
     stats = (
         CollectiveStat(
             "forward", "all_reduce", len(reduces) + inside_count, sum(_nbytes(n.meta["val"]) for n in reduces) + inside_bytes
@@ -365,18 +393,18 @@ def _notes(plan: ShardingPlan, nodes, param_names: set[str]) -> tuple[Note, ...]
     ]
     for name, placement in plan.placements.items():
         node = nodes[name]
-        if node.target in _DROPOUTS and isinstance(placement, Shard) and node.args[2] is True:
-            notes.append(
-                Note(
-                    "dropout-on-shard",
-                    node.format_node(),
-                    module_of(node),
-                    "dropout on a sharded value: every rank draws the mask of the full value and keeps its slice "
-                    "(one global mask, as on one device; replicated values get the identical mask on every rank: "
-                    "fxtp.compile syncs the generators from rank 0)",
-                    (),
-                )
-            )
+        shard = placement[0] if isinstance(placement, tuple) else placement
+        if not isinstance(shard, Shard) or not is_random(node.target, node.args, node.kwargs):
+            continue
+        if sharded_call(node.target, node.args, node.kwargs, shard, 0, plan.world_size) is not None:
+            why = ("random op on a sharded value: every rank draws the mask of the full value and keeps its slice "
+                   "(one global mask, as on one device; replicated values get the identical mask on every rank: "
+                   "fxtp.compile syncs the generators from rank 0)")
+            notes.append(Note("dropout-on-shard", node.format_node(), module_of(node), why, ()))
+        else:
+            why = ("random op on a sharded value that fxtp cannot draw as one global mask: each rank draws its own "
+                   "(independent masks per rank, not the single device's; the generators fall out of step)")
+            notes.append(Note("random-per-rank", node.format_node(), module_of(node), why, ()))
     layer_nodes = {layer.node for layer in plan.layers}
     for node in nodes.values():
         if node.name in layer_nodes:

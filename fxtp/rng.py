@@ -1,4 +1,4 @@
-"""Random numbers across tensor-parallel ranks: dropout in train mode.
+"""Random numbers across tensor-parallel ranks: dropout and every other random op.
 
 NOTE: [dropout across ranks]
 fxtp's rule: every rank of a tensor-parallel group draws the *same* random numbers, in the same
@@ -6,44 +6,43 @@ order, as the single-device model would.
 
 * Generators: ``fxtp.compile`` copies the tensor-parallel rank 0's default CPU generator (and the
   current CUDA device's, when CUDA is initialized) to the other ranks of the group
-  (:func:`sync_generators`; a broadcast, only when the graph draws random numbers). From then on
+  (:func:`sync_generators`; a broadcast, only when a graph draws random numbers). From then on
   the ranks stay in step as long as they make the same random calls, which the same program
   does. A replicated value therefore gets the identical mask on every rank, with no manual seeding.
-* Replicated values: the graph's own ``aten.dropout`` / ``aten.native_dropout``, unchanged.
-* Sharded values: :func:`sharded_dropout` draws the mask of the *full* value from the shared
-  generator and keeps this rank's slice (``fxtp.placement.local_ranges``): one global mask,
-  each rank its slice. It consumes exactly what the single-device dropout consumes, so the
-  generators stay in step (also under uneven shards) and, with the same seed, the outputs equal
-  the single-device model's in train mode (bitwise on CPU). The cost is drawing the full mask
-  (its size, transiently, on every rank); Megatron-LM's alternative, per-rank streams, draws only
-  the local mask but cannot match the single-device model.
+* Replicated values: the graph's own random ops, unchanged.
+* Sharded values (:func:`sharded_call`): an elementwise random op (dropout in all its forms,
+  ``bernoulli``, ``rand_like``, ...; :data:`ELEMENTWISE`) runs on the *full* value, this rank's
+  shard in its place and zeros elsewhere, and keeps this rank's slice (``local_ranges``): one
+  global mask, each rank its slice. It consumes exactly what the single-device op consumes, so
+  the generators stay in step (also under uneven shards) and, with the same seed, the outputs
+  equal the single-device model's in train mode (bitwise on CPU).
+* ``scaled_dot_product_attention`` with ``dropout_p > 0`` on sharded heads
+  (:func:`sharded_attention`): the single-device CPU kernel is the math form (scale, ``q @ k^T``,
+  mask, softmax, ``dropout`` of the ``(B, H, L, S)`` weights, ``@ v``); the rank runs that form on
+  its heads with its slice of the full ``(B, H, L, S)`` mask, drawn as the single device draws
+  it, so CPU results equal the single device's. CUDA's fused kernels draw their masks
+  differently (Philox inside the kernel): there the masks are one global mask from the shared
+  generator, consistent across ranks, but not the single device's bits.
 
-The report's ``dropout-on-shard`` note names every dropout on a sharded value and this choice.
+The cost is the full mask (its size, transiently, on every rank); Megatron-LM's alternative,
+per-rank streams, draws only the local mask but cannot match the single-device model. The
+report's ``dropout-on-shard`` note names every such op; a random op on a sharded value that
+none of this covers gets a ``random-per-rank`` note instead (independent draws per rank).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
 from fxtp.placement import Shard, local_ranges
 
-__all__ = ["draws_random", "sharded_dropout", "sharded_native_dropout", "sync_generators"]
+__all__ = ["ELEMENTWISE", "draws_random", "is_random", "sharded_attention", "sharded_call", "sharded_random", "sync_generators"]
 
 _aten = torch.ops.aten
-
-
-def draws_random(graph: torch.fx.Graph) -> bool:
-    """Whether ``graph`` calls an op tagged ``nondeterministic_seeded`` (dropout, rand, ...)."""
-    return any(
-        n.op == "call_function"
-        and isinstance(n.target, torch._ops.OpOverload)
-        and torch.Tag.nondeterministic_seeded in n.target.tags
-        and not (n.target in (_aten.dropout.default, _aten.native_dropout.default) and n.args[2] is False)
-        for n in graph.nodes
-    )
 
 
 def sync_generators(group: "dist.ProcessGroup") -> None:
@@ -60,31 +59,149 @@ def sync_generators(group: "dist.ProcessGroup") -> None:
         torch.cuda.set_rng_state(states[1])
 
 
-def _global_mask(x: torch.Tensor, p: float, dim: int, segments: tuple[int, ...], rank: int, world_size: int) -> torch.Tensor:
-    """This rank's slice of the boolean keep-mask of the full value (``x`` is the local shard)."""
-    shape = list(x.shape)
+# Random ops that draw one number per element of their first argument's shape, whatever its
+# values: run on the full value, they draw exactly what the single device draws.
+ELEMENTWISE = frozenset(
+    {
+        _aten.dropout.default,
+        _aten.native_dropout.default,
+        _aten.feature_dropout.default,
+        _aten.alpha_dropout.default,
+        _aten.feature_alpha_dropout.default,
+        _aten.bernoulli.default,
+        _aten.bernoulli.p,
+        _aten.rand_like.default,
+        _aten.randn_like.default,
+        _aten.randint_like.default,
+        _aten.randint_like.low_dtype,
+    }
+)
+_TRAIN_FLAG = (_aten.dropout.default, _aten.native_dropout.default, _aten.feature_dropout.default,
+               _aten.alpha_dropout.default, _aten.feature_alpha_dropout.default)
+
+
+def is_random(target: Any, args: tuple, kwargs: Mapping[str, Any]) -> bool:
+    """Whether a call draws random numbers (a dropout in eval mode, or an attention without
+    dropout, does not)."""
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    if target in _TRAIN_FLAG:  # (input, p, train); ATen's dropouts return the input at p == 0, native_dropout draws
+        return args[2] is not False and (args[1] != 0 or target is _aten.native_dropout.default)
+    if target is _aten.scaled_dot_product_attention.default:
+        return _dropout_p(args, kwargs) != 0
+    return True
+
+
+def draws_random(graph: torch.fx.Graph) -> bool:
+    """Whether ``graph`` draws random numbers (:func:`is_random` on any node)."""
+    return any(n.op == "call_function" and is_random(n.target, n.args, n.kwargs) for n in graph.nodes)
+
+
+def sharded_call(
+    target: Any, args: tuple, kwargs: Mapping[str, Any], shard: Shard, rank: int, world_size: int
+) -> Optional[tuple[Callable[..., Any], tuple, dict[str, Any]]]:
+    """The call that replaces a random op whose output is sharded as ``shard``: ``(fn, args,
+    kwargs)``, or ``None`` when the op draws nothing or is not covered (NOTE: [dropout across ranks])."""
+    if not is_random(target, args, kwargs):
+        return None
+    where = (shard.dim, tuple(shard.segments), rank, world_size)
+    if target in ELEMENTWISE:
+        return sharded_random, (target, *where, *args), dict(kwargs)
+    if target is _aten.scaled_dot_product_attention.default:
+        return sharded_attention, (*where, *args), dict(kwargs)
+    return None
+
+
+def _full(x: torch.Tensor, shard: Shard, rank: int, world_size: int) -> torch.Tensor:
+    """The full value with this rank's shard ``x`` in its place and zeros elsewhere (differentiable)."""
+    pieces, pos, offset = [], 0, 0
+    for start, length in local_ranges(shard, rank, world_size):
+        if start > pos:
+            pieces.append(x.new_zeros(_with(x.shape, shard.dim, start - pos)))
+        pieces.append(x.narrow(shard.dim, offset, length))
+        pos, offset = start + length, offset + length
+    if pos < shard.size:
+        pieces.append(x.new_zeros(_with(x.shape, shard.dim, shard.size - pos)))
+    return torch.cat(pieces, shard.dim) if len(pieces) > 1 else pieces[0]
+
+
+def _local(full: torch.Tensor, shard: Shard, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's slice of a full value."""
+    pieces = [full.narrow(shard.dim, start, length) for start, length in local_ranges(shard, rank, world_size)]
+    return torch.cat(pieces, shard.dim) if len(pieces) > 1 else pieces[0]
+
+
+def _with(shape: torch.Size, dim: int, size: int) -> list[int]:
+    out = list(shape)
+    out[dim] = size
+    return out
+
+
+def sharded_random(
+    op: Any, dim: int, segments: tuple[int, ...], rank: int, world_size: int, x: torch.Tensor, *args: Any, **kwargs: Any
+) -> Any:
+    """``op(full, *args, **kwargs)`` restricted to this rank's shard ``x`` of ``full`` (sharded
+    on ``dim`` in ``segments``): the same shape and dtype as ``op(x, ...)``, and for a tuple
+    result (``native_dropout``) each element's slice."""
     shard = Shard(dim, tuple(segments))
-    shape[dim] = shard.size
-    # The single-device draw: native_dropout's mask depends only on the generator, not the values.
-    _, mask = _aten.native_dropout.default(torch.empty(shape, dtype=x.dtype, device=x.device), p, True)
-    pieces = [mask.narrow(dim, start, length) for start, length in local_ranges(shard, rank, world_size)]
-    return torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0]
+    out = op(_full(x, shard, rank, world_size), *args, **kwargs)
+    if isinstance(out, tuple):
+        return tuple(_local(o, shard, rank, world_size) for o in out)
+    return _local(out, shard, rank, world_size)
 
 
-def sharded_dropout(
-    x: torch.Tensor, p: float, dim: int, segments: tuple[int, ...], rank: int, world_size: int
+def _dropout_p(args: tuple, kwargs: Mapping[str, Any]) -> float:
+    return args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+
+
+def sharded_attention(
+    dim: int,
+    segments: tuple[int, ...],
+    rank: int,
+    world_size: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """``aten.dropout(full, p, train=True)`` restricted to this rank's shard ``x`` (same shape
-    and dtype as ``x``): this rank's slice of one global mask (NOTE: [dropout across ranks])."""
-    mask = _global_mask(x, p, dim, segments, rank, world_size)
-    scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
-    return x * mask * scale
+    """``scaled_dot_product_attention`` in train mode on this rank's heads (``query`` etc.
+    sharded on ``dim``, a dim before the last two), dropping out with this rank's slice of the
+    full ``(..., L, S)`` mask. Follows ATen's ``_scaled_dot_product_attention_math`` (the
+    single-device CPU path) step by step, so on CPU the result is the single device's.
+
+    Shapes: ``query`` (..., H_local, L, E), ``key``/``value`` (..., H_kv_local, S, E); returns
+    (..., H_local, L, E_v).
+    """
+    length, source = query.size(-2), key.size(-2)
+    factor = math.sqrt(abs(scale)) if scale is not None else math.sqrt(1.0 / math.sqrt(query.size(-1)))
+    query = query * (-factor if scale is not None and scale < 0 else factor)
+    if is_causal:
+        attn_mask = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.where(attn_mask.logical_not(), float("-inf"), torch.zeros((), dtype=query.dtype, device=query.device))
+    if enable_gqa:
+        groups = query.size(-3) // key.size(-3)
+        key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+    attn = torch.matmul(query, key.transpose(-2, -1) * factor)
+    if attn_mask is not None:
+        attn = attn + attn_mask
+    attn = _safe_softmax(attn)
+    if dropout_p >= 1:
+        attn = attn * torch.zeros((), dtype=attn.dtype, device=attn.device)
+    elif dropout_p > 0:
+        shard = Shard(dim, tuple(segments))
+        full_shape = _with(attn.shape, dim, shard.size)
+        noise = torch.empty(full_shape, dtype=attn.dtype, device=attn.device).bernoulli_(1 - dropout_p)
+        attn = attn * _local(noise, shard, rank, world_size).div_(1 - dropout_p)
+    return torch.matmul(attn, value)
 
 
-def sharded_native_dropout(
-    x: torch.Tensor, p: float, dim: int, segments: tuple[int, ...], rank: int, world_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``aten.native_dropout(full, p, True)`` restricted to the shard ``x``: ``(output, bool mask)``."""
-    mask = _global_mask(x, p, dim, segments, rank, world_size)
-    scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
-    return x * mask * scale, mask
+def _safe_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim that gives 0, not NaN, for a row masked entirely; what the
+    math attention uses. NOTE: ``aten._safe_softmax`` is private; this is its one call site."""
+    return torch.ops.aten._safe_softmax.default(x, -1)

@@ -8,6 +8,7 @@ original model's structure (``torch.export``'s pytree specs).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -22,9 +23,10 @@ from fxtp import checkpoint, layout
 from fxtp.errors import FxtpInputError, FxtpRuntimeError
 from fxtp.placement import Placement, shard_tensor
 from fxtp.report import Report, parameter_placements
+from fxtp.shapes import InputSpec, check_inputs, input_specs
 from passes.plan import ShardingPlan
 
-__all__ = ["ParallelModule"]
+__all__ = ["ParallelModule", "ModeGraph"]
 
 
 def _describe(spec: pytree.TreeSpec) -> str:
@@ -49,7 +51,26 @@ def _plain_containers(value: Any) -> Any:
     return value
 
 
-_RESERVED = ("graph_module", "report", "plan", "_fxtp_constants")
+_RESERVED = ("graph_module", "report", "plan", "_fxtp_constants", "mode")
+
+
+@dataclass(eq=False)
+class ModeGraph:
+    """One mode's rank graph and how to call it (NOTE: [modes] in fxtp/api.py). Holds no
+    reference to the captured program (whose state dict is the user's full weights)."""
+
+    gm: GraphModule
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    outputs: list[tuple[OutputKind, Optional[str]]]
+    specs: tuple[InputSpec, ...]  # the user inputs it runs on (fxtp.shapes)
+    inputs: list[tuple[str, str]]  # (kind, key) per placeholder
+    slots: Optional[list[tuple[Optional[nn.Module], str]]] = None
+
+    @classmethod
+    def of(cls, program: ExportedProgram, gm: GraphModule, inputs: list[tuple[str, str]]) -> "ModeGraph":
+        outputs = [(spec.kind, spec.target) for spec in program.graph_signature.output_specs]
+        return cls(gm, program.call_spec.in_spec, program.call_spec.out_spec, outputs, input_specs(program), inputs)
 
 
 class ParallelModule(nn.Module):
@@ -79,54 +100,86 @@ class ParallelModule(nn.Module):
         rank: int,
         world_size: int,
         group_name: Optional[str],
-        example: tuple[tuple, dict],
+        graphs: Optional[Mapping[str, tuple[ExportedProgram, GraphModule]]] = None,
+        mode: str = "train",
     ) -> None:
         super().__init__()
         self.graph_module = graph_module
         self.report = report
         self.plan = report.plan
         self._rank, self._world_size, self._group_name = rank, world_size, group_name
-        self._in_spec, self._out_spec = program.call_spec.in_spec, program.call_spec.out_spec
-        # What the graph was specialized to, per flat input: (shape, dtype) of a tensor, or the value.
-        self._example_leaves = [
-            (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in pytree.tree_leaves(example)
-        ]
-        self._inputs: list[tuple[str, str]] = []  # (kind, key) per graph placeholder
-        self._output_kinds: list[tuple[OutputKind, Optional[str]]] = [
-            (spec.kind, spec.target) for spec in program.graph_signature.output_specs
-        ]
         self.placements: dict[str, Placement] = {}
-        constants = nn.Module()
+        self._fxtp_constants = nn.Module()
         self._constant_targets: dict[str, str] = {}  # fxtp's name of a constant -> the model's
-        shared: dict[tuple[int, str], nn.Parameter] = {}  # tied parameters stay one Parameter
-        param_placements = parameter_placements(program, sharding)  # tied FQNs share one placement
-        for spec in program.graph_signature.input_specs:
-            if spec.kind == InputKind.PARAMETER:
-                full = program.state_dict[spec.target]
-                placement = param_placements[spec.target]
-                key = (id(full), str(placement))
-                if key not in shared:
-                    local = shard_tensor(full, placement, rank, world_size)
-                    shared[key] = nn.Parameter(local, requires_grad=full.requires_grad)
-                self._register(spec.target, shared[key])
-                self.placements[spec.target] = placement
-                self._inputs.append(("param", spec.target))
-            elif spec.kind == InputKind.BUFFER:
-                source = program.state_dict if spec.persistent else program.constants
-                self._register(spec.target, source[spec.target].detach().clone(), persistent=bool(spec.persistent))
-                self._inputs.append(("buffer", spec.target))
-            elif spec.kind == InputKind.CONSTANT_TENSOR:
-                key = f"c{len(constants._buffers)}"
-                constants.register_buffer(key, program.constants[spec.target].detach().clone(), persistent=False)
-                self._constant_targets[f"_fxtp_constants.{key}"] = spec.target
-                self._inputs.append(("buffer", f"_fxtp_constants.{key}"))
-            elif spec.kind == InputKind.USER_INPUT:
-                self._inputs.append(("user", ""))
-            else:
-                raise FxtpInputError(f"fxtp does not support graph inputs of kind {spec.kind.name} ({spec.arg.name})")
-        self._fxtp_constants = constants
+        self._shared: dict[tuple[int, str], nn.Parameter] = {}  # tied parameters stay one Parameter
+        # NOTE: [modes] in fxtp/api.py: one graph per mode (``graphs``: mode -> (program, rank
+        # graph), a graph shared by modes given once); ``mode`` is the compiled one, bound first.
+        graphs = dict(graphs or {mode: (program, graph_module)})
+        self._mode = mode
+        self._graphs: dict[str, ModeGraph] = {}
+        built: dict[int, ModeGraph] = {}
+        for key in sorted(graphs, key=lambda m: m != mode):
+            prog, gm = graphs[key]
+            if id(gm) not in built:
+                placements = parameter_placements(prog, sharding) if prog is program else None  # tied FQNs share one
+                built[id(gm)] = ModeGraph.of(prog, gm, self._bind(prog, placements))
+            self._graphs[key] = built[id(gm)]
         self.register_state_dict_post_hook(layout.state_dict_hook)  # NOTE: [checkpoint layouts]
         self.register_load_state_dict_pre_hook(layout.load_state_dict_hook)
+
+    def _bind(self, program: ExportedProgram, placements: Optional[Mapping[str, Placement]] = None) -> list[tuple[str, str]]:
+        """Register ``program``'s parameters, buffers and constants (those not registered yet;
+        parameters only with ``placements``); return ``(kind, key)`` per graph placeholder."""
+        inputs: list[tuple[str, str]] = []
+        for spec in program.graph_signature.input_specs:
+            if spec.kind == InputKind.PARAMETER:
+                if placements is not None:
+                    full = program.state_dict[spec.target]
+                    placement = placements[spec.target]
+                    key = (id(full), str(placement))
+                    if key not in self._shared:
+                        local = shard_tensor(full, placement, self._rank, self._world_size)
+                        self._shared[key] = nn.Parameter(local, requires_grad=full.requires_grad)
+                    self._register(spec.target, self._shared[key])
+                    self.placements[spec.target] = placement
+                elif spec.target not in self.placements:
+                    raise FxtpInputError(f"parameter {spec.target} is used in one mode's graph only; fxtp cannot shard it")
+                inputs.append(("param", spec.target))
+            elif spec.kind == InputKind.BUFFER:
+                if not self._has(spec.target):
+                    source = program.state_dict if spec.persistent else program.constants
+                    self._register(spec.target, source[spec.target].detach().clone(), persistent=bool(spec.persistent))
+                inputs.append(("buffer", spec.target))
+            elif spec.kind == InputKind.CONSTANT_TENSOR:
+                key = f"c{len(self._fxtp_constants._buffers)}"
+                self._fxtp_constants.register_buffer(key, program.constants[spec.target].detach().clone(), persistent=False)
+                self._constant_targets[f"_fxtp_constants.{key}"] = spec.target
+                inputs.append(("buffer", f"_fxtp_constants.{key}"))
+            elif spec.kind == InputKind.USER_INPUT:
+                inputs.append(("user", ""))
+            else:
+                raise FxtpInputError(f"fxtp does not support graph inputs of kind {spec.kind.name} ({spec.arg.name})")
+        return inputs
+
+    def _has(self, fqn: str) -> bool:
+        try:
+            self.get_buffer(fqn)
+        except AttributeError:
+            return False
+        return True
+
+    @property
+    def mode(self) -> str:
+        """The graph calls run now: ``"train"``, ``"eval"``, or ``"mixed"`` (a model compiled
+        with some modules in each mode, until the first ``train()``/``eval()``)."""
+        return self._mode
+
+    def train(self, mode: bool = True) -> "ParallelModule":
+        """Switch to the train-mode (``mode=True``) or eval-mode graph, as ``model.train(mode)``
+        switches every module of the model (NOTE: [modes] in fxtp/api.py)."""
+        super().train(mode)
+        self._mode = "train" if mode else "eval"
+        return self
 
     def _register(self, fqn: str, value: torch.Tensor, persistent: bool = True) -> None:
         *path, leaf = fqn.split(".")
@@ -142,52 +195,46 @@ class ParallelModule(nn.Module):
         else:
             owner.register_buffer(leaf, value, persistent=persistent)
 
-    def _flatten(self, args: tuple, kwargs: dict) -> list[Any]:
-        if self._in_spec.num_children == 2 and kwargs:
-            order = self._in_spec.child(1).context or []
+    def _flatten(self, graph: "ModeGraph", args: tuple, kwargs: dict) -> list[Any]:
+        if graph.in_spec.num_children == 2 and kwargs:
+            order = graph.in_spec.child(1).context or []
             if set(order) == set(kwargs):
                 kwargs = {k: kwargs[k] for k in order}
         flat, spec = pytree.tree_flatten((args, kwargs))
-        if spec != self._in_spec:
+        if spec != graph.in_spec:
             raise FxtpInputError(
-                f"inputs do not match the call the module was compiled for: {_describe(self._in_spec)} expected, "
+                f"inputs do not match the call the module was compiled for: {_describe(graph.in_spec)} expected, "
                 f"got {_describe(spec)}; call it like the example inputs"
             )
-        again = "fxtp specializes the graph to example_inputs; compile again with example inputs like these"
-        for i, (value, expected) in enumerate(zip(flat, self._example_leaves)):
-            if isinstance(value, torch.Tensor):
-                if (tuple(value.shape), value.dtype) != expected:
-                    raise FxtpInputError(
-                        f"input {i} is {tuple(value.shape)} {value.dtype} but the module was compiled for "
-                        f"{expected[0]} {expected[1]}: {again}"
-                    )
-            elif value != expected:
-                raise FxtpInputError(f"input {i} is {value!r} but the module was compiled with {expected!r}: {again}")
+        check_inputs(flat, graph.specs)
         return flat
 
-    def _input_slots(self) -> list[tuple[Optional[nn.Module], str]]:
+    def _input_slots(self, graph: "ModeGraph") -> list[tuple[Optional[nn.Module], str]]:
         """Per graph placeholder, the submodule and attribute holding its tensor (``None`` for a
         user input). The owners are resolved once: a ``get_parameter`` per input per call costs
         a measurable share of a tiny model's step; the attribute is read at call time, so a
         replaced parameter (a meta model being loaded) is seen."""
-        if getattr(self, "_slots", None) is None:
+        if graph.slots is None:
             slots = []
-            for kind, key in self._inputs:
+            for kind, key in graph.inputs:
                 if kind == "user":
                     slots.append((None, ""))
                 else:
                     path, _, leaf = key.rpartition(".")
                     slots.append((self.get_submodule(path), leaf))
-            self._slots = slots
-        return self._slots
+            graph.slots = slots
+        return graph.slots
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Same signature and output structure as the original model; full outputs on every rank.
+        Runs the graph of the current mode (:attr:`mode`).
 
         Raises:
             FxtpRuntimeError: ``world_size > 1`` and no process group was initialized when
                 ``fxtp.compile`` ran.
-            FxtpInputError: inputs whose structure or shapes differ from the example inputs.
+            FxtpInputError: inputs whose structure differs from the example inputs, or a tensor
+                of another rank or dtype, or a size outside what the capture allows
+                (``fxtp.shapes.check_inputs``).
         """
         if self._world_size > 1 and self._group_name is None:
             raise FxtpRuntimeError(
@@ -195,10 +242,11 @@ class ParallelModule(nn.Module):
                 "process group was initialized when fxtp.compile ran, so it can only be inspected. fix: call "
                 "torch.distributed.init_process_group(...) (or pass group=) before fxtp.compile, on every rank"
             )
-        user = iter(self._flatten(args, kwargs))
-        inputs = [getattr(owner, leaf) if owner is not None else next(user) for owner, leaf in self._input_slots()]
+        graph = self._graphs[self._mode]
+        user = iter(self._flatten(graph, args, kwargs))
+        inputs = [getattr(owner, leaf) if owner is not None else next(user) for owner, leaf in self._input_slots(graph)]
         try:
-            outputs = self.graph_module(*inputs)
+            outputs = graph.gm(*inputs)
         except RuntimeError as exc:
             raise FxtpRuntimeError(
                 f"rank {self._rank}: the parallel graph failed: {str(exc).splitlines()[0]}. fix: check that the inputs "
@@ -207,13 +255,13 @@ class ParallelModule(nn.Module):
                 "please report this"
             ) from exc
         user_outputs = []
-        for (kind, target), value in zip(self._output_kinds, outputs):
+        for (kind, target), value in zip(graph.outputs, outputs):
             if kind == OutputKind.BUFFER_MUTATION:
                 with torch.no_grad():
                     self.get_buffer(target).copy_(value)
             else:
                 user_outputs.append(value)
-        return _plain_containers(pytree.tree_unflatten(user_outputs, self._out_spec))
+        return _plain_containers(pytree.tree_unflatten(user_outputs, graph.out_spec))
 
     # --- checkpoints (fxtp.checkpoint) ---------------------------------------------------------
 

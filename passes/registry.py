@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from fxtp.placement import REPLICATE, Placement
 
@@ -216,6 +217,9 @@ def is_tensor_node(arg: Any) -> bool:
 
 
 def shape_of(node: Node) -> tuple[int, ...]:
-    return tuple(int(s) for s in node.meta["val"].shape)
+    """The node's shape as ints; a dynamic (symbolic) size gives its example value, read
+    without adding a guard (``optimization_hint``): planning reasons on the example's sizes,
+    and ``passes.dynamic`` checks that no decision depends on a dynamic one."""
+    return tuple(optimization_hint(s) for s in node.meta["val"].shape)
 
 

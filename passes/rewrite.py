@@ -9,8 +9,9 @@ For each node, in order:
 * shape literals become local (``view(x, [2, 16, 4, 8])`` -> ``view(x, [2, 16, 2, 8])``);
 * inputs get the edge's local work: ``f`` for a replicated float value entering sharded
   computation (one per producer), a local slice, or a gather;
-* a train-mode dropout on a sharded value draws this rank's slice of one global mask
-  (``fxtp.rng.sharded_dropout``, NOTE: [dropout across ranks]);
+* a random op on a sharded value (a train-mode dropout, ``bernoulli``, an attention's
+  ``dropout_p``) draws this rank's slice of one global mask (``fxtp.rng.sharded_call``,
+  NOTE: [dropout across ranks]);
 * a ``Partial`` output gets ``g`` (all_reduce) right after it and the bias added after that::
 
       linear = aten.linear.default(reshape, p_wo_weight, p_wo_bias)
@@ -37,8 +38,6 @@ from passes.registry import GroupName, ShardStart
 __all__ = ["rewrite"]
 
 aten = torch.ops.aten
-
-_SHARDED_DROPOUT = {aten.dropout.default: rng.sharded_dropout, aten.native_dropout.default: rng.sharded_native_dropout}
 
 
 def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) -> GraphModule:
@@ -110,9 +109,9 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
             if action is not None:
                 node.replace_input_with(inp, materialize(inp, action))
         shard = placement[0] if isinstance(placement, tuple) else placement
-        if node.target in _SHARDED_DROPOUT and isinstance(shard, Shard) and node.args[2] is True:
-            node.target = _SHARDED_DROPOUT[node.target]  # NOTE: [dropout across ranks] in fxtp/rng.py
-            node.args = (node.args[0], node.args[1], shard.dim, shard.segments, rank, ws)
+        local = rng.sharded_call(node.target, node.args, node.kwargs, shard, rank, ws) if isinstance(shard, Shard) else None
+        if local is not None:  # NOTE: [dropout across ranks] in fxtp/rng.py
+            node.target, node.args, node.kwargs = local
         if name in plan.reduces:
             with graph.inserting_after(node):
                 reduced = graph.call_function(collectives.reduce_from_tp, (node, group_name))

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,8 @@ __all__ = [
     "CollectiveCounter",
     "loss_of",
     "compare_training",
+    "compare_shapes",
+    "no_capture",
     "assert_report_counts",
     "count_graph_collectives",
     "megatron_floor",
@@ -141,3 +145,38 @@ def shell_calls(command: str, cwd: Path) -> list[list[str]]:
     assert done.returncode == 0, f"bash refuses {command!r}: {done.stderr}"
     files = sorted(calls.iterdir(), key=lambda f: int(f.name))
     return [f.read_text().split("\0")[:-1] for f in files]
+@contextlib.contextmanager
+def no_capture() -> Iterator[None]:
+    """Fail if anything calls ``torch.export.export`` (a recapture) inside the block."""
+    with mock.patch("torch.export.export", side_effect=AssertionError("fxtp captured the model again")):
+        yield
+
+
+def compare_shapes(model, example, calls, *, lr: float = 0.1, tol: dict | None = None, **compile_kwargs) -> dict[str, Any]:
+    """Compile ``model`` once on ``example`` over the default process group, then for each input
+    tuple of ``calls`` (other batch sizes and sequence lengths, in a mixed order): outputs,
+    every gradient (shard against slice) and one SGD step, against the single-device model,
+    with no recapture. Returns the report and the output shapes."""
+    tol = tol or {}
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    ref = copy.deepcopy(model)
+    pm = fxtp.compile(model, ws, example, **compile_kwargs)
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=lr), torch.optim.SGD(ref.parameters(), lr=lr)
+    shapes = []
+    with no_capture():
+        for i, inputs in enumerate(calls):
+            out, ref_out = pm(*inputs), ref(*inputs)
+            torch.testing.assert_close(out, ref_out, **tol, msg=lambda m: f"call {i} {[tuple(t.shape) for t in inputs]}: {m}")
+            loss_of(out).backward()
+            loss_of(ref_out).backward()
+            for fqn, p in pm.named_parameters():
+                ref_grad = ref.get_parameter(fqn).grad
+                if ref_grad is not None:
+                    expected = shard_tensor(ref_grad, pm.placements[fqn], rank, ws)
+                    torch.testing.assert_close(p.grad, expected, **tol, msg=lambda m: f"call {i}, gradient of {fqn}: {m}")
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            shapes.append([tuple(t.shape) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)])
+    return {"report": pm.report.to_dict(), "shapes": shapes}

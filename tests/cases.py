@@ -149,6 +149,20 @@ class DropoutResidual(nn.Module):
         return x + self.drop(self.down(self.drop(self.up(x))))
 
 
+class AttentionDropout(nn.Module):
+    """Case 17: q/k/v/o Linear(64, 64), 4 heads, SDPA with dropout_p=0.25 (in either mode, as written)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, 4, 16).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.25)
+        return self.o(y.transpose(1, 2).reshape(b, t, 64))
+
+
 class ShapeBranch(nn.Module):
     """Case 12: a shape-dependent branch symbolic_trace cannot follow."""
 
@@ -238,6 +252,7 @@ CASES = {
     "18-glu": _seeded(lambda: (GluFFN(), _inputs((B, T, 64)))),
     "19-gqa-enable-gqa": _seeded(lambda: (Attention(64, 8, 2, repeat="enable_gqa"), _inputs((B, T, 64)))),
     "21-in-place": _seeded(lambda: (InPlaceMLP(), _inputs((B, T, 64), (B, T, 256)))),
+    "17-sdpa-dropout": _seeded(lambda: (AttentionDropout(), _inputs((B, T, 64)))),
 }
 
 

@@ -206,20 +206,25 @@ def test_compile_never_mutates_the_model():
 
 
 def test_shape_literals_are_localized():
-    """Head counts in views become local; the -1 of the reshape is made explicit."""
+    """Head counts in views become local; the -1 of the reshape is made explicit. Under dynamic
+    shapes (the default) batch and sequence stay the capture's sym_size nodes."""
     model, inputs = build("reference_transformer")
-    code = fxtp.compile(model, 2, inputs).graph_module.code
-    assert "aten.view.default(linear, [2, 16, 2, 8])" in code
-    assert "aten.reshape.default(transpose_3, [2, 16, 16])" in code
-    views = [n for n in fxtp.compile(model, 2, inputs).graph_module.graph.nodes if n.target in (torch.ops.aten.view.default, torch.ops.aten.reshape.default)]
-    assert views and all(-1 not in n.args[1] for n in views)
+    static = fxtp.compile(model, 2, inputs, dynamic=False).graph_module
+    assert "aten.view.default(linear, [2, 16, 2, 8])" in static.code
+    assert "aten.reshape.default(transpose_3, [2, 16, 16])" in static.code
+    dynamic = fxtp.compile(model, 2, inputs).graph_module
+    assert "aten.view.default(linear, [sym_size_int_2, sym_size_int_3, 2, 8])" in dynamic.code
+    assert "aten.reshape.default(transpose_3, [sym_size_int_2, sym_size_int_3, 16])" in dynamic.code
+    for gm in (static, dynamic):
+        views = [n for n in gm.graph.nodes if n.target in (torch.ops.aten.view.default, torch.ops.aten.reshape.default)]
+        assert views and all(-1 not in n.args[1] for n in views)
 
 
 def test_emitted_graph_hard_codes_no_device():
     model, inputs = build("tiny_gpt")
     code = fxtp.compile(model, 2, inputs).graph_module.code
     assert "device(type=" not in code
-    assert "arange.default(16, device = getattr_1" in code and "getattr_1 = p_tok_weight.device" in code
+    assert "arange.default(sym_size_int_3, device = getattr_1" in code and "getattr_1 = p_tok_weight.device" in code
 
 
 def test_the_module_follows_its_parameters_to_another_device():
@@ -261,15 +266,24 @@ def test_kwargs_and_dict_outputs():
     assert fxtp.analyze(model, 2, (x,), example_kwargs={"scale": scale}).plan == {"up": "colwise", "down": "rowwise"}
 
 
-def test_runtime_inputs_must_match_the_compiled_shapes():
+def test_runtime_inputs_are_checked_against_the_dims_the_capture_allows():
     model, inputs = build("mlp")
     pm = fxtp.compile(model, 1, inputs)
-    with pytest.raises(fxtp.FxtpInputError, match=r"input 0 is \(4, 64\) torch.float32 but the module was compiled for \(8, 64\)"):
-        pm(torch.randn(4, 64))
-    with pytest.raises(fxtp.FxtpInputError, match=r"input 0 is \(8, 64\) torch.float64 but"):
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(pm(x), model(x))  # the batch is dynamic
+    with pytest.raises(fxtp.FxtpInputError, match=r"input 'input' dim 1 is 32 but the module was compiled with it static at 64"):
+        pm(torch.randn(4, 32))
+    with pytest.raises(fxtp.FxtpInputError, match=r"input 'input' dim 0 is 1, outside the range \[2, inf\].*Dim\(..., min=1\)"):
+        pm(torch.randn(1, 64))
+    with pytest.raises(fxtp.FxtpInputError, match=r"input 'input' is \(8, 64\) torch.float64 but the module runs on 2-D torch.float32"):
         pm(inputs[0].double())
+    with pytest.raises(fxtp.FxtpInputError, match=r"input 'input' is \(2, 8, 64\) torch.float32 but the module runs on 2-D"):
+        pm(torch.randn(2, 8, 64))
     with pytest.raises(fxtp.FxtpInputError, match=r"1 positional input\(s\) and keywords \[\] expected, got 2"):
         pm(*inputs, inputs[0])
+    static = fxtp.compile(model, 1, inputs, dynamic=False)
+    with pytest.raises(fxtp.FxtpInputError, match=r"input 'input' dim 0 is 4 but the module was compiled with it static at 8"):
+        static(torch.randn(4, 64))
 
 
 def test_non_tensor_arguments_are_checked_not_silently_reused():
@@ -284,7 +298,7 @@ def test_non_tensor_arguments_are_checked_not_silently_reused():
     x = torch.randn(2, 8)
     pm = fxtp.compile(Scaled(), 1, (x, 2.0))
     pm(x, 2.0)
-    with pytest.raises(fxtp.FxtpInputError, match="input 1 is 3.0 but the module was compiled with 2.0"):
+    with pytest.raises(fxtp.FxtpInputError, match="input 'scale' is 3.0 but the module was compiled with 2.0"):
         pm(x, 3.0)
 
 

@@ -26,6 +26,7 @@ def test_bench_quick_writes_json(tmp_path):
     assert set(result["step_ms"]) >= {"fxtp", "dtensor", "single"}
     assert all(ms > 0 for ms in result["step_ms"].values())
     assert result["ratio_fxtp_dtensor"] > 0 and result["ratio_ws1_overhead"] > 0
+    assert result["new_shape_ms"] > 0 and result["new_shape_steady_ms"] > 0 and result["recaptures"] == 0
 
     collectives = result["collectives"]
     assert {"tiny_gpt", "mlp", "reference_transformer"} <= set(collectives)

@@ -173,7 +173,7 @@ def test_dropout_train_mode_one_global_mask(pool):
     for same, notes, code in pool.run(_dropout_train):
         assert same
         assert len(notes) == 1 and "one global mask" in notes[0]["message"]
-        assert code.count("sharded_dropout(") == 1 and code.count("aten.dropout.default(") == 1
+        assert code.count("sharded_random(") == 1 and code.count("aten.dropout.default(") == 1
 
 
 def _compiled():

@@ -7,10 +7,10 @@ from typing import Any
 from torch.fx import Node
 from torch.fx.node import map_aggregate
 
-from fxtp.placement import REPLICATE, Shard
+from fxtp.placement import REPLICATE
 from passes.registry import RuleContext, is_tensor_node, shape_of
 
-__all__ = ["tensor_inputs", "activation_placement", "norm_dim", "local_shape", "ndim"]
+__all__ = ["tensor_inputs", "activation_placement", "norm_dim", "local_sizes", "ndim"]
 
 
 def tensor_inputs(node: Node) -> list[Node]:
@@ -41,7 +41,10 @@ def norm_dim(dim: int, rank: int) -> int:
     return dim + rank if dim < 0 else dim
 
 
-def local_shape(shape: tuple[int, ...], shard: Shard, world_size: int) -> list[int]:
-    out = list(shape)
-    out[shard.dim] = shard.local_size(world_size)
+def local_sizes(sizes: Any, index: int, local: int) -> list[Any]:
+    """The node's own size list with entry ``index`` (the sharded dim) set to its ``local``
+    size. The other entries stay as captured: ints, ``-1``, or the ``sym_size`` nodes of a
+    dynamic capture, so the emitted graph runs at every batch and sequence length."""
+    out = list(sizes)
+    out[index] = local
     return out

@@ -1,8 +1,9 @@
 """Shape ops: views, permutations, indexing, split and cat.
 
 The view rule is the general one (NOTE: [view of a sharded dim]); squeeze/unsqueeze/flatten/
-unflatten are views and use it too. Size literals of views, expands and splits are rewritten to
-the local sizes, so a ``-1`` that would absorb a shard becomes explicit.
+unflatten are views and use it too. The size of the sharded dim in views, expands and splits is
+rewritten to its local size (a ``-1`` there becomes explicit); the other sizes stay as captured
+(``sym_size`` nodes under dynamic shapes).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from fxtp.placement import REPLICATE, Shard
 from passes.registry import Conflict, Decision, RuleContext, register_rule, shape_of
-from passes.rules._common import activation_placement, local_shape, ndim, norm_dim
+from passes.rules._common import activation_placement, local_sizes, ndim, norm_dim
 
 __all__ = ["view_placement", "group_dims"]
 
@@ -136,7 +137,7 @@ def _view_decision(ctx: RuleContext, size_arg: Optional[int]) -> Decision:
     if size_arg is None:
         return Decision(out)
     args = list(ctx.node.args)
-    args[size_arg] = local_shape(ctx.out_shape, out, ctx.world_size)
+    args[size_arg] = local_sizes(args[size_arg], out.dim, out.local_size(ctx.world_size))
     return Decision(out, local_args=tuple(args))
 
 
@@ -180,8 +181,9 @@ def unflatten_rule(ctx: RuleContext) -> Decision:
         return Decision(REPLICATE)
     out = view_placement(p, shape_of(x), ctx.out_shape, ctx.world_size)
     start = norm_dim(dim, ndim(x))
-    local = local_shape(ctx.out_shape, out, ctx.world_size)[start : start + len(sizes)]
-    return Decision(out, local_args=(x, dim, local))
+    if not start <= out.dim < start + len(sizes):
+        return Decision(out)
+    return Decision(out, local_args=(x, dim, local_sizes(sizes, out.dim - start, out.local_size(ctx.world_size))))
 
 
 @register_rule(aten.transpose.int)
@@ -246,7 +248,8 @@ def expand_rule(ctx: RuleContext) -> Decision:
     if not isinstance(p, Shard):
         return Decision(REPLICATE)
     out = p.with_dim(p.dim + len(ctx.out_shape) - ndim(x))
-    return Decision(out, local_args=(x, local_shape(ctx.out_shape, out, ctx.world_size), *ctx.node.args[2:]))
+    sizes = local_sizes(ctx.node.args[1], out.dim, out.local_size(ctx.world_size))
+    return Decision(out, local_args=(x, sizes, *ctx.node.args[2:]))
 
 
 def _split_pieces(shard: Shard, sizes: list[int], ws: int) -> list[Shard]:
