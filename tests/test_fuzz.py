@@ -21,9 +21,7 @@ from hypothesis import HealthCheck, event, given, settings
 
 # Grammar features with a known bug, never drawn here (each is a regression test in
 # test_fuzz_regressions.py); remove an entry when its fix lands.
-KNOWN_BROKEN: dict[str, str] = {
-    "attn.sdpa_dropout": "case 17: SDPA dropout on sharded heads draws per-rank masks, not the slice of one mask",
-}
+KNOWN_BROKEN: dict[str, str] = {}
 
 EXAMPLES = int(os.environ.get("FXTP_FUZZ_EXAMPLES", "12"))
 
