@@ -1,5 +1,5 @@
 """Op rules, one module per op family. Importing this package registers every rule."""
 
-from passes.rules import attention, matmul, norm, pointwise, shape  # noqa: F401
+from passes.rules import attention, experts, matmul, norm, pointwise, shape  # noqa: F401
 
 __all__: list[str] = []
