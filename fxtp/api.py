@@ -18,6 +18,7 @@ from fxtp.report import Report, build_report
 from fxtp.rng import draws_random, sync_generators
 from fxtp.runtime import ParallelModule
 from passes.normalize import normalize
+from passes.partial import defer_reductions
 from passes.plan import STYLES, ShardingPlan, plan_sharding
 from passes.rewrite import rewrite
 
@@ -122,7 +123,7 @@ def _analyze(model, ws, args, kwargs, how, plan, rank) -> tuple[Captured, Shardi
     param_fqns = {
         spec.arg.name: spec.target for spec in program.graph_signature.input_specs if spec.kind == InputKind.PARAMETER
     }
-    sharding = plan_sharding(program.graph, param_fqns, ws, overrides)
+    sharding = defer_reductions(program.graph, plan_sharding(program.graph, param_fqns, ws, overrides))
     report = build_report(program, sharding, captured.frontend, captured.attempts, rank)
     report.timings = {"capture_s": captured_at - start, "passes_s": time.perf_counter() - captured_at}
     return captured, sharding, report

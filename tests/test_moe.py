@@ -9,8 +9,11 @@ intermediate 128, top-2, vocab 128, seq 16.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from _helpers import compare_training
 
 import fxtp
@@ -27,7 +30,23 @@ def _train(name: str, **overrides):
     result = compare_training(model, inputs)
     pm = fxtp.compile(model, torch.distributed.get_world_size(), inputs)
     result["placements"] = {k: str(v) for k, v in pm.placements.items() if "experts" in k}
+    with _AllReduceShapes() as sizes:
+        pm(*inputs)
+    result["forward_shapes"] = sizes.shapes
     return result
+
+
+class _AllReduceShapes(TorchDispatchMode):
+    """Shapes of the tensors all_reduced while active, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and func._opname == "all_reduce":
+            self.shapes.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
 
 
 def _layers(result) -> dict[str, dict]:
@@ -51,14 +70,18 @@ def _check_experts(r, ws: int, prefix: str) -> None:
 
 
 def test_mixtral(pool):
-    """Forward: per block the attention's all_reduce and one after the experts' down projection,
-    plus the vocab-parallel lookup; no parameter matrix is left replicated but the routers."""
+    """Forward: per block the attention's all_reduce and one of the experts' combined output
+    (after the routing weights and the top-k sum, NOTE: [deferred reduction]), plus the
+    vocab-parallel lookup; backward: Megatron's 2 per block plus the routing weights' f."""
     (r, *_) = pool.run(_train, "mixtral")
     ws = pool.world_size
     _check_experts(r, ws, "model.layers.")
+    tokens = examples.TINY_BATCH * examples.TINY_SEQ
     assert r["forward"] == {"all_reduce": 2 * N_BLOCKS + 1, "all_gather": 1}
+    # Every forward all_reduce holds tokens x hidden values: the experts' too, not (tokens x top_k, hidden).
+    assert [math.prod(shape) for shape in r["forward_shapes"]] == [tokens * HIDDEN] * (2 * N_BLOCKS + 1)
     kv_slices = 0 if ws == 2 else 2 * N_BLOCKS  # 2 kv heads at ws 4: k/v whole, sliced per rank
-    assert r["backward"] == {"all_reduce": 2 * N_BLOCKS + 1 + kv_slices}
+    assert r["backward"] == {"all_reduce": 3 * N_BLOCKS + 1 + kv_slices}
     assert not [n for n in r["report"]["notes"] if n["code"] == "not-a-layer"]
 
 
@@ -74,8 +97,11 @@ def test_qwen2_moe(pool):
         styles = [layers[p + f"shared_expert.{m}_proj"]["style"] for m in ("gate", "up", "down")]
         assert styles == ["colwise", "colwise", "rowwise"]
         assert layers[p + "shared_expert_gate"]["code"] == "not-divisible"
-    # Per block: attention, routed experts, shared expert (each all_reduced on its own).
-    assert r["forward"] == {"all_reduce": 3 * N_BLOCKS + 1, "all_gather": 1}
+    # Per block: attention, and the sum of the routed and shared experts' partial outputs, reduced once.
+    assert r["forward"] == {"all_reduce": 2 * N_BLOCKS + 1, "all_gather": 1}
+    kv_slices = 0 if ws == 2 else 2 * N_BLOCKS
+    # Backward per block: attention, routed and shared experts' inputs, routing weights, shared gate.
+    assert r["backward"] == {"all_reduce": 5 * N_BLOCKS + 1 + kv_slices}
 
 
 def test_mixtral_8x7b_at_world_size_8():

@@ -24,7 +24,9 @@ each expert is one Megatron MLP (Shoeybi et al. 2019, section 3), sharded inside
   ``(E, N, K)`` on dim 1), output ``Shard(1)``. A fused ``gate_up`` gets segments ``(I, I)``
   from the ``chunk`` that follows (NOTE: [segments]), so each rank holds ``[gate_r | up_r]`` of
   every expert;
-* rowwise (``x`` sharded on ``K``): ``w`` sharded on ``K``, output ``Partial``, all_reduced.
+* rowwise (``x`` sharded on ``K``): ``w`` sharded on ``K``, output ``Partial``, all_reduced
+  after the combine (the routing weights, the gather back to token order and the top-k sum are
+  linear in it: NOTE: [deferred reduction] in ``passes/partial.py``).
 
 The router (a plain ``linear``) stays replicated: its input is replicated and its output feeds
 a softmax/topk over the experts. The offsets and the sort are integer values, replicated.
@@ -109,7 +111,10 @@ def _grouped_mm_rule(ctx: RuleContext) -> Decision:
         wants = {w: Shard(1, shard.segments)}
         if not isinstance(px, Shard):
             wants[x] = shard
-        reason = "every expert rowwise on its intermediate dim; all_reduce of the experts' (tokens x top_k, hidden) output after it"
+        reason = (
+            "every expert rowwise on its intermediate dim; all_reduce of its partial sums, moved past the routing "
+            "weights and the top-k sum where they follow (NOTE: [deferred reduction] in passes/partial.py)"
+        )
         return Decision(Partial(), wants, layer=LayerNote("rowwise", reason))
     if state.demoted is not None:
         return Decision(REPLICATE, whole, layer=state.demoted)
