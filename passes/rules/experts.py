@@ -87,7 +87,10 @@ def grouped_operands(node: Node, is_param: Callable[[Node], bool]) -> Optional[G
     return GroupedOperands(x, w, offs)
 
 
-def _grouped_mm_rule(ctx: RuleContext) -> Decision:
+@register_rule(*GROUPED_MM_OPS)
+def grouped_mm_rule(ctx: RuleContext) -> Decision:
+    """A grouped matmul with a 3-D expert weight: colwise on a replicated input, rowwise on one
+    sharded on its features (the module docstring)."""
     ops = grouped_operands(ctx.node, ctx.is_param)
     if ops is None:  # between activations, or with a bias: nothing of it is sharded
         sharded = [a for a in ctx.node.all_input_nodes if isinstance(ctx.placement(a), Shard)]
@@ -134,6 +137,3 @@ def _not_divisible(size: int, ws: int) -> LayerNote:
         code="not-divisible",
         fix=f"use a world_size that divides {size}",
     )
-
-
-register_rule(*GROUPED_MM_OPS)(_grouped_mm_rule)
