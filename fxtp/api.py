@@ -23,6 +23,7 @@ from fxtp.runtime import ParallelModule
 from fxtp.shapes import input_specs, specialized_shapes
 from passes.dynamic import plan_symbols
 from passes.normalize import normalize
+from passes.partial import defer_reductions
 from passes.plan import STYLES, ShardingPlan, plan_sharding
 from passes.rewrite import rewrite
 
@@ -237,7 +238,7 @@ def _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes) -> tuple[
     param_fqns = {
         spec.arg.name: spec.target for spec in program.graph_signature.input_specs if spec.kind == InputKind.PARAMETER
     }
-    return captured, plan_sharding(program.graph, param_fqns, ws, overrides), capture_s
+    return captured, defer_reductions(program.graph, plan_sharding(program.graph, param_fqns, ws, overrides)), capture_s
 
 
 def _check_world_size(world_size: Any) -> int:

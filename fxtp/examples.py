@@ -26,6 +26,10 @@ __all__ = [
     "bert",
     "gpt2_124m",
     "llama_7b",
+    "mixtral",
+    "qwen2_moe",
+    "mixtral_8x7b",
+    "qwen2_moe_a2_7b",
     "Example",
     "EXAMPLES",
     "EXTRA",
@@ -170,6 +174,27 @@ def bert_config(**overrides):
     return BertConfig(**{**base, **overrides})
 
 
+def mixtral_config(**overrides):
+    from transformers import MixtralConfig
+
+    base = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                max_position_embeddings=TINY_SEQ, router_jitter_noise=0.0, use_cache=False,
+                bos_token_id=0, eos_token_id=0, pad_token_id=0, experts_implementation="grouped_mm")
+    return MixtralConfig(**{**base, **overrides})
+
+
+def qwen2_moe_config(**overrides):
+    from transformers import Qwen2MoeConfig
+
+    base = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=128,
+                shared_expert_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                max_position_embeddings=TINY_SEQ, use_cache=False, bos_token_id=0, eos_token_id=0,
+                pad_token_id=0, experts_implementation="grouped_mm")
+    return Qwen2MoeConfig(**{**base, **overrides})
+
+
 def gpt2(seed: int = 0, **overrides) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """Tiny ``GPT2LMHeadModel`` (Conv1D layers, fused ``c_attn``, tied LM head) and (2, 16) ids."""
     from transformers import GPT2LMHeadModel
@@ -194,6 +219,23 @@ def bert(seed: int = 0, **overrides) -> tuple[nn.Module, tuple[torch.Tensor, ...
     return BertModel(bert_config(**overrides)).eval(), (_ids(seed),)
 
 
+def mixtral(seed: int = 0, **overrides) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Tiny ``MixtralForCausalLM`` (4 experts, top-2, 3-D expert weights run by ``grouped_mm``;
+    GQA, rotary) and (2, 16) ids."""
+    from transformers import MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(mixtral_config(**overrides)).eval(), (_ids(seed),)
+
+
+def qwen2_moe(seed: int = 0, **overrides) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Tiny ``Qwen2MoeForCausalLM`` (4 routed experts, top-2, a gated shared expert) and (2, 16) ids."""
+    from transformers import Qwen2MoeForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2MoeForCausalLM(qwen2_moe_config(**overrides)).eval(), (_ids(seed),)
+
+
 def gpt2_124m() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """GPT-2 124M shapes (12 layers, hidden 768, 12 heads, vocab 50257) on the ``meta`` device."""
     from transformers import GPT2LMHeadModel
@@ -216,6 +258,33 @@ def llama_7b(n_layers: int = 32) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return model, (torch.zeros(1, 4096, dtype=torch.long, device="meta"),)
 
 
+def mixtral_8x7b(n_layers: int = 32) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Mixtral-8x7B shapes (32 layers, hidden 4096, 32 heads, 8 kv heads, 8 experts of
+    intermediate 14336, top-2, vocab 32000) on ``meta``."""
+    from transformers import MixtralForCausalLM
+
+    cfg = mixtral_config(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=n_layers,
+                         num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                         max_position_embeddings=4096)
+    with torch.device("meta"):
+        model = MixtralForCausalLM(cfg).eval()
+    return model, (torch.zeros(1, 4096, dtype=torch.long, device="meta"),)
+
+
+def qwen2_moe_a2_7b(n_layers: int = 24) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Qwen1.5-MoE-A2.7B shapes (24 layers, hidden 2048, 16 heads, 60 experts of intermediate
+    1408, top-4, a shared expert of 5632, vocab 151936) on ``meta``."""
+    from transformers import Qwen2MoeForCausalLM
+
+    cfg = qwen2_moe_config(vocab_size=151936, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+                           shared_expert_intermediate_size=5632, num_hidden_layers=n_layers, num_attention_heads=16,
+                           num_key_value_heads=16, num_experts=60, num_experts_per_tok=4, norm_topk_prob=False,
+                           max_position_embeddings=4096)
+    with torch.device("meta"):
+        model = Qwen2MoeForCausalLM(cfg).eval()
+    return model, (torch.zeros(1, 4096, dtype=torch.long, device="meta"),)
+
+
 @dataclass(frozen=True)
 class Example:
     """A built-in example: ``build()`` returns ``(model, example_inputs)``; ``meta``: its weights
@@ -235,4 +304,8 @@ EXAMPLES: dict[str, Example] = {
     "bert": Example(bert),
     "gpt2-124m": Example(gpt2_124m, meta=True),
     "llama-7b": Example(llama_7b, meta=True),
+    "mixtral": Example(mixtral),
+    "qwen2-moe": Example(qwen2_moe),
+    "mixtral-8x7b": Example(mixtral_8x7b, meta=True),
+    "qwen2-moe-a2.7b": Example(qwen2_moe_a2_7b, meta=True),
 }

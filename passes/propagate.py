@@ -57,12 +57,14 @@ class ParamPiece:
     dim: Optional[int] = None  # split dim; None for the whole parameter
     offset: int = 0
     length: int = 0
-    transposed: bool = False  # the 2-D parameter's transpose (``W.T``), a whole parameter
+    transposed: bool = False  # the parameter with its last two dims swapped (``W.T``; 3-D experts), whole
 
     def placement_of_param(self, want: Placement) -> Placement:
         """What a want on this piece asks of the parameter itself."""
         if self.transposed and isinstance(want, Shard):
-            return want.with_dim(1 - want.dim)
+            nd = self.placeholder.meta["val"].dim()
+            swap = {nd - 2: nd - 1, nd - 1: nd - 2}
+            return want.with_dim(swap.get(want.dim, want.dim))
         return want
 
 
@@ -139,6 +141,8 @@ def param_root(node: Node, param_names: frozenset[str]) -> Optional[ParamPiece]:
 
 def _is_matrix_transpose(node: Node) -> bool:
     base = node.args[0]
+    if isinstance(base, Node) and base.meta["val"].dim() == 3 and node.target is not aten.t.default:
+        return _swaps_last_two(node)  # 3-D expert weights (E, out, in) seen as (E, in, out)
     if not isinstance(base, Node) or base.meta["val"].dim() != 2:
         return False
     if node.target is aten.transpose.int:
@@ -146,6 +150,15 @@ def _is_matrix_transpose(node: Node) -> bool:
     if node.target is aten.permute.default:
         return [norm_dim(d, 2) for d in node.args[1]] == [1, 0]
     return True
+
+
+def _swaps_last_two(node: Node) -> bool:
+    """A ``transpose``/``permute`` of a 3-D value that swaps its last two dims only."""
+    if node.target is aten.transpose.int:
+        return {norm_dim(d, 3) for d in node.args[1:3]} == {1, 2}
+    if node.target is aten.permute.default:
+        return [norm_dim(d, 3) for d in node.args[1]] == [0, 2, 1]
+    return False
 
 
 def _is_float(node: Node) -> bool:

@@ -43,7 +43,9 @@ __all__ = [
     "shape_of",
 ]
 
-OpKey = Union[torch._ops.OpOverload, Callable[..., Any]]
+# An op, or the qualified name of an op from an optional library (``"transformers::grouped_mm_fallback"``),
+# which exists only once that library is imported: see :func:`get_rule`.
+OpKey = Union[torch._ops.OpOverload, Callable[..., Any], str]
 Outputs = Union[Placement, tuple[Placement, ...]]
 
 
@@ -205,7 +207,12 @@ def register_rule(*ops: OpKey) -> Callable[[Rule], Rule]:
 
 
 def get_rule(op: OpKey) -> Optional[Rule]:
-    return _RULES.get(op)
+    """The rule of ``op``: registered for the op itself, or for its qualified name
+    (``OpOverload.name()``, e.g. ``"transformers::grouped_mm_fallback"`` for its default overload)."""
+    rule = _RULES.get(op)
+    if rule is None and isinstance(op, torch._ops.OpOverload):
+        rule = _RULES.get(op.name())
+    return rule
 
 
 def registered_ops() -> list[OpKey]:

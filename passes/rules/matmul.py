@@ -26,6 +26,7 @@ from fxtp import local_ops
 from fxtp.placement import REPLICATE, Partial, Shard
 from passes.registry import Conflict, Decision, LayerNote, RuleContext, ShardStart, register_rule, shape_of
 from passes.rules._common import activation_placement, ndim
+from passes.rules.experts import grouped_operands
 
 __all__ = ["LayerOperands", "layer_operands", "layer_weight"]
 
@@ -44,7 +45,8 @@ class LayerOperands:
 
     ``weight`` is the operand as the op sees it: ``(out, in)`` for ``linear`` (``out_dim=0``),
     ``(in, out)`` for ``x @ W`` / ``addmm(b, x, W)`` (``out_dim=1``; GPT-2's ``Conv1D``, or a
-    parameter's ``.T``). ``bias`` has shape ``(out,)``.
+    parameter's ``.T``), ``(experts, in, out)`` for a grouped matmul of MoE experts
+    (``out_dim=2``, ``rules/experts.py``). ``bias`` has shape ``(out,)``.
     """
 
     x: Node
@@ -56,7 +58,7 @@ class LayerOperands:
 def layer_operands(node: Node, is_param: Callable[[Node], bool]) -> Optional[LayerOperands]:
     """The layer operands of ``node`` if it is a matmul-like layer with a 2-D parameter weight
     (``linear``; ``addmm``/``mm``/``matmul`` whose right operand is a parameter or its
-    transpose), else ``None``. Embeddings are layers too, see :func:`layer_weight`."""
+    transpose) or a grouped matmul with a 3-D expert weight, else ``None``. Embeddings are layers too, see :func:`layer_weight`."""
     if node.op != "call_function":
         return None
     if node.target is aten.linear.default:
@@ -71,6 +73,9 @@ def layer_operands(node: Node, is_param: Callable[[Node], bool]) -> Optional[Lay
         x, w = node.args[:2]
         if isinstance(w, Node) and is_param(w) and ndim(w) == 2 and ndim(x) >= 2:
             return LayerOperands(x, w, None, 1)
+    grouped = grouped_operands(node, is_param)
+    if grouped is not None:
+        return LayerOperands(grouped.x, grouped.weight, None, 2)
     return None
 
 

@@ -1,0 +1,113 @@
+"""Deferred reductions: an all_reduce moved past the ops that are linear in the partial sum.
+
+NOTE: [deferred reduction]
+A rowwise layer's output is ``Partial``: rank ``r`` holds a summand ``y_r``, the value is
+``sum_r y_r``. For an op ``g`` linear in that value (a view, a row gather, a sum over a dim, a
+product with a replicated value, the sum of two partial values), ``g(sum_r y_r) ==
+sum_r g(y_r)``, so the all_reduce can run after ``g`` instead of before it, on the (often
+smaller) result. MoE experts are the case that matters: the experts' down projection gives a
+partial ``(tokens x top_k, hidden)`` output, then the routing weights multiply it, a gather
+restores the token order and a sum over the top-k combines it to ``(tokens, hidden)``; reducing
+after the combine moves ``1 / top_k`` of the bytes (Megatron-LM reduces the combined output
+too). Qwen2-MoE's shared expert output is partial as well and is added to the routed one: the
+sum of the two is reduced once.
+
+A replicated float operand of such a product (the routing weights, a sigmoid gate) meets a
+partial value: its gradient on each rank is only the part from that rank's summand, so it
+enters through Megatron's ``f`` (identity forward, all_reduce backward), like any replicated
+value entering a sharded region (NOTE: [replicated parameter in a sharded region]). The
+forward saves ``(top_k - 1) x tokens x hidden`` elements per block; the backward adds an
+all_reduce of the ``(tokens x top_k,)`` routing weights.
+
+A partial value is moved only into its single user (a value also used elsewhere is reduced
+where it is); a rowwise bias (added after the reduction) keeps the reduction where it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch.fx import Graph, Node
+
+from fxtp.placement import Partial, Replicate
+from passes.plan import ShardingPlan
+from passes.propagate import EdgeAction
+from passes.registry import is_tensor_node
+
+__all__ = ["defer_reductions"]
+
+aten = torch.ops.aten
+
+# Ops linear in their first argument, the others being shapes or dims.
+_LINEAR_IN_FIRST = frozenset(
+    {
+        aten.view.default,
+        aten.reshape.default,
+        aten._unsafe_view.default,
+        aten.unsqueeze.default,
+        aten.squeeze.dim,
+        aten.squeeze.dims,
+        aten.transpose.int,
+        aten.permute.default,
+        aten.sum.dim_IntList,
+        aten.clone.default,
+        aten.neg.default,
+    }
+)
+
+
+def _linear_in(node: Node, partial: set[Node], plan: ShardingPlan) -> bool:
+    """Is ``node`` linear in its inputs that are in ``partial`` (the others replicated)?"""
+    target, args = node.target, node.args
+    ins = [a for a in node.all_input_nodes if a in partial]
+    others = [a for a in node.all_input_nodes if a not in partial]
+    if any(not isinstance(plan.placements.get(a.name), Replicate) for a in others):
+        return False
+    first = args[0] if args else None
+    if target in _LINEAR_IN_FIRST:
+        return ins == [first] and not others and not node.kwargs
+    if target is aten.index.Tensor:  # a gather of rows by replicated integer indices
+        return ins == [first] and all(not a.meta["val"].is_floating_point() for a in others)
+    if target is aten.to.dtype:  # a no-op cast only: rounding summands is not rounding their sum
+        return ins == [first] and args[1] == first.meta["val"].dtype and not node.kwargs
+    if target is aten.mul.Tensor:
+        return len(ins) == 1 and ins[0] in args[:2] and args.count(ins[0]) == 1
+    if target is aten.div.Tensor:
+        return ins == [first] and args[1] is not first
+    if target in (aten.add.Tensor, aten.sub.Tensor):  # sum_r a_r + sum_r b_r == sum_r (a_r + b_r)
+        return len(ins) == 2 and set(args[:2]) == set(ins) and node.kwargs.get("alpha", 1) == 1
+    return False
+
+
+def defer_reductions(graph: Graph, plan: ShardingPlan) -> ShardingPlan:
+    """Move each all_reduce of a ``Partial`` value past the ops linear in it (NOTE: [deferred
+    reduction]); returns the updated plan (placements, reductions, ``f`` entries).
+
+    Reads ``node.meta["val"]`` and the plan; does not modify the graph.
+    """
+    nodes = {n.name: n for n in graph.nodes}
+    partial = {nodes[name] for name, bias in plan.reduces.items() if bias is None}
+    if not partial:
+        return plan
+    placements: dict[str, Any] = dict(plan.placements)
+    edges = dict(plan.edges)
+    moved: set[Node] = set()  # partial values whose reduction moved into their user
+    for node in graph.nodes:
+        if node.op != "call_function" or not any(a in partial for a in node.all_input_nodes):
+            continue
+        ins = [a for a in node.all_input_nodes if a in partial]
+        if any(len(a.users) != 1 for a in ins) or not _linear_in(node, partial, plan):
+            continue
+        partial.add(node)
+        moved.update(ins)
+        placements[node.name] = Partial()
+        for a in node.all_input_nodes:
+            if a not in partial and is_tensor_node(a) and a.meta["val"].is_floating_point():
+                edges.setdefault((node.name, a.name), EdgeAction("enter"))
+    if not moved:
+        return plan
+    reduces = {name: bias for name, bias in plan.reduces.items() if nodes[name] not in moved}
+    reduces.update({n.name: None for n in partial if n not in moved})
+    return dataclasses.replace(plan, placements=placements, edges=edges, reduces=reduces)

@@ -1,0 +1,152 @@
+"""Mixture-of-experts models built from Hugging Face config classes (random weights, nothing
+downloaded): routed experts stored as 3-D parameters and run by ``grouped_mm`` are sharded
+inside each expert (``passes/rules/experts.py``), on real gloo process groups at world sizes 2
+and 4, against the single-device model (outputs, every gradient, 3 SGD steps).
+
+Tiny configs (fxtp/examples.py): 2 layers, hidden 64, 4 heads (2 kv heads), 4 experts of
+intermediate 128, top-2, vocab 128, seq 16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from _helpers import compare_training
+
+import fxtp
+from fxtp import examples
+from fxtp.placement import Shard
+
+pytest.importorskip("transformers")
+
+N_BLOCKS, EXPERTS, HIDDEN, INTER = 2, 4, 64, 128
+
+
+def _train(name: str, **overrides):
+    model, inputs = getattr(examples, name)(**overrides)
+    result = compare_training(model, inputs)
+    pm = fxtp.compile(model, torch.distributed.get_world_size(), inputs)
+    result["placements"] = {k: str(v) for k, v in pm.placements.items() if "experts" in k}
+    with _AllReduceShapes() as sizes:
+        pm(*inputs)
+    result["forward_shapes"] = sizes.shapes
+    return result
+
+
+class _AllReduceShapes(TorchDispatchMode):
+    """Shapes of the tensors all_reduced while active, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and func._opname == "all_reduce":
+            self.shapes.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+def _layers(result) -> dict[str, dict]:
+    return {row["name"]: row for row in result["report"]["layers"]}
+
+
+def _check_experts(r, ws: int, prefix: str) -> None:
+    """Every expert colwise on its intermediate dim ([gate_r | up_r]), down rowwise; router whole."""
+    layers = _layers(r)
+    for i in range(N_BLOCKS):
+        p = f"model.layers.{i}.mlp."
+        gate_up, down = layers[p + "experts.gate_up_proj"], layers[p + "experts.down_proj"]
+        assert (gate_up["style"], down["style"]) == ("colwise", "rowwise")
+        assert gate_up["weight_shape"] == [EXPERTS, 2 * INTER, HIDDEN]
+        assert gate_up["local_weight_shape"] == [EXPERTS, 2 * INTER // ws, HIDDEN]
+        assert down["weight_shape"] == [EXPERTS, HIDDEN, INTER]
+        assert down["local_weight_shape"] == [EXPERTS, HIDDEN, INTER // ws]
+        assert layers[p + "gate"]["style"] == "replicate" and layers[p + "gate"]["code"]  # the router
+        assert r["placements"][f"{prefix}{i}.mlp.experts.gate_up_proj"] == str(Shard(1, (INTER, INTER)))
+        assert r["placements"][f"{prefix}{i}.mlp.experts.down_proj"] == str(Shard(2, (INTER,)))
+
+
+def test_mixtral(pool):
+    """Forward: per block the attention's all_reduce and one of the experts' combined output
+    (after the routing weights and the top-k sum, NOTE: [deferred reduction]), plus the
+    vocab-parallel lookup; backward: Megatron's 2 per block plus the routing weights' f."""
+    (r, *_) = pool.run(_train, "mixtral")
+    ws = pool.world_size
+    _check_experts(r, ws, "model.layers.")
+    tokens = examples.TINY_BATCH * examples.TINY_SEQ
+    assert r["forward"] == {"all_reduce": 2 * N_BLOCKS + 1, "all_gather": 1}
+    # Every forward all_reduce holds tokens x hidden values: the experts' too, not (tokens x top_k, hidden).
+    assert [math.prod(shape) for shape in r["forward_shapes"]] == [tokens * HIDDEN] * (2 * N_BLOCKS + 1)
+    kv_slices = 0 if ws == 2 else 2 * N_BLOCKS  # 2 kv heads at ws 4: k/v whole, sliced per rank
+    assert r["backward"] == {"all_reduce": 3 * N_BLOCKS + 1 + kv_slices}
+    assert not [n for n in r["report"]["notes"] if n["code"] == "not-a-layer"]
+
+
+def test_qwen2_moe(pool):
+    """Routed experts as in Mixtral; the shared expert is a dense SwiGLU MLP (gate/up colwise,
+    down rowwise); its 1-wide sigmoid gate stays replicated (``not-divisible``)."""
+    (r, *_) = pool.run(_train, "qwen2_moe")
+    ws = pool.world_size
+    _check_experts(r, ws, "model.layers.")
+    layers = _layers(r)
+    for i in range(N_BLOCKS):
+        p = f"model.layers.{i}.mlp."
+        styles = [layers[p + f"shared_expert.{m}_proj"]["style"] for m in ("gate", "up", "down")]
+        assert styles == ["colwise", "colwise", "rowwise"]
+        assert layers[p + "shared_expert_gate"]["code"] == "not-divisible"
+    # Per block: attention, and the sum of the routed and shared experts' partial outputs, reduced once.
+    assert r["forward"] == {"all_reduce": 2 * N_BLOCKS + 1, "all_gather": 1}
+    kv_slices = 0 if ws == 2 else 2 * N_BLOCKS
+    # Backward per block: attention, routed and shared experts' inputs, routing weights, shared gate.
+    assert r["backward"] == {"all_reduce": 5 * N_BLOCKS + 1 + kv_slices}
+
+
+def test_mixtral_8x7b_at_world_size_8():
+    """Mixtral-8x7B shapes on meta (32 layers, hidden 4096, 8 experts of 14336): every expert
+    sharded inside itself, so a rank holds <= 15% of the parameter bytes (the issue's goal)."""
+    model, inputs = examples.mixtral_8x7b()
+    report = fxtp.analyze(model, 8, inputs)
+    assert all(p.is_meta for p in model.parameters())
+    d = report.to_dict()
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert d["param_bytes"]["total"] == whole
+    assert d["param_bytes"]["per_rank"] <= 0.15 * whole
+    rows = {row["name"]: row for row in d["layers"]}
+    gate_up = rows["model.layers.0.mlp.experts.gate_up_proj"]
+    assert (gate_up["weight_shape"], gate_up["local_weight_shape"]) == ([8, 2 * 14336, 4096], [8, 2 * 14336 // 8, 4096])
+    assert rows["model.layers.31.mlp.experts.down_proj"]["local_weight_shape"] == [8, 4096, 14336 // 8]
+    assert report.count("forward", "all_reduce") == 2 * 32 + 1
+
+
+def test_qwen2_moe_shape_at_world_size_8():
+    """A Qwen1.5-MoE-A2.7B shape on meta (24 layers, hidden 2048, 60 experts of 1408, a shared
+    expert of 5632)."""
+    model, inputs = examples.qwen2_moe_a2_7b()
+    report = fxtp.analyze(model, 8, inputs)
+    d = report.to_dict()
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert d["param_bytes"]["per_rank"] <= 0.15 * whole
+    rows = {row["name"]: row for row in d["layers"]}
+    assert rows["model.layers.0.mlp.experts.gate_up_proj"]["local_weight_shape"] == [60, 2 * 1408 // 8, 2048]
+    assert rows["model.layers.0.mlp.shared_expert.down_proj"]["style"] == "rowwise"
+
+
+def _train_bf16(name: str):
+    model, inputs = getattr(examples, name)()
+    # 3e-2 rather than Llama's 2e-2: each rank rounds its partial sums of the experts' output
+    # to bf16 before the all_reduce (one device rounds the full sum once); measured: the logits
+    # differ by up to 0.0234 (34 of 4096 beyond 1e-2).
+    return compare_training(model.to(torch.bfloat16), inputs, rtol=3e-2, atol=3e-2)
+
+
+def test_mixtral_bf16(pool):
+    """bf16 weights: the capture records ``aten._grouped_mm`` (transformers' native path) instead
+    of its fp32 fallback op; same plan, checked at a bf16 tolerance."""
+    (r, *_) = pool.run(_train_bf16, "mixtral")
+    layers = _layers(r)
+    gate_up = layers["model.layers.0.mlp.experts.gate_up_proj"]
+    assert (gate_up["op"], gate_up["style"]) == ("_grouped_mm", "colwise")
+    assert r["forward"] == {"all_reduce": 2 * N_BLOCKS + 1, "all_gather": 1}
