@@ -58,11 +58,20 @@ _LINEAR_IN_FIRST = frozenset(
 )
 
 
+# Shape queries a dynamic-shape capture adds (``sym_size.int(x, 0)``): not uses of the values,
+# and a Partial value has its full shape, so they do not stop a deferral.
+_SHAPE_QUERIES = frozenset({aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default})
+
+
+def _uses(node: Node) -> list[Node]:
+    return [u for u in node.users if u.target not in _SHAPE_QUERIES]
+
+
 def _linear_in(node: Node, partial: set[Node], plan: ShardingPlan) -> bool:
     """Is ``node`` linear in its inputs that are in ``partial`` (the others replicated)?"""
     target, args = node.target, node.args
     ins = [a for a in node.all_input_nodes if a in partial]
-    others = [a for a in node.all_input_nodes if a not in partial]
+    others = [a for a in node.all_input_nodes if a not in partial and is_tensor_node(a)]  # not sym sizes
     if any(not isinstance(plan.placements.get(a.name), Replicate) for a in others):
         return False
     first = args[0] if args else None
@@ -98,7 +107,7 @@ def defer_reductions(graph: Graph, plan: ShardingPlan) -> ShardingPlan:
         if node.op != "call_function" or not any(a in partial for a in node.all_input_nodes):
             continue
         ins = [a for a in node.all_input_nodes if a in partial]
-        if any(len(a.users) != 1 for a in ins) or not _linear_in(node, partial, plan):
+        if any(len(_uses(a)) != 1 for a in ins) or not _linear_in(node, partial, plan):
             continue
         partial.add(node)
         moved.update(ins)
