@@ -34,8 +34,9 @@ exit status: 0 ok, 1 fxtp error (--verbose for the traceback), 2 bad usage
 _INSPECT_EPILOG = """\
 MODEL:
   a built-in example:  mlp, tiny-gpt, transformer (torch's TP reference model), gpt2, llama,
-                       bert (tiny configs, random weights, real inputs); gpt2-124m, llama-7b
-                       (full size on the meta device: tables and graphs, no --verify);
+                       bert, mixtral, qwen2-moe (tiny configs, random weights, real inputs);
+                       gpt2-124m, llama-7b, mixtral-8x7b, qwen2-moe-a2.7b (full size on the
+                       meta device: tables and graphs, no --verify);
                        all but mlp and tiny-gpt need: pip install 'fxtp[examples]'
   path/to/config.json  a Hugging Face config (its architectures / model_type), built on the
                        meta device: no weights, no download; example input: token ids (1, 128)
@@ -129,7 +130,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("--rank", "-r", metavar="R", type=int, default=0, help="the rank shown (default: 0)")
     inspect.add_argument("--out", "-o", metavar="FILE", help="write to FILE; with --format dot, FILE.svg/.png/.pdf renders it with dot")
-    inspect.add_argument("--verify", action="store_true", help="run the ranks on local gloo and compare outputs and gradients with the single-device model")
+    inspect.add_argument("--verify", action="store_true", help="run the ranks on local gloo and compare outputs and gradients with the single-device model "
+                         "(models with weights only: not the meta-device examples or a config.json)")
     inspect.add_argument("--tolerance", metavar="TOL", type=float, default=1e-4, help="max abs error --verify accepts (default: 1e-4)")
     inspect.add_argument(
         "--verbose", "-v", action="store_true",

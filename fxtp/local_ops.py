@@ -4,11 +4,47 @@ from __future__ import annotations
 
 import torch
 
+from fxtp.errors import FxtpInputError
+
 __all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy", "grouped_query_attention", "repeat_interleave"]
 
 
+def check_ids(ids: torch.Tensor, size: int, what: str, where: str, ignore_index: "int | None" = None) -> None:
+    """Raise where the single device would: a sharded lookup only sees its own rows, so an id
+    outside ``[0, size)`` would otherwise give zeros (a silently wrong answer) instead of the
+    single device's ``IndexError``.
+
+    Args:
+        ids: int64 ids, any shape. size: the global number of rows (or classes).
+        what: the lookup, for the message ("embedding", "cross_entropy"). where: its module FQN.
+        ignore_index: an id that is allowed (cross_entropy's ``ignore_index``).
+
+    Raises:
+        FxtpInputError: on CPU, naming the first bad id, the module and the range. On other
+            devices, and under ``torch.compile``, a device-side assert instead (what the single
+            device's CUDA kernel does), so the check adds no host synchronization.
+    """
+    bad = (ids < 0) | (ids >= size)
+    if ignore_index is not None:
+        bad &= ids != ignore_index
+    message = (f"fxtp: {what} at {where or 'the root module'} got an id outside [0, {size}) "
+               f"(the single-device model raises IndexError here too). fix: keep the ids in [0, {size})")
+    if ids.device.type != "cpu" or torch.compiler.is_compiling():
+        # NOTE: ``torch._assert_async`` is private; this is its one call site. It is what keeps
+        # the check free of a host sync (the single device's kernel asserts on the device too).
+        torch._assert_async(bad.logical_not().all(), message)
+    elif bool(bad.any()):
+        raise FxtpInputError(f"{message}; first bad id: {int(ids[bad][0])}")
+
+
 def vocab_parallel_embedding(
-    weight: torch.Tensor, indices: torch.Tensor, start: int, padding_idx: int = -1, scale_grad_by_freq: bool = False
+    weight: torch.Tensor,
+    indices: torch.Tensor,
+    start: int,
+    vocab: int,
+    where: str,
+    padding_idx: int = -1,
+    scale_grad_by_freq: bool = False,
 ) -> torch.Tensor:
     """This rank's part of ``embedding(full_weight, indices)``: Megatron-LM's
     ``VocabParallelEmbedding`` (Shoeybi et al. 2019, section 3).
@@ -17,6 +53,8 @@ def vocab_parallel_embedding(
         weight: the rank's rows ``[start, start + n)`` of the table, shape ``(n, dim)``.
         indices: global token ids, any shape, int64.
         start: the global id of ``weight``'s first row.
+        vocab: the global number of rows; an id outside ``[0, vocab)`` raises (:func:`check_ids`).
+        where: the embedding's module FQN, for that error.
         padding_idx: the global padding id of the original embedding (``-1``: none); its row
             gets no gradient, as in ``F.embedding``.
         scale_grad_by_freq: as in ``F.embedding``: each row's gradient is divided by how often
@@ -27,6 +65,7 @@ def vocab_parallel_embedding(
         ``indices.shape + (dim,)``: the rows of ids in this rank's block, zeros elsewhere. The
         sum over ranks (an all_reduce) is the full lookup.
     """
+    check_ids(indices, vocab, "embedding", where)
     n = weight.shape[0]
     local = indices - start
     outside = (local < 0) | (local >= n)
@@ -66,9 +105,18 @@ def grouped_query_attention(
         ``(..., hq, L, Ev)``: query head ``q_start + j`` attends with kv head
         ``(q_start + j) // group``, as on one device.
     """
-    heads = torch.arange(q_start, q_start + query.shape[-3], device=key.device) // group
-    key, value = key.index_select(-3, heads), value.index_select(-3, heads)
+    key, value = kv_heads_of(q_start, group, query, key, value)
     return torch.ops.aten.scaled_dot_product_attention.default(query, key, value, attn_mask, dropout_p, is_causal, scale=scale)
+
+
+def kv_heads_of(
+    q_start: int, group: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kv heads this rank's query heads attend with, one per query head: ``key`` and
+    ``value`` ``(..., Hkv, S, E)`` become ``(..., hq, S, E)``, row ``j`` being kv head
+    ``(q_start + j) // group`` (``repeat_interleave`` of the heads, restricted to this rank)."""
+    heads = torch.arange(q_start, q_start + query.shape[-3], device=key.device) // group
+    return key.index_select(-3, heads), value.index_select(-3, heads)
 
 
 def repeat_interleave(x: torch.Tensor, repeats: int, dim: int, output_size: "int | None" = None) -> torch.Tensor:
@@ -122,7 +170,14 @@ FORWARD_COLLECTIVES: dict = {}
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, start: int, reduction: int, ignore_index: int, group_name: str
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    start: int,
+    classes: int,
+    where: str,
+    reduction: int,
+    ignore_index: int,
+    group_name: str,
 ) -> torch.Tensor:
     """This rank's part of ``cross_entropy(full_logits, target)`` with ``logits`` sharded on the
     class dim: NOTE: [vocab-parallel cross entropy]. The result is the full loss on every rank.
@@ -132,6 +187,8 @@ def vocab_parallel_cross_entropy(
             any float dtype (the loss is computed in fp32, as Hugging Face's losses upcast).
         target: ``(N,)`` int64 global class ids; ``ignore_index`` ones add nothing.
         start: the global id of this rank's first class.
+        classes: ``C``, the global number of classes; a target outside ``[0, C)`` other than
+            ``ignore_index`` raises (:func:`check_ids`). where: the loss's module FQN.
         reduction: ATen's enum: 0 none, 1 mean (over the targets not ignored), 2 sum.
         ignore_index: a target id whose loss and gradient are zero.
         group_name: the tensor-parallel process group.
@@ -139,6 +196,7 @@ def vocab_parallel_cross_entropy(
     Returns:
         ``(N,)`` per-target losses (reduction 0) or a scalar, in ``logits``' dtype.
     """
+    check_ids(target, classes, "cross_entropy", where, ignore_index)
     valid = target != ignore_index
     loss = _VocabParallelCrossEntropy.apply(logits, target, start, group_name) * valid
     loss = loss.to(logits.dtype)

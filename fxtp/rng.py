@@ -38,6 +38,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from fxtp import local_ops
 from fxtp.placement import Shard, local_ranges
 
 __all__ = ["ELEMENTWISE", "draws_random", "is_random", "sharded_attention", "sharded_call", "sharded_random", "sync_generators"]
@@ -101,10 +102,16 @@ def sharded_call(
     target: Any, args: tuple, kwargs: Mapping[str, Any], shard: Shard, rank: int, world_size: int
 ) -> Optional[tuple[Callable[..., Any], tuple, dict[str, Any]]]:
     """The call that replaces a random op whose output is sharded as ``shard``: ``(fn, args,
-    kwargs)``, or ``None`` when the op draws nothing or is not covered (NOTE: [dropout across ranks])."""
+    kwargs)``, or ``None`` when the op draws nothing or is not covered (NOTE: [dropout across ranks]).
+    ``target`` may also be a rule's local op that wraps a random op
+    (``local_ops.grouped_query_attention``, the GQA attention with whole k/v)."""
+    where = (shard.dim, tuple(shard.segments), rank, world_size)
+    if target is local_ops.grouped_query_attention:
+        if _dropout_p(args[2:], kwargs) == 0:
+            return None
+        return sharded_grouped_attention, (*where, *args), dict(kwargs)
     if not is_random(target, args, kwargs):
         return None
-    where = (shard.dim, tuple(shard.segments), rank, world_size)
     if target in ELEMENTWISE:
         return sharded_random, (target, *where, *args), dict(kwargs)
     if target is _aten.scaled_dot_product_attention.default:
@@ -199,6 +206,22 @@ def sharded_attention(
         noise = torch.empty(full_shape, dtype=attn.dtype, device=attn.device).bernoulli_(1 - dropout_p)
         attn = attn * _local(noise, shard, rank, world_size).div_(1 - dropout_p)
     return torch.matmul(attn, value)
+
+
+def sharded_grouped_attention(
+    dim: int, segments: tuple[int, ...], rank: int, world_size: int, q_start: int, group: int,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    """``local_ops.grouped_query_attention`` in train mode: this rank's query heads attend with
+    the kv heads they use (NOTE: [enable_gqa] in ``passes/rules/attention.py``), dropping out with
+    this rank's slice of the full mask as :func:`sharded_attention` does.
+
+    Shapes: ``query`` (..., H_local, L, E); ``key``/``value`` (..., H_kv, S, E), every kv head;
+    returns (..., H_local, L, E_v).
+    """
+    key, value = local_ops.kv_heads_of(q_start, group, query, key, value)
+    kwargs = {k: v for k, v in kwargs.items() if k != "enable_gqa"}
+    return sharded_attention(dim, segments, rank, world_size, query, key, value, *args, **kwargs)
 
 
 def _safe_softmax(x: torch.Tensor) -> torch.Tensor:

@@ -234,7 +234,8 @@ class ParallelModule(nn.Module):
                 ``fxtp.compile`` ran.
             FxtpInputError: inputs whose structure differs from the example inputs, or a tensor
                 of another rank or dtype, or a size outside what the capture allows
-                (``fxtp.shapes.check_inputs``).
+                (``fxtp.shapes.check_inputs``); an index out of range (token id, position), as
+                the single-device model would raise ``IndexError``.
         """
         if self._world_size > 1 and self._group_name is None:
             raise FxtpRuntimeError(
@@ -247,6 +248,12 @@ class ParallelModule(nn.Module):
         inputs = [getattr(owner, leaf) if owner is not None else next(user) for owner, leaf in self._input_slots(graph)]
         try:
             outputs = graph.gm(*inputs)
+        except IndexError as exc:  # a lookup the single device would refuse too (ids, positions)
+            raise FxtpInputError(
+                f"rank {self._rank}: an index in the inputs is out of range: {str(exc).splitlines()[0]}. fix: keep "
+                "token ids below the vocabulary size and sequence lengths within the position table (a dynamic "
+                "dim's range in the report is what the capture allows, not what the model's tables hold)"
+            ) from exc
         except RuntimeError as exc:
             raise FxtpRuntimeError(
                 f"rank {self._rank}: the parallel graph failed: {str(exc).splitlines()[0]}. fix: check that the inputs "

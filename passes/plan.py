@@ -30,7 +30,7 @@ from fxtp import local_ops
 from fxtp.errors import FxtpError, FxtpPlanError
 from fxtp.placement import REPLICATE, Partial, Placement, Shard
 from passes.propagate import EdgeAction, ParamPiece, PlannerState, Propagation, param_root, propagate
-from passes.registry import Conflict, LayerNote, shape_of
+from passes.registry import Conflict, LayerNote, module_of, shape_of
 from passes.rules.matmul import layer_operands, layer_weight
 
 __all__ = ["LayerDecision", "ShardingPlan", "plan_sharding", "module_of", "STYLES"]
@@ -72,15 +72,6 @@ class ShardingPlan:
     local_targets: Mapping[str, Any]  # node name -> op the rank runs instead (with local_args)
     layers: tuple[LayerDecision, ...]
     rounds: int
-
-
-def module_of(node: Node) -> str:
-    """FQN of the innermost module that called ``node`` (from export's ``nn_module_stack``)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return str(path)
 
 
 def plan_sharding(
@@ -341,6 +332,9 @@ def _resolve(
         except Conflict as c:
             if res.conflicts:
                 continue  # may be an artifact of this round's rejections; decide on a clean round
+            if c.code == "tied" and _take_tied_input_whole(placeholder, requests, res, state, param_names, names, param_fqns):
+                changed = True
+                continue
             sharded_by = [
                 n for n in requesters if n.name not in state.demoted and getattr(res.layers.get(n), "style", None) != "replicate"
             ]
@@ -358,6 +352,55 @@ def _resolve(
         state.params, state.param_owners = params, owners
         changed = True
     return changed
+
+
+# NOTE: [tied uses]
+# A weight tied between a vocab-parallel embedding (rows sharded: Shard(0)) and an output head
+# wants one shard for both uses. The head is colwise (also Shard(0)) when its input is
+# replicated, rowwise (Shard(1): the two uses disagree) when a colwise producer feeds it a
+# sharded input. Rather than replicate the tied table and head (the vocabulary: the biggest
+# tensor of a language model), the head takes its input whole: its producer stays replicated,
+# with that reason (``whole_input``; Megatron-LM's tied ``word_embeddings`` and output layer
+# are sharded the same way, its final layer norm feeding the head replicated). Where the other
+# uses want something else too, or the head's input stays sharded anyway, both uses stay
+# replicated (code ``tied``).
+
+
+def _take_tied_input_whole(
+    placeholder: Node,
+    requests: list,
+    res: Propagation,
+    state: PlannerState,
+    param_names: frozenset[str],
+    names: Mapping[str, str],
+    param_fqns: Mapping[str, str],
+) -> bool:
+    """NOTE: [tied uses]: mark the rowwise uses of a tied weight whose colwise form agrees with
+    its other uses as taking their input whole; returns whether any was marked."""
+    fqn = param_fqns[placeholder.name]
+    marked = False
+    for piece, want, origins in requests:
+        for n in origins:
+            note = res.layers.get(n)
+            ops = layer_operands(n, lambda a: param_root(a, param_names) is not None)
+            if (
+                piece.dim is not None or ops is None or _weight_placeholder(n, param_names) is not placeholder
+                or getattr(note, "style", None) != "rowwise" or n.name in state.slice_input
+                or n.name in state.whole_input or state.forced.get(n.name) is not None
+            ):
+                continue
+            others = [w for p, w, o in requests if n not in o]
+            if not others or any(not isinstance(w, Shard) or w.dim != ops.out_dim for w in others):
+                continue
+            state.whole_input[n.name] = LayerNote(
+                "replicate",
+                f"its consumer {names[n.name]} takes its input replicated: {names[n.name]}'s weight {fqn} is tied to a "
+                f"use sharded as {others[0]}, and colwise keeps both uses on that one shard (NOTE: [tied uses])",
+                code="tied",
+                fix=f"none needed (the tied {fqn} is sharded); untie it to shard this layer too",
+            )
+            marked = True
+    return marked
 
 
 # NOTE: [rowwise fallback]

@@ -85,6 +85,7 @@ class PlannerState:
     first: dict[str, LayerNote] = field(default_factory=dict)  # first layout rejection per layer
     heads: set[str] = field(default_factory=set)  # colwise output heads whose logits are gathered
     slice_input: set[str] = field(default_factory=set)  # rowwise on a sliced replicated input, NOTE: [rowwise fallback]
+    whole_input: dict[str, LayerNote] = field(default_factory=dict)  # input kept replicated, NOTE: [tied uses]
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,8 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
 
     def layer_state(node: Node) -> LayerState:
         return LayerState(
-            state.demoted.get(node.name), state.forced.get(node.name), state.segments.get(node.name), node.name in state.slice_input
+            state.demoted.get(node.name), state.forced.get(node.name), state.segments.get(node.name), node.name in state.slice_input,
+            state.whole_input.get(node.name),
         )
 
     for node in graph.nodes:

@@ -183,6 +183,7 @@ class LayerState:
     forced: Optional[str]  # the style a user plan asks for
     segments: Optional[tuple[int, ...]]  # refined output segments, NOTE: [segments]
     slice_input: bool = False  # rowwise on a replicated input sliced locally, NOTE: [rowwise fallback]
+    whole_input: Optional[LayerNote] = None  # why its input must arrive replicated, NOTE: [tied uses]
 
 
 Rule = Callable[[RuleContext], Decision]
@@ -221,6 +222,15 @@ def registered_ops() -> list[OpKey]:
 
 def is_tensor_node(arg: Any) -> bool:
     return isinstance(arg, Node) and isinstance(arg.meta.get("val"), torch.Tensor)
+
+
+def module_of(node: Node) -> str:
+    """FQN of the innermost module that called ``node`` (from export's ``nn_module_stack``)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return str(path)
 
 
 def shape_of(node: Node) -> tuple[int, ...]:

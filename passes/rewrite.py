@@ -100,6 +100,8 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
         placement = plan.placements.get(name)
         if placement is not None:
             node.meta["fxtp_placement"] = str(placement) if not isinstance(placement, tuple) else ", ".join(map(str, placement))
+        shard = placement[0] if isinstance(placement, tuple) else placement
+        random_on_shard = isinstance(shard, Shard) and rng.is_random(node.target, node.args, node.kwargs)
         if name in plan.local_args:
             node.args = _fill_rank_values(map_arg(plan.local_args[name], lambda n: nodes[n.name]), plan, rank, group_name)
         if name in plan.local_targets:
@@ -108,10 +110,14 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
             action = plan.edges.get((name, old_name.get(inp, "")))
             if action is not None:
                 node.replace_input_with(inp, materialize(inp, action))
-        shard = placement[0] if isinstance(placement, tuple) else placement
         local = rng.sharded_call(node.target, node.args, node.kwargs, shard, rank, ws) if isinstance(shard, Shard) else None
         if local is not None:  # NOTE: [dropout across ranks] in fxtp/rng.py
             node.target, node.args, node.kwargs = local
+        elif random_on_shard and name in plan.local_targets:
+            # A rule's local op wraps a random op that rng cannot draw as one global mask: the report
+            # promised "dropout-on-shard", so an independent per-rank draw would be silently wrong.
+            raise AssertionError(f"fxtp internal error: {plan.local_targets[name]} at {name} wraps a random op; "
+                                 "teach fxtp.rng.sharded_call its global-mask form")
         if name in plan.reduces:
             with graph.inserting_after(node):
                 reduced = graph.call_function(collectives.reduce_from_tp, (node, group_name))

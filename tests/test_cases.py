@@ -112,9 +112,10 @@ def _tied_one_weight():
 
 def test_case07_tied_embedding_and_head(pool):
     (r, *_) = pool.run(_train, "7-tied")
-    layers = _layers(r)
-    assert layers["emb"]["code"] == layers["head"]["code"] == "tied"
-    assert all(row["style"] == "replicate" for row in layers.values())
+    layers = _layers(r)  # NOTE: [tied uses]: one shard of the table for both uses, fc feeds the head whole
+    assert _styles(r) == {"emb": ("rowwise", None), "fc": ("replicate", "tied"), "head": ("colwise", None)}
+    assert "its consumer head takes its input replicated" in layers["fc"]["reason"]
+    assert r["forward"] == {"all_reduce": 1, "all_gather": 1} and r["backward"] == {"all_reduce": 1}
     assert all(pool.run(_tied_one_weight))
 
 
@@ -287,3 +288,42 @@ def test_case21_in_place_activation(pool):
     for op in ("aten.relu_.default", "aten.mul_.Tensor"):
         assert op in r["code"]  # the in-place ops run on the local shards
     assert r["forward"] == {"all_reduce": 1}
+
+
+def _out_of_range_inputs():
+    """Ids the single device refuses: a token id >= vocab, a negative one, a target >= vocab,
+    and a sequence longer than GPT-2's position table. Each raises FxtpInputError on every rank
+    (the vocab-parallel lookup and loss only see their own rows; without the check they would
+    give zeros: a silently wrong answer)."""
+    from fxtp.examples import gpt2
+
+    model, (ids, labels) = build_case("lm-loss")
+    pm = fxtp.compile(model, dist.get_world_size(), (ids, labels))
+    messages = []
+    for bad_ids, bad_labels in ((ids.clone().fill_(64), labels), (ids.clone().fill_(-1), labels), (ids, labels.clone().fill_(64))):
+        try:
+            pm(bad_ids, bad_labels)
+        except fxtp.FxtpInputError as exc:
+            messages.append(str(exc))
+        else:
+            messages.append("no error")
+    ok = pm(ids, labels)  # the group is still in step: a good batch runs and equals the single device
+    messages.append(float((ok - model(ids, labels)).detach().abs()))
+    gpt, (gids,) = gpt2()
+    pg = fxtp.compile(gpt, dist.get_world_size(), (gids,))
+    try:
+        pg(torch.cat([gids, gids], 1))  # 32 positions, the table holds 16
+    except fxtp.FxtpInputError as exc:
+        messages.append(str(exc))
+    else:
+        messages.append("no error")
+    return messages
+
+
+def test_out_of_range_ids_raise_as_on_one_device(pool):
+    for embedding_high, embedding_negative, target, ok, positions in pool.run(_out_of_range_inputs):
+        assert "embedding at emb got an id outside [0, 64)" in embedding_high and "first bad id: 64" in embedding_high
+        assert "first bad id: -1" in embedding_negative
+        assert "cross_entropy" in target and "outside [0, 64)" in target and "first bad id: 64" in target
+        assert ok < 1e-5
+        assert "index in the inputs is out of range" in positions and "position table" in positions

@@ -77,6 +77,11 @@ def test_help_shows_examples(capsys):
     assert code == 0
     for text in ("2x16:int64[0,128)", "llama-7b", "file.py:callable", "--format dot --out mlp.svg", "2 bad usage"):
         assert text in out, text
+    from fxtp.examples import EXAMPLES
+
+    model_section = out.split("MODEL:")[1].split("path/to/config.json")[0]
+    listed = {word.strip(",;()") for word in model_section.split()}
+    assert set(EXAMPLES) <= listed, f"examples missing from inspect --help: {set(EXAMPLES) - listed}"
 
 
 def _help_examples(capsys) -> list[str]:

@@ -26,6 +26,12 @@ REGRESSIONS: dict[str, tuple[Spec, dict[int, str]]] = {
         Spec(hidden=16, blocks=(Attn(heads=4, kv_heads=4, sdpa_dropout=True),), train=True),
         {},  # fixed: SDPA dropout on sharded heads runs the math form with this rank's slice of one mask
     ),
+    "gqa-whole-kv-sdpa-dropout": (
+        # ws 4: 2 kv heads do not divide, k/v stay whole and each rank gathers its query heads' kv
+        # heads (local_ops.grouped_query_attention); its dropout drew a per-rank mask
+        Spec(hidden=16, blocks=(Attn(heads=4, kv_heads=2, repeat="enable_gqa", sdpa_dropout=True),), train=True),
+        {},  # fixed: rng.sharded_grouped_attention draws this rank's slice of the one global mask
+    ),
     "case22-count-after-split": (
         Spec(hidden=16, blocks=(Attn(heads=1, kv_heads=1, proj="split", shared_head_linear=True),)),
         {},  # fixed: the report counts an f after a split piece (_needs_grad through multi-output nodes)

@@ -10,6 +10,12 @@
    process group (collectives are no-ops, so this times one rank's compute and measures its
    memory): forward+backward step time and peak memory, eager and ``torch.compile``'d.
 
+3. The CUDA paths of fxtp's own per-rank ops, as rank 0 of world_size 2 under the fake process
+   group: a vocab-parallel embedding and cross entropy (bf16), SDPA dropout on sharded heads in
+   train mode, a tiny Mixtral's experts (``grouped_mm``, bf16): each runs forward and backward;
+   and, in a child process, an out-of-range token id trips the device-side assert (the single
+   device's CUDA behaviour) instead of returning zeros.
+
 Writes ``gpu_check.json`` (and prints it) into ``--out`` (default ``$OUT`` or ``.``).
 """
 
@@ -105,6 +111,86 @@ def llama_per_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
+_BAD_ID_CHILD = """
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import fxtp
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+model = nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 64)).cuda()
+ids = torch.randint(0, 64, (2, 8), device="cuda")
+pm = fxtp.compile(model, 2, (ids,))
+pm(ids.fill_(64))
+torch.cuda.synchronize()
+print("NO ERROR")
+"""
+
+
+def cuda_paths(args: argparse.Namespace) -> dict[str, Any]:
+    """Section 3 of the module docstring: fxtp's per-rank ops on the device, no numerics (the
+    fake process group's collectives do nothing)."""
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import fxtp
+    from fxtp.examples import mixtral
+
+    device = torch.device(args.device)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    results: dict[str, Any] = {}
+
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.up, self.down, self.head = nn.Embedding(64, 16), nn.Linear(16, 64), nn.Linear(64, 16), nn.Linear(16, 64)
+
+        def forward(self, ids, labels):
+            h = self.emb(ids)
+            h = h + self.down(F.gelu(self.up(h)))
+            return F.cross_entropy(self.head(h).float().flatten(0, 1), labels.flatten())
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.o = nn.Linear(32, 96), nn.Linear(32, 32)
+
+        def forward(self, x):
+            q, k, v = (t.unflatten(-1, (4, 8)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+            return self.o(F.scaled_dot_product_attention(q, k, v, dropout_p=0.25, is_causal=True).transpose(1, 2).flatten(2))
+
+    ids = torch.randint(0, 64, (2, 8), device=device)
+    x = torch.randn(2, 8, 32, device=device)
+    mx, (mx_ids,) = mixtral()
+    checks = {
+        "vocab_parallel_lm_bf16": (LM().to(device, torch.bfloat16), (ids, ids)),
+        "sdpa_dropout_train": (Attn().to(device).train(), (x,)),
+        "mixtral_experts_bf16": (mx.to(device, torch.bfloat16), (mx_ids.to(device),)),
+    }
+    for name, (model, inputs) in checks.items():
+        try:
+            pm = fxtp.compile(model, 2, inputs)
+            out = pm(*inputs)
+            out = out.logits if hasattr(out, "logits") else out
+            out.float().square().mean().backward()
+            grads = [p.grad for p in pm.parameters() if p.requires_grad]
+            results[name] = {"ok": all(g is not None and bool(torch.isfinite(g).all()) for g in grads),
+                             "params_with_grad": sum(g is not None for g in grads),
+                             "notes": sorted({n["code"] for n in pm.report.to_dict()["notes"]})}
+        except Exception as exc:  # noqa: BLE001 - recorded, the other checks still run
+            results[name] = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+    dist.destroy_process_group()
+    if device.type == "cuda":
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run([sys.executable, "-c", _BAD_ID_CHILD], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+        text = proc.stdout + proc.stderr
+        results["out_of_range_id_cuda"] = {
+            "ok": proc.returncode != 0 and "NO ERROR" not in text and "assert" in text.lower(),
+            "rc": proc.returncode, "tail": text[-600:],
+        }
+    return results
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = get_args_parser().parse_args(argv)
     sys.path.insert(0, ROOT)
@@ -115,6 +201,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     }
     if not args.skip_torchrun:
         report["torchrun"] = [torchrun_example(False), torchrun_example(True)]
+    report["cuda_paths"] = cuda_paths(args)
     report["llama_per_rank"] = llama_per_rank(args)
     text = json.dumps(report, indent=1)
     print(text)

@@ -24,7 +24,7 @@ from torch.fx import Node
 
 from fxtp import local_ops
 from fxtp.placement import REPLICATE, Partial, Shard
-from passes.registry import Conflict, Decision, LayerNote, RuleContext, ShardStart, register_rule, shape_of
+from passes.registry import Conflict, Decision, LayerNote, RuleContext, ShardStart, module_of, register_rule, shape_of
 from passes.rules._common import activation_placement, ndim
 from passes.rules.experts import grouped_operands
 
@@ -117,6 +117,9 @@ def _layer_rule(ctx: RuleContext, ops: LayerOperands) -> Decision:
     whole = {t: REPLICATE for t in (w, b) if t is not None}  # a replicated layer needs its full weight
     if isinstance(px, Shard) and px.dim < last:
         return Decision(px, whole, layer=_on_other_dim(f"input is sharded on dim {px.dim}, not on features"))
+    if isinstance(px, Shard) and state.whole_input is not None and state.demoted is None:
+        note = state.whole_input  # NOTE: [tied uses] in passes/plan.py
+        raise Conflict(note.code or "tied", note.reason, note.fix or "untie the weights")
     if isinstance(px, Shard) and (state.demoted is not None or state.forced == "colwise"):
         # The user's plan wants this layer's input whole: keep the producers replicated.
         if state.demoted is not None:
@@ -198,7 +201,7 @@ def embedding_rule(ctx: RuleContext) -> Decision:
     return Decision(
         Partial(),
         {weight: Shard(0, (vocab,))},
-        local_args=(weight, indices, ShardStart(weight), padding_idx, *((True,) if _arg(ctx.node, 3, "scale_grad_by_freq", False) else ())),
+        local_args=(weight, indices, ShardStart(weight), vocab, module_of(ctx.node), padding_idx, *((True,) if _arg(ctx.node, 3, "scale_grad_by_freq", False) else ())),
         local_target=local_ops.vocab_parallel_embedding,
         layer=LayerNote("rowwise", reason),
     )

@@ -10,7 +10,7 @@ import torch
 
 from fxtp import local_ops
 from fxtp.placement import REPLICATE, Shard
-from passes.registry import Conflict, Decision, GroupName, RuleContext, ShardStart, register_rule
+from passes.registry import Conflict, Decision, GroupName, RuleContext, ShardStart, module_of, register_rule, shape_of
 from passes.rules._common import ndim, norm_dim
 
 __all__: list[str] = []
@@ -96,5 +96,5 @@ def cross_entropy_rule(ctx: RuleContext) -> Decision:
             "cross_entropy with class weights or label smoothing over sharded classes is not vocab-parallel in fxtp",
             "none needed (the head stays replicated); drop weight=/label_smoothing= to keep it colwise",
         )
-    args = (logits, target, ShardStart(logits), given.get("reduction", 1), given.get("ignore_index", -100), GroupName())
+    args = (logits, target, ShardStart(logits), shape_of(logits)[1], module_of(ctx.node), given.get("reduction", 1), given.get("ignore_index", -100), GroupName())
     return Decision(REPLICATE, {logits: p}, local_args=args, local_target=local_ops.vocab_parallel_cross_entropy)
