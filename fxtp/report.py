@@ -393,7 +393,7 @@ def _notes(plan: ShardingPlan, nodes, param_names: set[str]) -> tuple[Note, ...]
     ]
     for name, placement in plan.placements.items():
         node = nodes[name]
-        shard = placement[0] if isinstance(placement, tuple) else placement
+        shard = (placement[0] if placement else None) if isinstance(placement, tuple) else placement
         if not isinstance(shard, Shard) or not is_random(node.target, node.args, node.kwargs):
             continue
         if sharded_call(node.target, node.args, node.kwargs, shard, 0, plan.world_size) is not None:
