@@ -35,8 +35,8 @@ _INSPECT_EPILOG = """\
 MODEL:
   a built-in example:  mlp, tiny-gpt, transformer (torch's TP reference model), gpt2, llama,
                        bert, mixtral, qwen2-moe (tiny configs, random weights, real inputs);
-                       gpt2-124m, llama-7b, mixtral-8x7b, qwen2-moe-a2.7b (full size on the
-                       meta device: tables and graphs, no --verify);
+                       gpt2-124m, llama-7b, llama-3-8b, mixtral-8x7b, qwen2-moe-a2.7b (full
+                       size on the meta device: tables and graphs, no --verify);
                        all but mlp and tiny-gpt need: pip install 'fxtp[examples]'
   path/to/config.json  a Hugging Face config (its architectures / model_type), built on the
                        meta device: no weights, no download; example input: token ids (1, 128)

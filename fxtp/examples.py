@@ -26,6 +26,7 @@ __all__ = [
     "bert",
     "gpt2_124m",
     "llama_7b",
+    "llama3_8b",
     "mixtral",
     "qwen2_moe",
     "mixtral_8x7b",
@@ -258,6 +259,19 @@ def llama_7b(n_layers: int = 32) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return model, (torch.zeros(1, 4096, dtype=torch.long, device="meta"),)
 
 
+def llama3_8b(n_layers: int = 32) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Llama-3-8B shapes (32 layers, hidden 4096, 32 heads, 8 kv heads, intermediate 14336, vocab
+    128256, rope theta 500000) on ``meta``."""
+    from transformers import LlamaForCausalLM
+
+    cfg = llama_config(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=n_layers,
+                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).eval()
+    return model, (torch.zeros(1, 8192, dtype=torch.long, device="meta"),)
+
+
 def mixtral_8x7b(n_layers: int = 32) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """Mixtral-8x7B shapes (32 layers, hidden 4096, 32 heads, 8 kv heads, 8 experts of
     intermediate 14336, top-2, vocab 32000) on ``meta``."""
@@ -304,6 +318,7 @@ EXAMPLES: dict[str, Example] = {
     "bert": Example(bert),
     "gpt2-124m": Example(gpt2_124m, meta=True),
     "llama-7b": Example(llama_7b, meta=True),
+    "llama-3-8b": Example(llama3_8b, meta=True),
     "mixtral": Example(mixtral),
     "qwen2-moe": Example(qwen2_moe),
     "mixtral-8x7b": Example(mixtral_8x7b, meta=True),

@@ -1,5 +1,5 @@
 """Full-size configs on the ``meta`` device: ``fxtp.analyze`` plans them without allocating a
-weight (GPT-2 124M and Llama-2-7B shapes at world_size 8)."""
+weight (GPT-2 124M, Llama-2-7B and Llama-3-8B shapes at world_size 8)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,16 @@ def test_llama_7b_at_world_size_8():
     assert styles["model.embed_tokens"] == "rowwise" and styles["lm_head"] == "colwise"
     assert all(styles[f"model.layers.{i}.self_attn.{m}_proj"] == "colwise" for i in range(32) for m in "qkv")
     assert report.count("forward", "all_reduce") == 2 * 32 + 1  # + the vocab-parallel embedding
+
+
+def test_llama3_8b_at_world_size_8():
+    """Issue 13's goal: at most 13% of the parameter bytes per rank (8 kv heads, one per rank)."""
+    model, report = _analyze("llama3_8b")
+    d = report.to_dict()
+    assert d["param_bytes"]["total"] == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert d["param_bytes"]["per_rank"] <= 0.13 * d["param_bytes"]["total"]
+    styles = {row["name"]: row["style"] for row in d["layers"]}
+    assert all(styles[f"model.layers.{i}.self_attn.{m}_proj"] == "colwise" for i in range(32) for m in "qkv")
 
 
 def test_gpt2_124m_at_world_size_8():

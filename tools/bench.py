@@ -74,7 +74,7 @@ class Settings:
     compile_layers: tuple[int, ...] = (2, 8, 32)
     compile_repeats: int = 3
     world_sizes: tuple[int, ...] = (2, 4, 8)
-    full_size: bool = True  # gpt2_124m and llama_7b in the memory table
+    full_size: bool = True  # the full-size meta configs (GPT-2 124M ... Qwen2-MoE) in the memory table
 
     @classmethod
     def quick(cls) -> "Settings":
@@ -341,7 +341,7 @@ def bench_memory(s: Settings) -> dict[str, Any]:
     """Per-rank parameter bytes over the whole, from ``fxtp.analyze``."""
     builders: dict[str, Callable[[], tuple[nn.Module, tuple]]] = {k: b for k, (b, _, _) in _builtins(s).items()}
     if s.full_size:
-        builders |= {"gpt2_124m": examples.gpt2_124m, "llama_7b": examples.llama_7b}
+        builders |= {name: getattr(examples, name) for name in ("gpt2_124m", "llama_7b", "llama3_8b", "mixtral_8x7b", "qwen2_moe_a2_7b")}
     results: dict[str, Any] = {}
     for name, build in builders.items():
         try:
