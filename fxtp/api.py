@@ -14,9 +14,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.export.graph_signature import InputKind
 
-from fxtp.capture import FRONTENDS, Captured, auto_dynamic_shapes, capture
+from fxtp.capture import FRONTENDS, Captured, auto_dynamic_shapes, capture, written_state
 from fxtp.checkpoint import bind_state_keys
 from fxtp.errors import FxtpConfigError, FxtpInputError, FxtpPlanError
+from fxtp.generation import generation_for
 from fxtp.report import Report, build_report, parameter_placements
 from fxtp.rng import draws_random, sync_generators
 from fxtp.runtime import ParallelModule
@@ -85,6 +86,14 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
         torch.testing.assert_close(pm(x), model(x))
         print(pm.report)
     """
+    return _compile(model, world_size, example_inputs, example_kwargs, rank, group, capture, plan, dynamic, dynamic_shapes,
+                    modes=("train", "eval"))
+
+
+def _compile(model, world_size, example_inputs, example_kwargs, rank, group, capture, plan, dynamic, dynamic_shapes, *,
+             modes: tuple[str, ...]) -> ParallelModule:
+    """``compile``, capturing the graphs of ``modes`` besides the model's own (NOTE: [modes]);
+    a decoder for ``generate`` runs in eval mode only and needs no other."""
     ws = _check_world_size(world_size)
     args, kwargs = _check_inputs(model, example_inputs, example_kwargs)
     group_name, rank = _resolve_group(ws, rank, group)
@@ -98,7 +107,7 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
     graphs = {compiled: (program, gm)}
     report.modes = {compiled: "captured at compile (the model's mode)"}
     start = time.perf_counter()
-    for mode in ("train", "eval"):  # NOTE: [modes]
+    for mode in modes:  # NOTE: [modes]
         if mode not in graphs:
             other = _other_mode(model, mode, ws, args, kwargs, captured, plan, rank, shapes, group_name, program, sharding)
             same = other[1].code == gm.code and input_specs(other[0]) == input_specs(program)
@@ -111,7 +120,15 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
         program, gm, sharding, report, rank=rank, world_size=ws, group_name=group_name, graphs=graphs, mode=compiled
     )
     bind_state_keys(pm, model)
+    pm._generation = generation_for(model, _compile_decoder)  # NOTE: [generation]
     return pm
+
+
+def _compile_decoder(model: nn.Module, world_size: int, example_inputs: tuple, *, example_kwargs: dict, rank: Optional[int],
+                     group: Group, dynamic_shapes: Any) -> ParallelModule:
+    """``compile`` for fxtp.generation's static-cache decoder: its eval-mode graph only."""
+    return _compile(model, world_size, example_inputs, example_kwargs, rank, group, "auto", None, True, dynamic_shapes,
+                    modes=())
 
 
 # NOTE: [modes]
@@ -238,6 +255,7 @@ def _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes) -> tuple[
     param_fqns = {
         spec.arg.name: spec.target for spec in program.graph_signature.input_specs if spec.kind == InputKind.PARAMETER
     }
+    param_fqns |= written_state(program)  # NOTE: [sharded state] in passes/rules/variants.py
     return captured, defer_reductions(program.graph, plan_sharding(program.graph, param_fqns, ws, overrides)), capture_s
 
 

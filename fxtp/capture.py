@@ -36,11 +36,12 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import Dim, ShapesCollection
+from torch.export.graph_signature import InputKind
 from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
 
 from fxtp.errors import FxtpCaptureError, FxtpInputError
 
-__all__ = ["Captured", "capture", "auto_dynamic_shapes", "FRONTENDS"]
+__all__ = ["Captured", "capture", "auto_dynamic_shapes", "written_state", "FRONTENDS"]
 
 FRONTENDS = ("fx", "export", "dynamo")
 
@@ -263,3 +264,24 @@ def _expected(module: nn.Module) -> str:
     if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
         return f" but expects {module.in_channels} input channels"
     return ""
+
+
+def written_state(program: torch.export.ExportedProgram) -> dict[str, str]:
+    """``{placeholder: FQN}`` of the buffers and constants the graph writes in place (a static
+    KV cache's ``index_copy_``): the planner may store them sharded, like parameters."""
+    state = {
+        spec.arg.name: spec.target
+        for spec in program.graph_signature.input_specs
+        if spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+    }
+    written: dict[str, str] = {}
+    for node in program.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for i, arg in enumerate(node.target._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, torch.fx.Node) and value.name in state:
+                written[value.name] = state[value.name]
+    return written

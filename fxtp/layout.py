@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
@@ -49,7 +50,7 @@ from fxtp.errors import FxtpInputError, FxtpRuntimeError
 from fxtp.placement import REPLICATE, Placement, Shard, local_ranges, shard_tensor
 
 __all__ = ["Chunk", "LocalChunks", "to_checkpoint", "from_checkpoint", "local_form", "state_dict_hook", "load_state_dict_hook",
-           "register_optimizer"]
+           "register_optimizer", "tp_group"]
 
 @dataclass(frozen=True)
 class Chunk:
@@ -275,6 +276,13 @@ def from_checkpoint(key: str, value: Any, current: torch.Tensor, placement: Plac
         "torch.distributed.checkpoint.load into pm.state_dict() (it reshards), or pass full tensors "
         "(model.state_dict(), pm.full_state_dict())"
     )
+
+
+def tp_group(pm: nn.Module) -> Optional[dist.ProcessGroup]:
+    """The tensor-parallel ``ProcessGroup`` of ``pm`` (``None`` without one); NOTE: [group by name]."""
+    if pm._world_size == 1 or pm._group_name is None:
+        return None
+    return _resolve_process_group(pm._group_name)
 
 
 # --- hooks ------------------------------------------------------------------------------------

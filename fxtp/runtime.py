@@ -19,9 +19,10 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import GraphModule
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
-from fxtp import checkpoint, layout
+from fxtp import checkpoint, generation, layout
+from fxtp.capture import written_state
 from fxtp.errors import FxtpInputError, FxtpRuntimeError
-from fxtp.placement import Placement, shard_tensor
+from fxtp.placement import REPLICATE, Placement, shard_tensor
 from fxtp.report import Report, parameter_placements
 from fxtp.shapes import InputSpec, check_inputs, input_specs
 from passes.plan import ShardingPlan
@@ -51,7 +52,7 @@ def _plain_containers(value: Any) -> Any:
     return value
 
 
-_RESERVED = ("graph_module", "report", "plan", "_fxtp_constants", "mode")
+_RESERVED = ("graph_module", "report", "plan", "_fxtp_constants", "mode", "written_state")
 
 
 @dataclass(eq=False)
@@ -109,6 +110,9 @@ class ParallelModule(nn.Module):
         self.plan = report.plan
         self._rank, self._world_size, self._group_name = rank, world_size, group_name
         self.placements: dict[str, Placement] = {}
+        self._state_placements = dict(sharding.params)  # placeholder -> Shard, NOTE: [sharded state]
+        self.written_state: set[str] = set()  # buffers and constants the graphs write in place (a KV cache)
+        self._generation = None  # set by fxtp.compile for a Hugging Face causal LM (fxtp.generation)
         self._fxtp_constants = nn.Module()
         self._constant_targets: dict[str, str] = {}  # fxtp's name of a constant -> the model's
         self._shared: dict[tuple[int, str], nn.Parameter] = {}  # tied parameters stay one Parameter
@@ -131,6 +135,7 @@ class ParallelModule(nn.Module):
         """Register ``program``'s parameters, buffers and constants (those not registered yet;
         parameters only with ``placements``); return ``(kind, key)`` per graph placeholder."""
         inputs: list[tuple[str, str]] = []
+        written = written_state(program)
         for spec in program.graph_signature.input_specs:
             if spec.kind == InputKind.PARAMETER:
                 if placements is not None:
@@ -148,18 +153,29 @@ class ParallelModule(nn.Module):
             elif spec.kind == InputKind.BUFFER:
                 if not self._has(spec.target):
                     source = program.state_dict if spec.persistent else program.constants
-                    self._register(spec.target, source[spec.target].detach().clone(), persistent=bool(spec.persistent))
+                    value = self._local_state(spec.arg.name, source[spec.target])
+                    self._register(spec.target, value, persistent=bool(spec.persistent))
+                if spec.arg.name in written:
+                    self.written_state.add(spec.target)
                 inputs.append(("buffer", spec.target))
             elif spec.kind == InputKind.CONSTANT_TENSOR:
                 key = f"c{len(self._fxtp_constants._buffers)}"
-                self._fxtp_constants.register_buffer(key, program.constants[spec.target].detach().clone(), persistent=False)
+                self._fxtp_constants.register_buffer(key, self._local_state(spec.arg.name, program.constants[spec.target]), persistent=False)
                 self._constant_targets[f"_fxtp_constants.{key}"] = spec.target
+                if spec.arg.name in written:
+                    self.written_state.add(f"_fxtp_constants.{key}")
                 inputs.append(("buffer", f"_fxtp_constants.{key}"))
             elif spec.kind == InputKind.USER_INPUT:
                 inputs.append(("user", ""))
             else:
                 raise FxtpInputError(f"fxtp does not support graph inputs of kind {spec.kind.name} ({spec.arg.name})")
         return inputs
+
+    def _local_state(self, placeholder: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's copy of a buffer or constant: its shard where the plan stores it sharded
+        (a KV cache written in place, NOTE: [sharded state] in passes/rules/variants.py)."""
+        placement = self._state_placements.get(placeholder, REPLICATE)
+        return shard_tensor(full, placement, self._rank, self._world_size)
 
     def _has(self, fqn: str) -> bool:
         try:
@@ -269,6 +285,33 @@ class ParallelModule(nn.Module):
             else:
                 user_outputs.append(value)
         return _plain_containers(pytree.tree_unflatten(user_outputs, graph.out_spec))
+
+    # --- generation (fxtp.generation) -----------------------------------------------------------
+
+    def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int = 20, **kwargs: Any) -> torch.Tensor:
+        """Greedy or sampled decoding with a KV cache sharded by kv heads, as Hugging Face's
+        ``model.generate`` (NOTE: [generation] in fxtp/generation.py). A collective: every rank of
+        the group calls it with the same arguments.
+
+        Args:
+            input_ids: (batch, length) int64 prompts of one length.
+            max_new_tokens: tokens to add, >= 1.
+            do_sample, temperature, top_k, top_p: as ``model.generate`` (defaults from the
+                model's ``generation_config``); the token is drawn on rank 0 and broadcast.
+            eos_token_id, pad_token_id: stop and pad as ``model.generate`` does.
+            attention_mask: all ones or ``None`` (no padded prompts).
+            max_cache_len: the static cache's length (default: the needed length rounded up
+                to 256, capped at the model's positions); one decoder is compiled per
+                (batch, max_cache_len) and kept.
+
+        Returns:
+            (batch, length + new) int64: the prompts and the new tokens, as ``model.generate``.
+
+        Raises:
+            FxtpInputError: a model that is not a Hugging Face causal LM, bad prompts, or more
+                positions than the model has.
+        """
+        return generation.generate(self, input_ids, max_new_tokens=max_new_tokens, **kwargs)
 
     # --- checkpoints (fxtp.checkpoint) ---------------------------------------------------------
 

@@ -9,6 +9,9 @@ the user's model):
   positional device, ``_to_copy(..., device=)``), become the device of the first parameter (or
   input) at run time, so the emitted graph runs wherever the model lives: a model captured on
   ``meta`` (NOTE: [meta models]) or on the cpu runs on the device its weights are loaded to.
+* ``histc`` of an integer tensor (what Hugging Face's grouped_mm experts trace on a non-CPU
+  device: CPU's ``histc`` takes floating inputs only) counts a float32 copy instead, which gives
+  the same counts for values below 2**24 (expert ids), on every device.
 
     Matches:  arange = aten.arange.start(0, 16, device=device(type='cpu'), pin_memory=False)
               to_3 = aten.to.device(b_rotary_emb_inv_freq, device(type='meta'), torch.float32)
@@ -50,8 +53,23 @@ def normalize(graph: Graph) -> Graph:
                 device_node = graph.call_function(getattr, (anchor, "device"))
         node.args = tuple(device_node if isinstance(a, torch.device) else a for a in node.args)
         node.kwargs = {k: device_node if isinstance(v, torch.device) else v for k, v in node.kwargs.items()}
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is aten.histc.default:
+            _count_as_float(graph, node)
     graph.lint()
     return graph
+
+
+def _count_as_float(graph: Graph, node: Node) -> None:
+    x = node.args[0]
+    val = x.meta.get("val") if isinstance(x, Node) else None
+    if not isinstance(val, torch.Tensor) or val.is_floating_point():
+        return
+    with graph.inserting_before(node):
+        as_float = graph.call_function(aten._to_copy.default, (x,), {"dtype": torch.float32})
+    as_float.meta["val"] = val.to(torch.float32)
+    as_float.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+    node.args = (as_float, *node.args[1:])
 
 
 def _has_device(node: Node) -> bool:

@@ -15,15 +15,25 @@ the functional rule gives the output: ``relu_`` on a ``Shard(2)`` value stays lo
 ``x.add_(y)`` with ``x`` replicated and ``y`` sharded would leave ``x`` holding only this
 rank's slice of the sum (every later use of ``x`` would read it). That is a Conflict; so is a
 rule that would run another op on the rank (``local_target``), which would not write.
+
+NOTE: [sharded state]
+One written tensor may take the op's layout instead: a model *state* (a buffer or constant that
+the graph writes in place, e.g. a static KV cache's ``index_copy_(2, cache_position, k)``), when
+it is replicated and the op's result would be sharded. Such a state is a placeholder that the
+planner stores like a parameter (it is in ``param_fqns``, see ``fxtp.api``): the rule *wants* it
+in the result's layout, so every rank keeps and updates only its slice (its kv heads' cache).
+Its other uses must agree, as a tied parameter's do.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
 
+from fxtp.placement import Replicate, Shard
 from passes.registry import Conflict, Decision, Rule, RuleContext, get_rule, is_tensor_node
 from passes.rules.dtensor_fallback import dtensor_rule
 
@@ -95,6 +105,9 @@ def _variant_rule(op: OpOverload, functional: OpOverload) -> Rule:
             if not is_tensor_node(arg):
                 continue
             have = ctx.placement(arg)
+            if _stored_in_layout(ctx, arg, have, out, dec):  # NOTE: [sharded state]
+                dec = replace(dec, wants={**dec.wants, arg: out})
+                continue
             if have != out or dec.wants.get(arg, have) != have or dec.local_target is not None:
                 raise Conflict(
                     "unsupported-op",
@@ -105,3 +118,15 @@ def _variant_rule(op: OpOverload, functional: OpOverload) -> Rule:
 
     variant_rule.__name__ = f"{functional.overloadpacket.__name__}_variant_rule"
     return variant_rule
+
+
+def _stored_in_layout(ctx: RuleContext, arg: Node, have: Any, out: Any, dec: Decision) -> bool:
+    """A replicated state placeholder written with a sharded result: stored sharded instead."""
+    return (
+        arg.op == "placeholder"
+        and ctx.is_param(arg)
+        and isinstance(have, Replicate)
+        and isinstance(out, Shard)
+        and dec.wants.get(arg, have) in (have, out)
+        and dec.local_target is None
+    )

@@ -1,0 +1,312 @@
+"""Generation on a compiled Hugging Face causal LM, with a KV cache sharded by kv heads.
+
+NOTE: [generation]
+``pm.generate(input_ids, max_new_tokens=N)`` decodes like Hugging Face's ``model.generate``
+(greedy, or sampling with temperature / top-k / top-p) on the tensor-parallel model:
+
+* The cache is transformers' ``StaticCache`` inside its own export recipe,
+  ``transformers.integrations.executorch.TorchExportableModuleWithStaticCache``: per layer a key
+  and a value tensor of shape (batch, kv_heads, max_cache_len, head_dim), written in place by
+  ``index_copy_`` at ``cache_position``. fxtp compiles that wrapper once per (batch,
+  max_cache_len) with a dynamic sequence length in [1, max_cache_len], so the prompt (prefill)
+  and every new token (decode) run one graph: no capture per token or per prompt length.
+* The planner stores each cache tensor in the layout its k/v projection writes (NOTE: [sharded
+  state] in passes/rules/variants.py): a rank keeps its kv heads' part of the cache (1/ws of it
+  when the kv heads divide world_size; the whole cache where the kv projections stay whole,
+  e.g. 2 kv heads on 4 ranks).
+* The decoder is built from the model's config with its parameters on the ``meta`` device (its
+  buffers real: a model's Python may branch on their device), so it allocates no weights: it takes the compiled module's own parameter shards and buffers (one copy in memory,
+  and an optimizer step on ``pm`` is seen by ``generate``). Only its cache is allocated, zeroed
+  at the start of every ``generate``.
+* Every rank computes the same logits (the head's all_gather); the next token is chosen on the
+  group's rank 0 and broadcast, so every rank appends the same token, sampling included.
+
+Prompts of one batch have one length (no padding: an ``attention_mask`` with zeros is refused).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.export import Dim
+
+from fxtp.errors import FxtpInputError, FxtpPlanError
+from fxtp.layout import tp_group
+
+__all__ = ["Generation", "generation_for", "CACHE_ROUNDING"]
+
+CACHE_ROUNDING = 256  # a default max_cache_len is the needed length rounded up to this (then capped)
+
+
+@dataclass
+class Generation:
+    """What ``pm.generate`` needs from the original model: its class and configs (no weights),
+    and the decoders compiled so far, keyed by (batch, max_cache_len)."""
+
+    model_class: type
+    config: Any
+    generation_config: Any
+    compile: Callable[..., nn.Module]  # fxtp.compile, passed in by fxtp.api (no import cycle)
+    decoders: dict[tuple[int, int], nn.Module] = field(default_factory=dict)
+
+    def __deepcopy__(self, memo):  # a deepcopy of pm recompiles its decoders on first use
+        return Generation(self.model_class, copy.deepcopy(self.config, memo), copy.deepcopy(self.generation_config, memo),
+                          self.compile)
+
+
+def generation_for(model: nn.Module, compile_fn: Callable[..., nn.Module]) -> Optional[Generation]:
+    """A :class:`Generation` for a Hugging Face ``GenerationMixin`` causal LM, else ``None``."""
+    if not callable(getattr(model, "generate", None)) or getattr(model, "generation_config", None) is None:
+        return None
+    config = getattr(model, "config", None)
+    if config is None or not getattr(config, "is_decoder", True) and getattr(config, "is_encoder_decoder", False):
+        return None
+    return Generation(type(model), copy.deepcopy(config), copy.deepcopy(model.generation_config), compile_fn)
+
+
+def generate(
+    pm: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int = 20,
+    do_sample: bool = False,
+    temperature: Optional[float] = None,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    eos_token_id: Union[int, Sequence[int], None] = None,
+    pad_token_id: Optional[int] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    max_cache_len: Optional[int] = None,
+) -> torch.Tensor:
+    """See :meth:`fxtp.runtime.ParallelModule.generate` and NOTE: [generation]."""
+    gen: Optional[Generation] = pm._generation
+    if gen is None:
+        raise FxtpInputError(
+            "generate needs a Hugging Face causal LM (a GenerationMixin such as LlamaForCausalLM) compiled with "
+            "fxtp.compile; this module is not one. fix: for another model, compile its decode step with a static "
+            "cache buffer written in place (README 'Inference') and loop over it yourself"
+        )
+    batch, length = _check_prompt(input_ids, attention_mask, max_new_tokens)
+    needed = length + max_new_tokens
+    limit = getattr(gen.config, "max_position_embeddings", None) or getattr(gen.config, "n_positions", None)
+    if limit is not None and needed > limit:
+        raise FxtpInputError(
+            f"generate: prompt length {length} + max_new_tokens {max_new_tokens} = {needed} exceeds the model's "
+            f"{limit} positions (config.max_position_embeddings). fix: a shorter prompt or fewer new tokens"
+        )
+    if max_cache_len is not None and max_cache_len < needed:
+        raise FxtpInputError(f"generate: max_cache_len {max_cache_len} < prompt length + max_new_tokens = {needed}")
+    decoder = _decoder(pm, gen, batch, needed, max_cache_len, limit)
+    cfg = gen.generation_config
+    eos = _as_list(eos_token_id if eos_token_id is not None else cfg.eos_token_id)
+    pad = pad_token_id if pad_token_id is not None else cfg.pad_token_id
+    if pad is None and eos:
+        pad = eos[0]  # as Hugging Face's generate does
+    pick = _picker(cfg, do_sample, temperature, top_k, top_p)
+    group = tp_group(pm)
+    for key in decoder.written_state:  # a fresh cache (and its length counters)
+        _get(decoder, key).zero_()
+    ids = input_ids
+    unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
+    eos_t = torch.tensor(eos, device=input_ids.device) if eos else None
+    with torch.no_grad():
+        logits = decoder(input_ids=input_ids, cache_position=torch.arange(length, device=input_ids.device))
+        for step in range(max_new_tokens):
+            token = pick(ids, logits[:, -1, :].float())
+            if group is not None:
+                dist.broadcast(token, group=group, group_src=0)
+            if eos_t is not None:
+                token = torch.where(unfinished, token, torch.full_like(token, pad))
+                unfinished &= ~torch.isin(token, eos_t)
+            ids = torch.cat([ids, token[:, None]], dim=1)
+            if not bool(unfinished.any()) or step == max_new_tokens - 1:
+                break
+            position = torch.tensor([length + step], device=input_ids.device)
+            logits = decoder(input_ids=token[:, None], cache_position=position)
+    return ids
+
+
+def cache_bytes(pm: nn.Module) -> int:
+    """Bytes of the KV caches of ``pm``'s decoders on this rank (0 before the first ``generate``)."""
+    gen: Optional[Generation] = pm._generation
+    if gen is None:
+        return 0
+    return sum(_get(d, key).numel() * _get(d, key).element_size() for d in gen.decoders.values() for key in d.written_state)
+
+
+def _check_prompt(input_ids: Any, attention_mask: Any, max_new_tokens: Any) -> tuple[int, int]:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        got = f"{tuple(input_ids.shape)} {input_ids.dtype}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise FxtpInputError(f"generate: input_ids must be a (batch, length) int64 tensor, got {got}")
+    if input_ids.shape[1] < 1:
+        raise FxtpInputError("generate: an empty prompt; give at least one token")
+    if attention_mask is not None and not bool((attention_mask == 1).all()):
+        raise FxtpInputError(
+            "generate: an attention_mask with zeros (padded prompts) is not supported: the static cache has one "
+            "length per batch. fix: generate prompts of different lengths in separate calls"
+        )
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise FxtpInputError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    return int(input_ids.shape[0]), int(input_ids.shape[1])
+
+
+def _as_list(value: Union[int, Sequence[int], None]) -> list[int]:
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+
+def _picker(cfg: Any, do_sample: bool, temperature, top_k, top_p) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The next-token choice: argmax, or Hugging Face's temperature / top-k / top-p warpers (in
+    ``generate``'s order, defaults from the model's ``generation_config``) and a multinomial draw."""
+    if not do_sample:
+        return lambda ids, scores: scores.argmax(dim=-1)
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    temperature = _setting(temperature, cfg, "temperature")
+    top_k = _setting(top_k, cfg, "top_k")
+    top_p = _setting(top_p, cfg, "top_p")
+    warpers = LogitsProcessorList()
+    if temperature is not None and temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_k is not None and top_k != 0:
+        warpers.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+    if top_p is not None and top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+
+    def sample(ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(warpers(ids, scores), dim=-1)
+        return torch.multinomial(probs, num_samples=1).squeeze(1)
+
+    return sample
+
+
+# What Hugging Face's generate uses when neither the call nor the model's generation_config sets a
+# value (transformers 5: GenerationConfig._get_default_generation_params).
+_HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
+
+def _setting(given: Any, cfg: Any, name: str) -> Any:
+    if given is not None:
+        return given
+    value = getattr(cfg, name, None)
+    return _HF_DEFAULTS[name] if value is None else value
+
+
+def _decoder(pm: nn.Module, gen: Generation, batch: int, needed: int, max_cache_len: Optional[int], limit: Optional[int]) -> nn.Module:
+    """A compiled static-cache decoder for ``batch`` prompts of up to ``needed`` positions: one
+    already compiled for this batch if its cache is long enough, else a new one."""
+    if max_cache_len is None:
+        for (b, length), decoder in gen.decoders.items():
+            if b == batch and length >= needed:
+                return decoder
+        max_cache_len = CACHE_ROUNDING * math.ceil(needed / CACHE_ROUNDING)
+        if limit is not None:
+            max_cache_len = min(max_cache_len, limit)
+    key = (batch, max_cache_len)
+    if key not in gen.decoders:
+        gen.decoders[key] = _compile_decoder(pm, gen, batch, max_cache_len)
+    return gen.decoders[key]
+
+
+def _compile_decoder(pm: nn.Module, gen: Generation, batch: int, max_cache_len: int) -> nn.Module:
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    param = next(pm.parameters())
+    config = copy.deepcopy(gen.config)
+    config.use_cache = True
+    with _parameters_on_meta():  # the buffers real: the model's Python may branch on their device
+        model = gen.model_class(config)
+    model.to(param.dtype).eval()
+    model.generation_config = copy.deepcopy(gen.generation_config)
+    model.generation_config.use_cache = True
+    model.generation_config.cache_implementation = "static"
+    wrapper = TorchExportableModuleWithStaticCache(model, batch_size=batch, max_cache_len=max_cache_len, device="meta")
+    seq = Dim("seq", min=1, max=max_cache_len)
+    example = {
+        "input_ids": torch.zeros(batch, 2, dtype=torch.long, device=param.device),
+        "cache_position": torch.arange(2, device=param.device),
+    }
+    decoder = gen.compile(
+        wrapper, pm._world_size, (), example_kwargs=example, rank=pm._rank, group=tp_group(pm),
+        dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}},
+    )
+    _share_weights(pm, decoder)
+    _allocate_cache(decoder, param.device)
+    return decoder
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Build modules with their parameters on ``meta`` and their buffers real (the convention of
+    accelerate's ``init_empty_weights(include_buffers=False)``, which fxtp does not depend on)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _share_weights(pm: nn.Module, decoder: nn.Module) -> None:
+    """Point the decoder's parameters and buffers (``model.<fqn>``) at ``pm``'s own tensors."""
+    for fqn, placement in decoder.placements.items():
+        source = fqn.removeprefix("model.")
+        if pm.placements.get(source) != placement:
+            raise FxtpPlanError(
+                f"generate: the decoder's plan shards {source} as {placement}, the compiled module as "
+                f"{pm.placements.get(source)}; they must share one set of shards. fix: pass the same plan= to "
+                "fxtp.compile that forces the layer's style, or please report this model"
+            )
+        decoder._register(fqn, pm.get_parameter(source))
+    for fqn, buffer in list(decoder.named_buffers()):
+        if fqn in decoder.written_state or not fqn.startswith("model."):
+            continue  # the cache (the wrapper's own buffers, constants the graph writes)
+        source = fqn.removeprefix("model.")
+        try:
+            decoder._register(fqn, pm.get_buffer(source), persistent=False)
+        except AttributeError:
+            if buffer.is_meta:
+                raise FxtpInputError(
+                    f"generate: the decoder's buffer {fqn} has no counterpart {source} in the compiled module"
+                ) from None
+
+
+def _allocate_cache(decoder: nn.Module, device: torch.device) -> None:
+    """Real (zero) tensors for the cache the meta decoder holds; any other meta constant is an error."""
+    for key, value in list(decoder.named_buffers()):
+        if not value.is_meta:
+            continue
+        if key not in decoder.written_state and _is_model_tensor(decoder, key):
+            target = decoder._constant_targets.get(key, key)
+            raise FxtpInputError(f"generate: the decoder's tensor {target} was built on meta and is not a cache")
+        owner, leaf = decoder.get_submodule(key.rpartition(".")[0]), key.rpartition(".")[2]
+        owner._buffers[leaf] = torch.zeros(value.shape, dtype=value.dtype, device=device)
+
+
+def _is_model_tensor(decoder: nn.Module, key: str) -> bool:
+    """A tensor of the wrapped model (``model.<fqn>``, or a constant lifted from it), not the wrapper's cache."""
+    target = decoder._constant_targets.get(key, key)
+    return target.startswith("model.") and key not in decoder.written_state
+
+
+def _get(module: nn.Module, key: str) -> torch.Tensor:
+    return module.get_buffer(key)

@@ -1,0 +1,163 @@
+"""``pm.generate`` (fxtp/generation.py, NOTE: [generation]) and state written in place stored
+sharded (NOTE: [sharded state]), on real gloo process groups against the single device.
+
+Greedy decoding must be token-identical to Hugging Face's ``model.generate`` (which runs its
+own dynamic cache); sampling must draw the same token on every rank (and, with the same seed,
+the single device's). Tiny configs, random weights, nothing downloaded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fxtp
+from fxtp import examples, generation
+from fxtp.errors import FxtpInputError
+
+pytest.importorskip("transformers")
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=16, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+                      use_cache=False)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def _mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=16, sliding_window=None, pad_token_id=0,
+                        bos_token_id=0, eos_token_id=0, use_cache=False)
+    return MistralForCausalLM(cfg).eval()
+
+
+def _model(name: str) -> nn.Module:
+    if name == "qwen2":
+        return _qwen2()
+    if name == "mistral":
+        return _mistral()
+    return getattr(examples, name)()[0]
+
+
+def _ids(batch: int, length: int) -> torch.Tensor:
+    return torch.randint(1, 128, (batch, length), generator=torch.Generator().manual_seed(batch * 100 + length))
+
+
+def _greedy(name: str, shapes: list[tuple[int, int, int]]) -> dict:
+    model = _model(name)
+    pm = fxtp.compile(model, dist.get_world_size(), (_ids(2, 16),))
+    out = {"equal": [], "cache_shapes": []}
+    for batch, length, new in shapes:
+        prompt = _ids(batch, length)
+        want = model.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)
+        got = pm.generate(prompt, max_new_tokens=new)
+        out["equal"].append((batch, length, new, torch.equal(got, want), got.tolist(), want.tolist()))
+    decoder = pm._generation.decoders[(2, 16)]
+    out["cache_shapes"] = sorted({tuple(decoder.get_buffer(k).shape) for k in decoder.written_state if decoder.get_buffer(k).dim() == 4})
+    out["decoders"] = sorted(pm._generation.decoders)
+    out["cache_bytes"] = generation.cache_bytes(pm)
+    if name == "llama" and dist.get_world_size() == 2:
+        out["sampled"] = _sampled(model, pm)
+    return out
+
+
+def _sampled(model: nn.Module, pm: nn.Module) -> dict:
+    prompt = _ids(2, 4)
+    torch.manual_seed(1234 + dist.get_rank())  # the ranks' generators differ: rank 0's draw decides
+    got = pm.generate(prompt, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
+    every = [torch.empty_like(got) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, got)
+    torch.manual_seed(1234)
+    want = model.generate(prompt, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, pad_token_id=0)
+    return {"same_on_ranks": all(torch.equal(t, got) for t in every), "equal_single": torch.equal(got, want)}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral", "qwen2", "mistral"])
+def test_greedy_generate_is_token_identical(pool, name):
+    if pool.world_size == 4 and name != "llama":
+        pytest.skip("ws 4 is checked on llama (2 kv heads on 4 ranks); the others at ws 2 keep the suite short")
+    shapes = [(2, 6, 8), (2, 3, 5), (1, 4, 6)] if name == "llama" and pool.world_size == 2 else [(2, 5, 6)]
+    results = pool.run(_greedy, name, shapes)
+    for r in results:
+        for batch, length, new, equal, got, want in r["equal"]:
+            assert equal, f"{name} ws{pool.world_size} batch {batch} prompt {length} +{new}: {got} != {want}"
+    r = results[0]
+    # One decoder per batch size: prompt lengths 6 and 3 share the 16-position cache.
+    assert r["decoders"] == ([(1, 16), (2, 16)] if len(shapes) == 3 else [(2, 16)])
+    if name == "llama" and pool.world_size == 2:  # 2 kv heads of 16: one per rank, the cache split by heads
+        assert r["cache_shapes"] == [(2, 1, 16, 16)]
+    if name == "llama" and pool.world_size == 4:  # 2 kv heads on 4 ranks: k/v whole, the cache too
+        assert r["cache_shapes"] == [(2, 2, 16, 16)]
+    if name == "llama" and pool.world_size == 2:  # sampling: rank 0 draws, every rank appends its token
+        for r in results:
+            assert r["sampled"]["same_on_ranks"] and r["sampled"]["equal_single"], r["sampled"]
+
+
+class _Decoder(nn.Module):
+    """A hand-written decode step with a static KV cache buffer written in place (not a Hugging
+    Face model): 4 heads of 8, q/k/v/o Linear(32, 32)."""
+
+    def __init__(self, batch: int = 2, max_len: int = 8) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(32, 32) for _ in range(4))
+        self.register_buffer("k_cache", torch.zeros(batch, 4, max_len, 8), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(batch, 4, max_len, 8), persistent=False)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (f(x).view(b, t, 4, 8).transpose(1, 2) for f in (self.q, self.k, self.v))
+        self.k_cache.index_copy_(2, pos, k)
+        self.v_cache.index_copy_(2, pos, v)
+        n = int(self.k_cache.shape[2])
+        mask = torch.arange(n)[None, :] <= pos[:, None]
+        y = nn.functional.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask)
+        return self.o(y.transpose(1, 2).reshape(b, t, 32))
+
+
+def _custom_decode_steps() -> dict:
+    torch.manual_seed(0)
+    model = _Decoder()
+    single = _Decoder()
+    single.load_state_dict(model.state_dict())
+    x = torch.randn(2, 8, 32)
+    pm = fxtp.compile(model, dist.get_world_size(), (x[:, :1], torch.tensor([0])), dynamic=False)
+    errors = []
+    with torch.no_grad():
+        for t in range(8):
+            errors.append(float((pm(x[:, t:t + 1], torch.tensor([t])) - single(x[:, t:t + 1], torch.tensor([t]))).abs().max()))
+    styles = {row.name: row.style for row in pm.report.layers}
+    return {"errors": errors, "styles": styles, "cache": tuple(pm.get_buffer("k_cache").shape),
+            "model_cache_untouched": bool((model.k_cache == 0).all())}
+
+
+def test_cache_buffer_written_in_place_is_stored_sharded(pool):
+    """NOTE: [sharded state]: each rank keeps its heads' part of the cache; 8 decode steps equal
+    the single device's, and the user's model keeps its own (zero) cache."""
+    for r in pool.run(_custom_decode_steps):
+        assert max(r["errors"]) < 1e-5, r["errors"]
+        assert r["styles"] == {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}
+        assert r["cache"] == (2, 4 // pool.world_size, 8, 8)
+        assert r["model_cache_untouched"]
+
+
+def test_generate_refuses_what_it_cannot_do():
+    model, (ids,) = examples.llama()
+    pm = fxtp.compile(model, 1, (ids,))
+    with pytest.raises(FxtpInputError, match="exceeds the model's 16 positions"):
+        pm.generate(ids[:, :10], max_new_tokens=7)
+    with pytest.raises(FxtpInputError, match="attention_mask with zeros"):
+        pm.generate(ids[:, :4], max_new_tokens=2, attention_mask=torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
+    with pytest.raises(FxtpInputError, match="int64"):
+        pm.generate(ids[:, :4].float(), max_new_tokens=2)
+    mlp, inputs = examples.mlp()
+    with pytest.raises(FxtpInputError, match="Hugging Face causal LM"):
+        fxtp.compile(mlp, 1, inputs).generate(torch.zeros(1, 2, dtype=torch.long))
