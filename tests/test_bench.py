@@ -43,3 +43,11 @@ def test_bench_quick_writes_json(tmp_path):
     for name, fractions in result["param_fraction"].items():
         if "error" not in fractions:
             assert 0 < fractions["2"] <= 1, name
+
+    generation = result["generation"]  # pm.generate beside Hugging Face's generate
+    assert generation["token_identical"] is True
+    assert set(generation["prefill_ms"]) == {"single", "fxtp_ws1", "fxtp_ws2"}
+    assert all(ms > 0 for ms in generation["prefill_ms"].values())
+    # 4 heads, 2 kv heads: at ws 2 a rank holds one kv head's cache, half of ws 1's (+ 2 length counters)
+    cache = generation["cache_bytes_per_rank"]
+    assert 0 < cache["fxtp_ws2"] < cache["fxtp_ws1"] and abs(2 * cache["fxtp_ws2"] - cache["fxtp_ws1"]) <= 64

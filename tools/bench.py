@@ -75,11 +75,12 @@ class Settings:
     compile_repeats: int = 3
     world_sizes: tuple[int, ...] = (2, 4, 8)
     full_size: bool = True  # the full-size meta configs (GPT-2 124M ... Qwen2-MoE) in the memory table
+    new_tokens: int = 32  # generate: tokens per call
 
     @classmethod
     def quick(cls) -> "Settings":
         return cls(dim=64, n_layers=2, n_heads=4, seq=16, batch=2, vocab=128, warmup=1, steps=3,
-                   compile_layers=(2,), compile_repeats=1, world_sizes=(2,), full_size=False)
+                   compile_layers=(2,), compile_repeats=1, world_sizes=(2,), full_size=False, new_tokens=4)
 
 
 # --- models ---------------------------------------------------------------------------------
@@ -262,6 +263,44 @@ def _rank_collectives(s: Settings, ws: int) -> dict[str, Any]:
     return results
 
 
+def generation_model(s: Settings, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+    """A Llama of the bench's size (half as many kv heads as heads) and a (1, seq) prompt."""
+    torch.manual_seed(seed)
+    model, _ = examples.llama(seed, hidden_size=s.dim, intermediate_size=4 * s.dim, num_hidden_layers=s.n_layers,
+                              num_attention_heads=s.n_heads, num_key_value_heads=max(1, s.n_heads // 2),
+                              vocab_size=s.vocab, max_position_embeddings=s.seq + s.new_tokens)
+    prompt = torch.randint(1, s.vocab, (1, s.seq), generator=torch.Generator().manual_seed(seed))
+    return model, prompt
+
+
+def _generation(generate: Callable[..., torch.Tensor], prompt: torch.Tensor, s: Settings, barrier: Callable[[], None]) -> dict[str, Any]:
+    """Prefill ms (a call adding one token) and decode tokens/s (the further tokens of a call
+    adding ``new_tokens``), medians after one warm-up call (which compiles fxtp's decoder)."""
+    generate(prompt, max_new_tokens=s.new_tokens)
+    one, full = [], []
+    for _ in range(max(1, s.steps // 4)):
+        barrier()
+        t = time.perf_counter()
+        generate(prompt, max_new_tokens=1)
+        one.append(time.perf_counter() - t)
+        barrier()
+        t = time.perf_counter()
+        tokens = generate(prompt, max_new_tokens=s.new_tokens)
+        full.append(time.perf_counter() - t)
+    prefill, whole = statistics.median(one), statistics.median(full)
+    decode = (s.new_tokens - 1) / (whole - prefill) if whole > prefill else None  # None: lost in the noise
+    return {"prefill_ms": 1e3 * prefill, "decode_tokens_per_s": decode, "tokens": tokens.tolist()}
+
+
+def _rank_generation(s: Settings, ws: int) -> dict[str, Any]:
+    from fxtp import generation
+
+    model, prompt = generation_model(s)
+    pm = fxtp.compile(model, ws, (prompt,))
+    result = _generation(pm.generate, prompt, s, dist.barrier)
+    return result | {"cache_bytes_per_rank": generation.cache_bytes(pm)}
+
+
 def _rank_main(rank: int, ws: int, port: int, s: Settings, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -284,6 +323,7 @@ def _rank_main(rank: int, ws: int, port: int, s: Settings, out_path: str) -> Non
             "plan": pm.plan,
             **_new_shape(pm, dt, s, dist.barrier),
         }
+        result["generation"] = _rank_generation(s, ws)
         gathered: list[Any] = [None] * ws
         dist.all_gather_object(gathered, result)
         collectives = _rank_collectives(s, ws)
@@ -309,6 +349,13 @@ def bench_distributed(s: Settings, ws: int = 2) -> dict[str, Any]:
             return json.load(f)
 
 
+def _rank_generation_single(model: nn.Module, prompt: torch.Tensor, s: Settings) -> dict[str, Any]:
+    from fxtp import generation
+
+    pm = fxtp.compile(model, 1, (prompt,))
+    return _generation(pm.generate, prompt, s, lambda: None) | {"cache_bytes_per_rank": generation.cache_bytes(pm)}
+
+
 def bench_single(s: Settings) -> dict[str, Any]:
     """fxtp at world_size 1 against the plain model, one process, one thread."""
     threads = torch.get_num_threads()
@@ -319,7 +366,13 @@ def bench_single(s: Settings) -> dict[str, Any]:
         plain = copy.deepcopy(model)
         errors = _agree({"fxtp_ws1": pm}, plain, ids)
         times = _time_alternating({"fxtp_ws1": pm, "plain": plain}, ids, s, lambda: None)
-        return {"step_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()}, "max_abs_error": errors}
+        gen_model, prompt = generation_model(s)
+        generation = {
+            "single": _generation(lambda p, **kw: gen_model.generate(p, do_sample=False, pad_token_id=0, **kw), prompt, s, lambda: None),
+            "fxtp_ws1": _rank_generation_single(gen_model, prompt, s),
+        }
+        return {"step_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()}, "max_abs_error": errors,
+                "generation": generation}
     finally:
         torch.set_num_threads(threads)
 
@@ -386,6 +439,15 @@ def tables(result: dict[str, Any]) -> str:
         f"New shape {tuple(result['new_shape'])} (compiled at ({result['settings']['batch']}, {result['settings']['seq']})): "
         f"first step {result['new_shape_ms']:.2f} ms, steady {result['new_shape_steady_ms']:.2f} ms, "
         f"recaptures {result['recaptures']}"
+    )
+    g = result["generation"]
+    rate = g["decode_tokens_per_s"]
+    rows = [(k, f"{g['prefill_ms'][k]:.2f}", "-" if rate[k] is None else f"{rate[k]:.1f}", g["cache_bytes_per_rank"].get(k, "-"))
+            for k in g["prefill_ms"]]
+    parts.append(
+        f"generate (greedy, prompt (1, {result['settings']['seq']}), +{result['settings']['new_tokens']} tokens; token-identical: "
+        f"{'yes' if g['token_identical'] else 'NO'})\n"
+        + tabulate(rows, headers=("", "prefill ms", "decode tokens/s", "KV cache bytes per rank"), tablefmt="github")
     )
     rows = []
     for name, c in result["collectives"].items():
@@ -474,6 +536,21 @@ def get_args_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _generation_result(single: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """``pm.generate`` at ws 1 and 2 beside Hugging Face's ``generate`` (greedy, one prompt)."""
+    runs = single | {"fxtp_ws2": ranks[0]["generation"]}
+    slowest = max(ranks, key=lambda r: r["generation"]["prefill_ms"])["generation"]
+    rates = [r["generation"]["decode_tokens_per_s"] for r in ranks]
+    runs["fxtp_ws2"] = runs["fxtp_ws2"] | {"prefill_ms": slowest["prefill_ms"],
+                                           "decode_tokens_per_s": None if None in rates else min(rates)}
+    return {
+        "prefill_ms": {k: v["prefill_ms"] for k, v in runs.items()},
+        "decode_tokens_per_s": {k: v["decode_tokens_per_s"] for k, v in runs.items()},
+        "cache_bytes_per_rank": {k: v["cache_bytes_per_rank"] for k, v in runs.items() if "cache_bytes_per_rank" in v},
+        "token_identical": all(v["tokens"] == runs["single"]["tokens"] for v in runs.values()),
+    }
+
+
 def run(s: Settings) -> dict[str, Any]:
     """Every measurement; the dict ``--json`` writes."""
     started = time.perf_counter()
@@ -504,6 +581,7 @@ def run(s: Settings) -> dict[str, Any]:
         "max_abs_error": {"ws2": ranks[0]["max_abs_error"], "ws1": single["max_abs_error"]},
         "ranks": ranks,
         "collectives": dist_result["collectives"],
+        "generation": _generation_result(single["generation"], ranks),
         "compile": timed("compile", bench_compile),
         "param_fraction": timed("memory", bench_memory),
         "section_s": sections,
