@@ -14,10 +14,11 @@ NOTE: [generation]
   state] in passes/rules/variants.py): a rank keeps its kv heads' part of the cache (1/ws of it
   when the kv heads divide world_size; the whole cache where the kv projections stay whole,
   e.g. 2 kv heads on 4 ranks).
-* The decoder is built from the model's config with its parameters on the ``meta`` device (its
-  buffers real: a model's Python may branch on their device), so it allocates no weights: it takes the compiled module's own parameter shards and buffers (one copy in memory,
-  and an optimizer step on ``pm`` is seen by ``generate``). Only its cache is allocated, zeroed
-  at the start of every ``generate``.
+* The decoder is built from the model's config with its parameters on the ``meta`` device, so
+  it allocates no weights, and is traced on ``meta`` (its cache too; the graph's device literals
+  are normalized, ``passes/normalize.py``). It then takes the compiled module's own parameter
+  shards and buffers (one copy in memory; an optimizer step on ``pm`` is what ``generate``
+  sees). Only its cache is allocated, zeroed at the start of every ``generate``.
 * Every rank computes the same logits (the head's all_gather); the next token is chosen on the
   group's rank 0 and broadcast, so every rank appends the same token, sampling included.
 
@@ -66,8 +67,8 @@ def generation_for(model: nn.Module, compile_fn: Callable[..., nn.Module]) -> Op
     if not callable(getattr(model, "generate", None)) or getattr(model, "generation_config", None) is None:
         return None
     config = getattr(model, "config", None)
-    if config is None or not getattr(config, "is_decoder", True) and getattr(config, "is_encoder_decoder", False):
-        return None
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return None  # encoder-decoder models (T5, BART) need an encoder pass: not supported
     return Generation(type(model), copy.deepcopy(config), copy.deepcopy(model.generation_config), compile_fn)
 
 
@@ -227,7 +228,7 @@ def _compile_decoder(pm: nn.Module, gen: Generation, batch: int, max_cache_len: 
     param = next(pm.parameters())
     config = copy.deepcopy(gen.config)
     config.use_cache = True
-    with _parameters_on_meta():  # the buffers real: the model's Python may branch on their device
+    with _parameters_on_meta():  # buffers real (rotary tables), then pm's own
         model = gen.model_class(config)
     model.to(param.dtype).eval()
     model.generation_config = copy.deepcopy(gen.generation_config)
