@@ -75,7 +75,8 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
 
     Raises:
         FxtpConfigError: bad ``world_size``, ``capture``, ``plan`` or ``group``.
-        FxtpInputError: example inputs that do not fit the model.
+        FxtpInputError: example inputs whose shapes or dtypes do not fit the model (values are
+            not checked: an id out of range compiles and raises at the first call).
         FxtpCaptureError: no frontend could capture the model.
         FxtpPlanError: a ``plan`` entry that cannot be honoured.
 

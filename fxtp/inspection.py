@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -170,14 +171,32 @@ def _import(where: str) -> Any:
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.path.insert(0, str(path.resolve().parent))  # its sibling imports work, as for a script
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:  # noqa: BLE001 - the user's file: one line, not a traceback
+            raise _import_failed(where, exc) from exc
         return module
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # as `python -m` does: modules in the working directory
     try:
         return importlib.import_module(where)
     except ModuleNotFoundError as exc:
+        if exc.name is not None and not where.startswith(exc.name):
+            raise _import_failed(where, exc) from exc  # the module exists; something it imports does not
         raise FxtpConfigError(f"cannot import {where!r}: {exc} (MODEL is package.module:callable)") from exc
+    except Exception as exc:  # noqa: BLE001 - the user's module: one line, not a traceback
+        raise _import_failed(where, exc) from exc
+
+
+def _import_failed(where: str, exc: BaseException) -> FxtpConfigError:
+    """One line for a user's file or module that raised while being imported, with the line."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "importlib" not in f.filename]
+    at = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    if isinstance(exc, SyntaxError) and exc.lineno is not None:
+        at = f" at {Path(exc.filename or where).name}:{exc.lineno}"
+    first = (str(exc).splitlines() or [""])[0]
+    return FxtpConfigError(f"importing {where} raised {type(exc).__name__}{at}: {first} (fix the model's file; "
+                           "MODEL is path/to/file.py:callable or package.module:callable)")
 
 
 def _missing_package(what: str, exc: ModuleNotFoundError) -> FxtpConfigError:

@@ -9,6 +9,11 @@ order, as the single-device model would.
   (:func:`sync_generators`; a broadcast, only when a graph draws random numbers). From then on
   the ranks stay in step as long as they make the same random calls, which the same program
   does. A replicated value therefore gets the identical mask on every rank, with no manual seeding.
+  A program that reseeds each rank differently after compile (``torch.manual_seed(seed + rank)``,
+  common in data-parallel scripts) would silently give each rank another mask of a replicated
+  value: before every call of a graph that draws random numbers, the runtime checks that the
+  group's generators agree (:func:`generators_in_step`, one all_reduce of 2 int64) and raises
+  ``FxtpRuntimeError`` where they do not.
 * Replicated values: the graph's own random ops, unchanged.
 * Sharded values (:func:`sharded_call`): an elementwise random op (dropout in all its forms,
   ``bernoulli``, ``rand_like``, ...; :data:`ELEMENTWISE`) runs on the *full* value, this rank's
@@ -32,18 +37,28 @@ none of this covers gets a ``random-per-rank`` note instead (independent draws p
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
-from fxtp import local_ops
+from fxtp import collectives, local_ops
 from fxtp.placement import Shard, local_ranges
 
-__all__ = ["ELEMENTWISE", "draws_random", "is_random", "sharded_attention", "sharded_call", "sharded_random", "sync_generators"]
+__all__ = ["ELEMENTWISE", "draws_random", "generators_in_step", "is_random", "sharded_attention", "sharded_call", "sharded_random", "sync_generators"]
 
 _aten = torch.ops.aten
+
+
+def generators_in_step(group_name: str, device: torch.device) -> bool:
+    """Whether every rank of the group holds the same default generator state for ``device``
+    (CPU's, or the current CUDA device's): a 56-bit digest of it, its max and min over ranks."""
+    state = torch.cuda.get_rng_state() if device.type == "cuda" else torch.get_rng_state()
+    digest = int.from_bytes(hashlib.blake2b(state.numpy().tobytes(), digest_size=7).digest(), "little")
+    both = collectives.all_reduce(torch.tensor([digest, -digest], dtype=torch.int64, device=device), group_name, "max")
+    return int(both[0]) == -int(both[1])
 
 
 def sync_generators(group: "dist.ProcessGroup") -> None:

@@ -19,7 +19,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import GraphModule
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
-from fxtp import checkpoint, generation, layout
+from fxtp import checkpoint, generation, layout, rng
 from fxtp.capture import written_state
 from fxtp.errors import FxtpInputError, FxtpRuntimeError
 from fxtp.placement import REPLICATE, Placement, shard_tensor
@@ -67,11 +67,13 @@ class ModeGraph:
     specs: tuple[InputSpec, ...]  # the user inputs it runs on (fxtp.shapes)
     inputs: list[tuple[str, str]]  # (kind, key) per placeholder
     slots: Optional[list[tuple[Optional[nn.Module], str]]] = None
+    draws_random: bool = False  # checks the generators before each call (NOTE: [dropout across ranks])
 
     @classmethod
     def of(cls, program: ExportedProgram, gm: GraphModule, inputs: list[tuple[str, str]]) -> "ModeGraph":
         outputs = [(spec.kind, spec.target) for spec in program.graph_signature.output_specs]
-        return cls(gm, program.call_spec.in_spec, program.call_spec.out_spec, outputs, input_specs(program), inputs)
+        return cls(gm, program.call_spec.in_spec, program.call_spec.out_spec, outputs, input_specs(program), inputs,
+                   draws_random=rng.draws_random(program.graph))
 
 
 class ParallelModule(nn.Module):
@@ -262,6 +264,8 @@ class ParallelModule(nn.Module):
         graph = self._graphs[self._mode]
         user = iter(self._flatten(graph, args, kwargs))
         inputs = [getattr(owner, leaf) if owner is not None else next(user) for owner, leaf in self._input_slots(graph)]
+        if graph.draws_random and self._world_size > 1 and not torch.compiler.is_compiling():
+            self._check_generators(inputs)
         try:
             outputs = graph.gm(*inputs)
         except IndexError as exc:  # a lookup the single device would refuse too (ids, positions)
@@ -285,6 +289,17 @@ class ParallelModule(nn.Module):
             else:
                 user_outputs.append(value)
         return _plain_containers(pytree.tree_unflatten(user_outputs, graph.out_spec))
+
+    def _check_generators(self, inputs: list[Any]) -> None:
+        device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        if not rng.generators_in_step(self._group_name, device):
+            raise FxtpRuntimeError(
+                f"rank {self._rank}: the tensor-parallel ranks' random generators are out of step before a call that "
+                "draws random numbers (dropout): each rank would draw another mask for values that must be identical "
+                "on every rank, a silently wrong result. fxtp.compile put them in step; something seeded or drew on "
+                "some ranks only since. fix: seed every rank of the group alike (torch.manual_seed(seed), not seed + "
+                "rank), or call fxtp.rng.sync_generators(group) after reseeding"
+            )
 
     # --- generation (fxtp.generation) -----------------------------------------------------------
 

@@ -45,6 +45,10 @@ USER_MODELS = textwrap.dedent(
 
     model_instance = nn.Linear(16, 16)
 
+    def dropout_mlp():  # train mode (nn.Module's default), dropout between the pair
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 64), nn.Dropout(0.1), nn.Linear(64, 32)), (torch.randn(4, 32),)
+
     def other_on_ranks():  # a builder that is not deterministic: the ranks get another shape
         import torch.distributed as dist
 
@@ -227,6 +231,29 @@ def test_bad_input(capsys, user_file, argv, status, message):
     assert message in err and out == ""
     assert "Traceback" not in err
     assert ("usage: fxtp inspect" in err) == (status == 2)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("boom.py", "raise RuntimeError('boom at import')\n", "importing {path} raised RuntimeError at boom.py:1: boom at import"),
+        ("syntax.py", "def build(:\n", "importing {path} raised SyntaxError at syntax.py:1"),
+        ("needs.py", "import no_such_package_xyz\n", "importing {path} raised ModuleNotFoundError at needs.py:1"),
+    ],
+)
+def test_a_model_file_that_fails_to_import_is_one_line(capsys, tmp_path, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
+    code, out, err = run(capsys, "inspect", f"{path}:build", "-n", "2")
+    assert code == 1 and out == "" and "Traceback" not in err
+    assert message.format(path=path) in err, err
+
+
+def test_verify_compares_with_the_same_dropout_masks(capsys, user_file):
+    """A model in train mode with dropout: both runs draw from one generator state, so --verify
+    checks fxtp's global-mask dropout instead of failing on two different draws."""
+    code, out, err = run(capsys, "inspect", f"{user_file}:dropout_mlp", "-n", "2", "--verify")
+    assert code == 0 and out.rstrip().endswith("OK"), out + err
 
 
 def test_verbose_adds_the_traceback(capsys):

@@ -171,6 +171,34 @@ def test_random_ops_on_sharded_values_draw_one_global_mask(pool):
         assert same
 
 
+def _reseeded_per_rank():
+    """Case 10's model in train mode: a per-rank reseed after compile is refused, not silent."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model, (x,) = build_case("10-dropout-eval")
+    pm = fxtp.compile(model.train(), ws, (x,))
+    pm(x)  # in step since compile
+    torch.manual_seed(1000 + rank)  # a data-parallel habit: every rank another seed
+    try:
+        pm(x)
+        refused = None
+    except fxtp.FxtpRuntimeError as exc:
+        refused = str(exc)
+    torch.manual_seed(1000)  # alike on every rank: runs again, replicas bitwise equal
+    out = pm(x)
+    gathered = [torch.empty_like(out) for _ in range(ws)]
+    dist.all_gather(gathered, out)
+    pm.eval()
+    torch.manual_seed(rank)  # eval draws nothing: no check, no error
+    pm(x)
+    return refused, all(torch.equal(g, out) for g in gathered)
+
+
+def test_generators_out_of_step_are_refused(pool):
+    for refused, same in pool.run(_reseeded_per_rank):
+        assert refused is not None and "random generators are out of step" in refused and "torch.manual_seed(seed)" in refused
+        assert same
+
+
 # --- in process: what the capture allows, and what it specializes -------------------------
 
 
