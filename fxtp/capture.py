@@ -248,9 +248,15 @@ def diagnose_inputs(model: nn.Module, args: tuple, kwargs: dict) -> Optional[str
     shapes = ", ".join(str(tuple(t.shape)) for t in inputs if isinstance(t, torch.Tensor))
     where = f"module '{name}' ({module})" if name else f"the model ({type(module).__name__})"
     received = f"received input of shape {shapes}" if shapes else "received no tensor input"
+    expected = _expected(module)
+    weight = next(module.parameters(recurse=False), None)
+    dtypes = {t.dtype for t in inputs if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    if weight is not None and dtypes and weight.dtype not in dtypes and "dtype" in error:
+        received = f"received input of dtype {', '.join(sorted(str(d) for d in dtypes))}"
+        expected = f" but its weight is {weight.dtype}"
     return (
         f"example inputs do not fit the model: {where} {received}"
-        f"{_expected(module)}: {error}. fix: pass example_inputs shaped like the model's real inputs"
+        f"{expected}: {error}. fix: pass example_inputs shaped like the model's real inputs (shape and dtype)"
     )
 
 

@@ -211,6 +211,7 @@ def test_meta_models_plan_and_graph_but_do_not_verify(capsys, user_file):
         (["mlp", "--input", "2x16:int64"], 2, "an integer input needs a range"),
         (["mlp", "--input", "2x16:floaty"], 2, "unknown dtype 'floaty'"),
         (["mlp", "--input", "3x5"], 1, "received input of shape (3, 5) but expects (..., 64)"),
+        (["mlp", "--input", "8x64:bfloat16"], 1, "received input of dtype torch.bfloat16 but its weight is torch.float32"),
         (["tiny-gpt", "-i", "2x17:int64[0,128)"], 1,
          "tiny-gpt does not run on --input 2x17:int64[0,128): example inputs do not fit the model: module 'pos' "
          "(Embedding(16, 64)) received input of shape (17,) but expects integer indices < 16"),
