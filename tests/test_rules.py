@@ -21,7 +21,7 @@ from torch import nn
 from fxtp.api import _analyze
 from fxtp.placement import REPLICATE, Partial, Replicate, Shard, shard_tensor
 from passes import registry
-from passes.registry import Conflict, Decision, get_rule, register_rule, registered_ops
+from passes.registry import Conflict, Decision, LocalSize, get_rule, register_rule, registered_ops
 from passes.rules.shape import _split_pieces, group_dims, view_placement
 
 aten = torch.ops.aten
@@ -569,25 +569,34 @@ def test_matmul_between_head_sharded_activations_stays_sharded():
     assert report.count("forward", "all_reduce") == 1
 
 
-def test_six_heads_at_world_size_four_is_replicated_with_a_reason():
+def test_six_heads_at_world_size_four_are_split_as_whole_heads():
+    """NOTE: [uneven shards]: 6 heads of 16 over 4 ranks hold 2/2/1/1 whole heads; the view
+    asks q, k and v for a split in units of 16 (a head), o's input follows."""
     placements, plan, report, layers = analyze(Attention(dim=96, heads=6, fused=False), torch.randn(2, 5, 96), ws=4)
+    heads = Shard(0, (96,), unit=16)
     for name in ("q", "k", "v"):
-        assert layers[name].style == "replicate", name
-        assert layers[name].code is not None
-        assert layers[name].reason
-        assert layers[name].local_weight_shape == (96, 96)
-    assert layers["q"].code == "not-divisible"
-    assert layers["out"].style == "replicate"
-    assert plan.params == {}
-    assert report.count("forward", "all_reduce") == 0
-    assert all(p == REPLICATE for p in placements.values())
+        assert layers[name].style == "colwise" and layers[name].code is None, name
+        assert layers[name].local_weight_shape == (32, 96)  # rank 0's: the most
+        assert plan.params[f"p_{name}_weight"] == heads
+    assert placements["view"] == Shard(2, (6,))  # the head dim, in units of 1 head
+    assert plan.local_args["view"][1][2] == LocalSize(Shard(2, (6,)))  # filled per rank by the rewrite
+    assert placements["linear"] == Shard(2, (96,), unit=16)
+    assert layers["out"].style == "rowwise" and plan.params["p_out_weight"] == Shard(1, (96,), unit=16)
+    assert report.count("forward", "all_reduce") == 1
 
 
-def test_six_heads_fused_at_world_size_four_is_replicated_with_a_reason():
+def test_six_heads_fused_at_world_size_four_are_split_as_whole_heads():
+    """The fused q|k|v: segments (96, 96, 96) (the chunk), each in units of a head."""
     placements, plan, _, layers = analyze(Attention(dim=96, heads=6, fused=True), torch.randn(2, 5, 96), ws=4)
-    assert layers["qkv"].style == "replicate"
-    assert layers["qkv"].code is not None and layers["qkv"].reason
-    assert layers["out"].style == "replicate"
+    assert layers["qkv"].style == "colwise" and layers["out"].style == "rowwise"
+    assert plan.params["p_qkv_weight"] == Shard(0, (96, 96, 96), unit=16)
+    assert layers["qkv"].local_weight_shape == (96, 96)  # rank 0: 2 heads of each of q, k, v
+
+
+def test_more_ranks_than_heads_stays_replicated():
+    """4 heads of 16 at world_size 8: a rank would hold no head; nothing is sharded."""
+    placements, plan, _, layers = analyze(Attention(dim=64, heads=4, fused=False), torch.randn(2, 5, 64), ws=8)
+    assert {layers[n].style for n in ("q", "k", "v", "out")} == {"replicate"}
     assert plan.params == {}
 
 

@@ -10,7 +10,7 @@ import torch
 
 from fxtp import local_ops
 from fxtp.placement import REPLICATE, Shard
-from passes.registry import Conflict, Decision, GroupName, RuleContext, ShardStart, module_of, register_rule, shape_of
+from passes.registry import Conflict, Decision, GroupName, RuleContext, ShardStart, module_of, register_rule, shape_of, uneven_ok
 from passes.rules._common import ndim, norm_dim
 
 __all__: list[str] = []
@@ -77,6 +77,7 @@ def full_reduction_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.cross_entropy_loss.default)
+@uneven_ok
 def cross_entropy_rule(ctx: RuleContext) -> Decision:
     """``cross_entropy(logits (N, C), target (N,))`` on logits sharded on the class dim (a colwise
     head's) is Megatron's vocab-parallel cross entropy: three all_reduce of (N,) instead of a

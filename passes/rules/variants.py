@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from passes.registry import Conflict, Decision, Rule, RuleContext, get_rule, is_tensor_node
+from passes.registry import Conflict, Decision, Rule, RuleContext, get_rule, is_tensor_node, takes_uneven, uneven_ok
 from passes.rules.dtensor_fallback import dtensor_rule
 
 __all__ = ["rule_for", "functional_variant"]
@@ -104,4 +104,4 @@ def _variant_rule(op: OpOverload, functional: OpOverload) -> Rule:
         return dec
 
     variant_rule.__name__ = f"{functional.overloadpacket.__name__}_variant_rule"
-    return variant_rule
+    return uneven_ok(variant_rule) if takes_uneven(own) else variant_rule
