@@ -55,6 +55,9 @@ def test_case02_uneven_features_exact(pool):
         assert shapes["0.weight"] == (n, 5) and shapes["0.bias"] == (n,)
         assert shapes["2.weight"] == (5, n) and shapes["2.bias"] == (5,)
     assert _layers(r)["0"]["local_weight_shape"] == [_front_loaded(5, pool.world_size)[0], 5]  # rank 0's
+    # A plan that wants the second layer whole gathers the unequal pieces (padded all_gather).
+    (g, *_) = pool.run(_train, "2-uneven", plan={"0": "colwise", "2": "replicate"})
+    assert _styles(g)["0"] == ("colwise", None) and g["forward"] == {"all_gather": 1}
 
 
 def test_case03_heads_not_divisible_split_as_whole_heads(pool):

@@ -160,7 +160,7 @@ def _layer_rule(ctx: RuleContext, ops: LayerOperands) -> Decision:
     if not out.divisible(ctx.world_size):
         rows = "/".join(str(out.local_size(ctx.world_size, r)) for r in range(ctx.world_size))
         heads = f", whole units of {unit} (heads)" if unit > 1 else ""
-        reason += f"; uneven: {rows} rows per rank{heads}"
+        reason += f"; uneven: {rows} output features per rank{heads}"
     return Decision(out, wants, layer=LayerNote("colwise", reason))
 
 
@@ -179,7 +179,7 @@ def _not_divisible(what: str, size: int, ws: int) -> LayerNote:
         "replicate",
         f"{what} {size} is smaller than world_size {ws}: a rank would hold nothing",
         code="not-divisible",
-        fix=f"use a world_size of at most {size}",
+        fix="none needed: too small to shard",
     )
 
 
