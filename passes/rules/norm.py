@@ -27,6 +27,7 @@ def _reduces(ctx: RuleContext, what: str, dim: int) -> Conflict:
 
 
 @register_rule(aten.layer_norm.default, aten.rms_norm.default)
+@uneven_ok
 def norm_rule(ctx: RuleContext) -> Decision:
     """``layer_norm``/``rms_norm`` over the last ``len(normalized_shape)`` dims."""
     x, normalized_shape = ctx.node.args[:2]
@@ -39,6 +40,7 @@ def norm_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
+@uneven_ok
 def softmax_rule(ctx: RuleContext) -> Decision:
     x, dim = ctx.node.args[:2]
     p = ctx.placement(x)
@@ -52,6 +54,7 @@ def softmax_rule(ctx: RuleContext) -> Decision:
 @register_rule(
     aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.var.correction, aten.std.correction
 )
+@uneven_ok
 def reduction_rule(ctx: RuleContext) -> Decision:
     """Reductions over a dim list; ``keepdim`` decides whether the sharded dim moves."""
     x = ctx.node.args[0]
@@ -68,6 +71,7 @@ def reduction_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.sum.default, aten.mean.default, aten.nll_loss_nd.default)
+@uneven_ok
 def full_reduction_rule(ctx: RuleContext) -> Decision:
     """Reductions to a scalar (or over the class dim: ``nll_loss``). A sharded input is refused."""
     p = ctx.placement(ctx.node.args[0])
