@@ -6,6 +6,8 @@ for its right plan: sharded correctly, or rejected with the stated code and reas
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -43,6 +45,13 @@ def _front_loaded(units: int, ws: int) -> list[int]:
     return [units // ws + (r < units % ws) for r in range(ws)]
 
 
+def _report_bytes_are_the_local_tensors(results) -> None:
+    """Each rank's report counts its own parameter bytes (fp32, no tied weights here)."""
+    for r in results:
+        local = sum(4 * math.prod(shape) for shape in r["local_shapes"].values())
+        assert r["report"]["param_bytes"]["per_rank"] == local
+
+
 def test_case02_uneven_features_exact(pool):
     """5 features at ws 2 and 4: colwise 3/2 and 2/1/1/1 rows, rowwise the same columns; the
     outputs, gradients and SGD steps equal the single device (compare_training)."""
@@ -55,6 +64,7 @@ def test_case02_uneven_features_exact(pool):
         assert shapes["0.weight"] == (n, 5) and shapes["0.bias"] == (n,)
         assert shapes["2.weight"] == (5, n) and shapes["2.bias"] == (5,)
     assert _layers(r)["0"]["local_weight_shape"] == [_front_loaded(5, pool.world_size)[0], 5]  # rank 0's
+    _report_bytes_are_the_local_tensors(results)
     # A plan that wants the second layer whole gathers the unequal pieces (padded all_gather).
     (g, *_) = pool.run(_train, "2-uneven", plan={"0": "colwise", "2": "replicate"})
     assert _styles(g)["0"] == ("colwise", None) and g["forward"] == {"all_gather": 1}
@@ -72,6 +82,7 @@ def test_case03_heads_not_divisible_split_as_whole_heads(pool):
         for name in "qkv":
             assert shapes[f"{name}.weight"] == (16 * heads, 96)
         assert shapes["o.weight"] == (96, 16 * heads)
+    _report_bytes_are_the_local_tensors(results)
     if pool.world_size == 4:  # the view literal is each rank's own head count
         assert ", 2, 16]" in results[0]["code"] and ", 1, 16]" in results[3]["code"]
 
@@ -147,6 +158,7 @@ def test_case08_vocab_not_divisible_tracks_loss_for_20_steps(pool):
     for n, rank_result in zip(_front_loaded(11, pool.world_size), results):
         assert rank_result["local_shapes"]["head.weight"] == (n, 16)
         assert rank_result["local_shapes"]["head.bias"] == (n,)
+    _report_bytes_are_the_local_tensors(results)
 
 
 def test_case09_norms(pool):
