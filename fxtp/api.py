@@ -205,16 +205,18 @@ def analyze(
     plan: Optional[Mapping[str, str]] = None,
     dynamic: bool = True,
     dynamic_shapes: Any = None,
+    rank: int = 0,
 ) -> Report:
     """The :class:`Report` ``compile`` would give, without creating any shard.
 
     Works on models on the ``meta`` device. Arguments and errors as in :func:`compile`
-    (one mode: the model's).
+    (one mode: the model's); ``rank``: the rank the report is for (its parameter bytes: uneven
+    shards hold more on the first ranks, NOTE: [uneven shards]).
     """
     ws = _check_world_size(world_size)
     args, kwargs = _check_inputs(model, example_inputs, example_kwargs)
     shapes = _shapes_spec(args, kwargs, dynamic, dynamic_shapes)
-    return _analyze(model, ws, args, kwargs, capture, plan, 0, shapes)[2]
+    return _analyze(model, ws, args, kwargs, capture, plan, rank, shapes)[2]
 
 
 def _analyze(model, ws, args, kwargs, how, plan, rank, shapes=None, report: bool = True) -> tuple[Captured, ShardingPlan, Optional[Report]]:

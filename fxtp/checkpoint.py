@@ -112,7 +112,7 @@ def full_state_dict(pm: nn.Module) -> dict[str, torch.Tensor]:
                     local = local.full_tensor()
                 placement = pm.placements.get(owner, REPLICATE)
                 if isinstance(placement, Shard) and pm._world_size > 1:
-                    gathered[owner] = all_gather(local, placement.dim, placement.segments, pm._world_size, pm._group_name)
+                    gathered[owner] = all_gather(local, placement.dim, placement.segments, pm._world_size, pm._group_name, placement.unit)
                 else:
                     gathered[owner] = local.clone()
             out[key] = gathered[owner]

@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 from torch.autograd import Function
 
+from fxtp.placement import Shard, local_ranges
+
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "all_reduce", "all_gather"]
 
 _c10d = torch.ops._c10d_functional
@@ -38,25 +40,32 @@ def all_reduce(t: torch.Tensor, group_name: str, op: str = "sum") -> torch.Tenso
     return _c10d.wait_tensor(_c10d.all_reduce(t.contiguous(), op, group_name))
 
 
-def all_gather(t: torch.Tensor, dim: int, segments: tuple[int, ...], world_size: int, group_name: str) -> torch.Tensor:
-    """The full tensor from every rank's shard along ``dim`` (layout: NOTE: [segments])."""
-    moved = t.movedim(dim, 0).contiguous()
-    flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(moved, world_size, group_name))
+def all_gather(
+    t: torch.Tensor, dim: int, segments: tuple[int, ...], world_size: int, group_name: str, unit: int = 1
+) -> torch.Tensor:
+    """The full tensor from every rank's shard along ``dim`` (layout: NOTE: [segments]).
+
+    Uneven shards (NOTE: [uneven shards]): each rank pads its piece to rank 0's size (the
+    largest), the padded pieces are all_gathered, and each rank's real rows are narrowed out.
+    """
+    shard = Shard(dim, tuple(segments), unit)
+    moved = t.movedim(dim, 0)
+    longest = shard.local_size(world_size, 0)
+    if moved.shape[0] < longest:
+        moved = torch.cat([moved, moved.new_zeros((longest - moved.shape[0], *moved.shape[1:]))])
+    flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(moved.contiguous(), world_size, group_name))
     per_rank = flat.chunk(world_size, dim=0)
-    blocks = [s // world_size for s in segments]
+    ranges = [local_ranges(shard, r, world_size) for r in range(world_size)]
     pieces = []
-    for i, block in enumerate(blocks):
-        start = sum(blocks[:i])
-        pieces.extend(r.narrow(0, start, block) for r in per_rank)
+    for i in range(len(segments)):
+        for r in range(world_size):
+            offset = sum(length for _, length in ranges[r][:i])
+            pieces.append(per_rank[r].narrow(0, offset, ranges[r][i][1]))
     return torch.cat(pieces, dim=0).movedim(0, dim)
 
 
-def _local(t: torch.Tensor, dim: int, segments: tuple[int, ...], rank: int, world_size: int) -> torch.Tensor:
-    pieces, offset = [], 0
-    for seg in segments:
-        block = seg // world_size
-        pieces.append(t.narrow(dim, offset + rank * block, block))
-        offset += seg
+def _local(t: torch.Tensor, dim: int, segments: tuple[int, ...], rank: int, world_size: int, unit: int) -> torch.Tensor:
+    pieces = [t.narrow(dim, start, length) for start, length in local_ranges(Shard(dim, tuple(segments), unit), rank, world_size)]
     return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0].contiguous()
 
 
@@ -83,13 +92,13 @@ class _ReduceFromTP(Function):
 
 class _GatherFromTP(Function):
     @staticmethod
-    def forward(ctx, x, dim, segments, rank, world_size, group_name):  # type: ignore[override]
-        ctx.args = (dim, segments, rank, world_size)
-        return all_gather(x, dim, segments, world_size, group_name)
+    def forward(ctx, x, dim, segments, rank, world_size, group_name, unit):  # type: ignore[override]
+        ctx.args = (dim, segments, rank, world_size, unit)
+        return all_gather(x, dim, segments, world_size, group_name, unit)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return _local(grad, *ctx.args), None, None, None, None, None
+        return _local(grad, *ctx.args), None, None, None, None, None, None
 
 
 def copy_to_tp(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -103,8 +112,8 @@ def reduce_from_tp(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 
 def gather_from_tp(
-    x: torch.Tensor, dim: int, segments: tuple[int, ...], rank: int, world_size: int, group_name: str
+    x: torch.Tensor, dim: int, segments: tuple[int, ...], rank: int, world_size: int, group_name: str, unit: int = 1
 ) -> torch.Tensor:
-    """All_gather of a shard along ``dim`` (global size ``sum(segments)``); backward keeps this
-    rank's slice of the gradient."""
-    return _GatherFromTP.apply(x, dim, segments, rank, world_size, group_name)
+    """All_gather of a shard along ``dim`` (global size ``sum(segments)``, split in units of
+    ``unit``, even or not: NOTE: [uneven shards]); backward keeps this rank's slice of the gradient."""
+    return _GatherFromTP.apply(x, dim, segments, rank, world_size, group_name, unit)

@@ -296,8 +296,7 @@ def inspect_text(
     """What ``fxtp inspect`` prints in format ``fmt`` for rank ``rank`` of ``world_size``
     (``verbose``: the table shows each failed capture frontend's error)."""
     if fmt in ("table", "json"):
-        report = fxtp.analyze(loaded.model, world_size, inputs, example_kwargs=loaded.kwargs)
-        report.rank = rank  # the plan is the same on every rank; the header names the one asked for
+        report = fxtp.analyze(loaded.model, world_size, inputs, example_kwargs=loaded.kwargs, rank=rank)
         return render(report, fmt, verbose=verbose)
     pm = fxtp.compile(loaded.model, world_size, inputs, example_kwargs=loaded.kwargs, rank=rank)
     return render(pm, fmt, name=loaded.name)

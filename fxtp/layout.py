@@ -14,7 +14,9 @@ of a state dict says which rectangles this rank holds:
 
 * ``Replicate`` or a one-segment ``Shard(d)`` of a tensor-parallel parameter: a ``DTensor`` on the
   tensor-parallel ``DeviceMesh`` (``Replicate()`` / ``Shard(d)``), as torch's own TP gives.
-* a ``Shard`` with several segments (Q|K|V of a fused projection, see NOTE: [segments]), or a
+* a ``Shard`` with several segments (Q|K|V of a fused projection, see NOTE: [segments]), an
+  uneven ``Shard`` (NOTE: [uneven shards]: front-loaded blocks, where DTensor's are
+  ``torch.chunk``'s, 5 rows at world_size 4: 2/1/1/1 against 2/2/1/0), or a
   parameter that FSDP2's ``fully_shard`` sharded again over a data-parallel mesh: rank ``r``
   holds several rectangles, which one ``DTensor`` cannot express (DTensor's ``Shard`` is one
   contiguous block per rank). These become a :class:`LocalChunks`: a tensor of the global shape
@@ -196,9 +198,9 @@ def _dtensor_placement(placement: Placement, local: torch.Tensor, shape: tuple[i
     """DTensor's placement for a plain local tensor, or None where one DTensor cannot say it."""
     if not isinstance(placement, Shard):
         return DReplicate()
-    if len(placement.segments) == 1 and local.shape[placement.dim] * world_size == shape[placement.dim]:
+    if len(placement.segments) == 1 and placement.divisible(world_size) and local.shape[placement.dim] * world_size == shape[placement.dim]:
         return DShard(placement.dim)
-    return None
+    return None  # several segments, or uneven (DTensor's blocks are torch.chunk's, NOTE: [uneven shards])
 
 
 def to_checkpoint(value: torch.Tensor, placement: Placement, rank: int, world_size: int, mesh: Optional[DeviceMesh]) -> torch.Tensor:

@@ -12,12 +12,22 @@ holds block ``r`` of every segment, concatenated in order. With one segment this
 the rows ``[Q_r | K_r | V_r]``, so a later ``chunk(3)`` or ``unflatten(-1, (3, 64))`` stays
 local. Merging a sharded inner dim into an outer one (``(N, E) -> (N*H, hd)``) also produces
 equal segments, one per outer index.
+
+NOTE: [uneven shards]
+A segment need not divide the world size. Its ``s // unit`` units (``unit`` is 1 for features
+and vocabulary rows, ``head_dim`` for attention heads, so a head is never cut) are split
+front-loaded, as Megatron-LM's and vLLM's uneven partitions are: rank ``r`` gets
+``units // world_size`` units, plus one if ``r < units % world_size``. Linear(5, 5) at world_size
+4 holds rows 0:2, 2:3, 3:4, 4:5; 6 heads of 16 at world_size 4 hold 2/2/1/1 heads. Rank 0 holds
+the most. An even shard (every segment's units divide the world size) is the equal split above,
+whatever its unit. The local size of an uneven shard depends on the rank, so rules write a
+``passes.registry.LocalSize`` where an even shard gets a number, and the rewrite fills it in.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -46,35 +56,44 @@ class Shard:
 
     Args:
         dim: the sharded dim, non-negative.
-        segments: global sizes of the segments along ``dim``; each must be divisible by the
-            world size it is used with.
+        segments: global sizes of the segments along ``dim``.
+        unit: the split granularity (NOTE: [uneven shards]): every segment is split in whole
+            units of this size (1: elements; a head_dim: whole heads).
     """
 
     dim: int
     segments: tuple[int, ...]
+    unit: int = 1
 
     def __post_init__(self) -> None:
-        assert self.dim >= 0 and len(self.segments) >= 1, self
+        assert self.dim >= 0 and len(self.segments) >= 1 and self.unit >= 1, self
+        assert all(s % self.unit == 0 for s in self.segments), self
 
     @property
     def size(self) -> int:
         """Global size of the sharded dim."""
         return sum(self.segments)
 
-    def local_size(self, world_size: int) -> int:
-        """Size of the sharded dim on one rank."""
-        return sum(s // world_size for s in self.segments)
+    def local_size(self, world_size: int, rank: Optional[int] = None) -> int:
+        """Size of the sharded dim on rank ``rank``; an uneven shard (NOTE: [uneven shards])
+        needs the rank, an even one has the same size everywhere."""
+        if rank is None:
+            assert self.divisible(world_size), f"{self} is uneven at world_size {world_size}: its local size needs the rank"
+            rank = 0
+        return sum(length for _, length in local_ranges(self, rank, world_size))
 
     def divisible(self, world_size: int) -> bool:
-        return all(s % world_size == 0 for s in self.segments)
+        """Every rank holds the same size (every segment's units divide the world size)."""
+        return all((s // self.unit) % world_size == 0 for s in self.segments)
 
     def with_dim(self, dim: int) -> "Shard":
-        return Shard(dim, self.segments)
+        return Shard(dim, self.segments, self.unit)
 
     def __str__(self) -> str:
+        unit = f", unit={self.unit}" if self.unit != 1 else ""
         if len(self.segments) == 1:
-            return f"S({self.dim})"
-        return f"S({self.dim}, segments={list(self.segments)})"
+            return f"S({self.dim}{unit})"
+        return f"S({self.dim}, segments={list(self.segments)}{unit})"
 
 
 Placement = Union[Replicate, Shard, Partial]
@@ -89,12 +108,15 @@ def is_sharded(placement: object) -> bool:
 
 
 def local_ranges(shard: Shard, rank: int, world_size: int) -> list[tuple[int, int]]:
-    """``(start, length)`` of every global range rank ``rank`` holds along ``shard.dim``, in order."""
+    """``(start, length)`` of every global range rank ``rank`` holds along ``shard.dim``, in order
+    (one per segment; front-loaded when uneven, NOTE: [uneven shards])."""
     ranges = []
     offset = 0
     for seg in shard.segments:
-        block = seg // world_size
-        ranges.append((offset + rank * block, block))
+        base, extra = divmod(seg // shard.unit, world_size)
+        first = rank * base + min(rank, extra)
+        count = base + (rank < extra)
+        ranges.append((offset + first * shard.unit, count * shard.unit))
         offset += seg
     return ranges
 

@@ -84,6 +84,7 @@ class Report:
         param_bytes_per_rank: int,
         rounds: int,
         regions: tuple[tuple[str, ...], ...] = (),
+        uneven: bool = False,
     ) -> None:
         self.world_size = world_size
         self.rank = rank
@@ -96,6 +97,7 @@ class Report:
         self.param_bytes_per_rank = param_bytes_per_rank
         self.rounds = rounds
         self.regions = regions
+        self.uneven = uneven  # some parameter is sharded unevenly: per-rank bytes differ between ranks
         self.timings: dict[str, float] = {}  # capture_s, passes_s (normalize, plan, report), rewrite_s, modes_s
         self.inputs: tuple[InputSpec, ...] = ()  # the user inputs and their dims (fxtp.shapes)
         self.shape_notes: tuple[str, ...] = ()  # dims specialized by fxtp or a fallback, and why
@@ -184,8 +186,9 @@ class Report:
         if self.regions:
             lines.append(f"tensor-parallel regions: {len(self.regions)} (sharded stretches between replicated values)")
         frac = self.param_bytes_per_rank / self.param_bytes if self.param_bytes else 1.0
+        which = f" on rank {self.rank} (uneven shards: rank 0 holds the most)" if self.uneven else ""
         lines.append(
-            f"parameter bytes per rank: {_fmt_bytes(self.param_bytes_per_rank)} of {_fmt_bytes(self.param_bytes)} ({frac:.1%})"
+            f"parameter bytes per rank: {_fmt_bytes(self.param_bytes_per_rank)} of {_fmt_bytes(self.param_bytes)} ({frac:.1%}){which}"
         )
         return "\n".join(lines)
 
@@ -273,7 +276,7 @@ def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, at
     for tensor, placement in tensors.values():
         nbytes = _nbytes(tensor)
         total += nbytes
-        per_rank += nbytes * placement.local_size(plan.world_size) // placement.size if isinstance(placement, Shard) else nbytes
+        per_rank += _local_bytes(nbytes, placement, rank, plan.world_size)
     param_names = {s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.PARAMETER}
     return Report(
         world_size=plan.world_size,
@@ -281,13 +284,21 @@ def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, at
         frontend=frontend,
         attempts=tuple(attempts),
         layers=plan.layers,
-        notes=_notes(plan, nodes, param_names) + _other_parameters(program, plan, placements),
+        notes=_notes(plan, nodes, param_names) + _other_parameters(program, plan, placements, rank),
         collectives=stats,
         param_bytes=total,
         param_bytes_per_rank=per_rank,
         rounds=plan.rounds,
         regions=_regions(program, plan),
+        uneven=any(isinstance(p, Shard) and not p.divisible(plan.world_size) for _, p in tensors.values()),
     )
+
+
+def _local_bytes(nbytes: int, placement: Placement, rank: int, world_size: int) -> int:
+    """Bytes of rank ``rank``'s piece of a parameter of ``nbytes`` (NOTE: [uneven shards])."""
+    if not isinstance(placement, Shard):
+        return nbytes
+    return nbytes * placement.local_size(world_size, rank) // placement.size
 
 
 def _regions(program: ExportedProgram, plan: ShardingPlan) -> tuple[tuple[str, ...], ...]:
@@ -335,7 +346,7 @@ def _needs_grad(program: ExportedProgram) -> set[str]:
     return out
 
 
-def _other_parameters(program: ExportedProgram, plan: ShardingPlan, placements: dict[str, Placement]) -> tuple[Note, ...]:
+def _other_parameters(program: ExportedProgram, plan: ShardingPlan, placements: dict[str, Placement], rank: int = 0) -> tuple[Note, ...]:
     """Every parameter that is no layer's weight, so the report accounts for all bytes: a note
     per matrix or larger (``not-a-layer``: MoE experts, conv kernels, a parameter used by an op
     fxtp does not shard), one note for the vectors (biases, norm weights, scales)."""
@@ -351,7 +362,7 @@ def _other_parameters(program: ExportedProgram, plan: ShardingPlan, placements: 
             continue
         tensor, placement = program.state_dict[fqns[0]], placements[fqns[0]]
         nbytes = _nbytes(tensor)
-        local = nbytes * placement.local_size(plan.world_size) // placement.size if isinstance(placement, Shard) else nbytes
+        local = _local_bytes(nbytes, placement, rank, plan.world_size)
         if tensor.dim() <= 1:
             vectors, vector_bytes, vector_local = vectors + 1, vector_bytes + nbytes, vector_local + local
             continue

@@ -127,6 +127,9 @@ def sharded_call(
         return sharded_grouped_attention, (*where, *args), dict(kwargs)
     if not is_random(target, args, kwargs):
         return None
+    # The masks below are drawn for the segments in units of 1: an uneven shard in another unit
+    # has other ranges (NOTE: [uneven shards]); its planner rules keep it away from random ops.
+    assert shard.unit == 1 or shard.divisible(world_size), f"fxtp internal error: random op on the uneven shard {shard}"
     if target in ELEMENTWISE:
         return sharded_random, (target, *where, *args), dict(kwargs)
     if target is _aten.scaled_dot_product_attention.default:

@@ -293,6 +293,9 @@ def _resolve(
                 first = state.first.get(n.name)  # unless a later one names a size ws must divide
                 if first is None or first.code != "not-divisible" and c.code == "not-divisible":
                     state.first[n.name] = note
+            if c.unit is not None:  # the first layout under which whole heads would fit
+                for n in demotable:
+                    state.unit_hints.setdefault(n.name, (state.segments.get(n.name), c.unit))
             if refined_now & set(demotable):
                 continue
             refined = {n: _next_segments(n, state, c.refine, ws) for n in demotable}
@@ -301,6 +304,17 @@ def _resolve(
                 for n, seg in refined.items():
                     if seg is not None:
                         state.segments[n.name] = seg
+                changed = True
+                continue
+            hinted = [n for n in demotable if n.name in state.unit_hints and n.name not in state.units]
+            if hinted:  # no even layout left: whole heads, split unevenly (NOTE: [uneven shards])
+                refined_now.update(hinted)
+                for n in hinted:
+                    segments, state.units[n.name] = state.unit_hints[n.name]
+                    if segments is None:
+                        state.segments.pop(n.name, None)
+                    else:
+                        state.segments[n.name] = segments
                 changed = True
                 continue
         heads = c.code == "needs-gather" and rej.node.op == "output" and demotable
@@ -523,6 +537,8 @@ def _combine(requests: list[tuple[ParamPiece, Placement, Any]], name: str) -> Pl
         raise Conflict("layout-mismatch", f"pieces of parameter {name} are wanted on different dims", "keep those layers replicated")
     (dim,) = dims
     total = requests[0][0].placeholder.meta["val"].shape[dim]
+    if len({w.unit for *_, w in pieces}) > 1:
+        raise Conflict("layout-mismatch", f"pieces of parameter {name} are split in different units", "keep those layers replicated")
     offset, segments = 0, []
     for _, off, length, want in pieces:
         if off != offset or want.size != length:
@@ -535,7 +551,7 @@ def _combine(requests: list[tuple[ParamPiece, Placement, Any]], name: str) -> Pl
             f"only part of parameter {name} (split along dim {dim}) can be sharded",
             "keep the layers that use its pieces replicated",
         )
-    return Shard(dim, tuple(segments))
+    return Shard(dim, tuple(segments), pieces[0][3].unit)
 
 
 def _rowwise_feeds(layers: list[Node], names: Mapping[Node, str], res: Propagation, param_names) -> dict[Node, list[str]]:
@@ -574,7 +590,7 @@ def _layer_decision(node: Node, name: str, res: Propagation, state: PlannerState
     local = list(wshape)
     wp = res.placements.get(weight)
     if isinstance(wp, Shard):
-        local[wp.dim] = wp.local_size(ws)
+        local[wp.dim] = wp.local_size(ws, 0)  # rank 0's: the largest of an uneven shard (NOTE: [uneven shards])
     return LayerDecision(
         name=name,
         node=node.name,

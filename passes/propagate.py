@@ -28,7 +28,7 @@ import torch
 from torch.fx import Graph, Node
 
 from fxtp.placement import REPLICATE, Partial, Placement, Replicate, Shard, is_sharded
-from passes.registry import Conflict, Decision, LayerNote, LayerState, RuleContext, is_tensor_node
+from passes.registry import Conflict, Decision, LayerNote, LayerState, RuleContext, is_tensor_node, takes_uneven
 from passes.rules._common import norm_dim, tensor_inputs
 from passes.rules.matmul import layer_weight
 from passes.rules.variants import rule_for
@@ -78,6 +78,8 @@ class PlannerState:
     demoted: dict[str, LayerNote] = field(default_factory=dict)
     forced: dict[str, str] = field(default_factory=dict)
     segments: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    units: dict[str, int] = field(default_factory=dict)  # split granularity of a layer's output, NOTE: [uneven shards]
+    unit_hints: dict[str, tuple[Optional[tuple[int, ...]], int]] = field(default_factory=dict)  # (segments, unit) a view asked for
     params: dict[str, Placement] = field(default_factory=dict)
     param_owners: dict[str, frozenset[str]] = field(default_factory=dict)
     gathers: set[tuple[str, str]] = field(default_factory=set)
@@ -197,7 +199,7 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
     def layer_state(node: Node) -> LayerState:
         return LayerState(
             state.demoted.get(node.name), state.forced.get(node.name), state.segments.get(node.name), node.name in state.slice_input,
-            state.whole_input.get(node.name),
+            state.whole_input.get(node.name), state.units.get(node.name, 1),
         )
 
     for node in graph.nodes:
@@ -239,6 +241,7 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
                     f"op {node.target} has no sharding rule and consumes a sharded value",
                     "keep the producing layer replicated (fxtp does), or file an issue for the op",
                 )
+            _refuse_uneven(node, rule, [effective(a, node) for a in inputs], world_size)
             dec = rule(ctx)
         except Conflict as c:
             culprits = frozenset(c.culprits) if c.culprits is not None else sharded_origins(node, c.blame)
@@ -262,6 +265,21 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
         if sharded_out:
             _mark_entries(node, dec, res, effective, param_names)
     return res
+
+
+def _refuse_uneven(node: Node, rule: Any, placements: list, world_size: int) -> None:
+    """NOTE: [uneven shards]: only rules marked ``uneven_ok`` see an uneven shard."""
+    if takes_uneven(rule):
+        return
+    for p in placements:
+        for q in p if isinstance(p, tuple) else (p,):
+            if isinstance(q, Shard) and not q.divisible(world_size):
+                raise Conflict(
+                    "not-divisible",
+                    f"{node.target} gets a shard uneven at world_size {world_size} ({q}, dim of size {q.size}) "
+                    "and is not taught uneven shards",
+                    f"use a world_size that divides {q.size}, or keep the producing layer replicated",
+                )
 
 
 def _apply_wants(node, dec, res, effective, origins, param_names, sharded_out: bool) -> None:

@@ -31,6 +31,9 @@ __all__ = [
     "Conflict",
     "Decision",
     "ShardStart",
+    "LocalSize",
+    "uneven_ok",
+    "takes_uneven",
     "GroupName",
     "LayerNote",
     "LayerState",
@@ -71,6 +74,15 @@ class ShardStart:
     rewrite puts the number in (rules do not know the rank)."""
 
     value: Node
+
+
+@dataclass(frozen=True)
+class LocalSize:
+    """In ``Decision.local_args`` (also inside a size list): this rank's size of ``shard``'s
+    sharded dim, where it differs between ranks (NOTE: [uneven shards] in ``fxtp/placement.py``);
+    the rewrite puts the number in. Rules write it through ``rules._common.local_size``."""
+
+    shard: Any  # a fxtp.placement.Shard
 
 
 @dataclass(frozen=True)
@@ -116,6 +128,9 @@ class Conflict(Exception):
         culprits: the layers to keep replicated; default: the layers whose shard reached here.
         blame: the inputs whose shard is at fault (default: every sharded input); the layers
             kept replicated are those whose shard reached these.
+        unit: a split granularity (NOTE: [uneven shards]) for the producing layers' output
+            that would make the rule succeed: the head size where a view splits heads that do
+            not divide the world size.
     """
 
     def __init__(
@@ -127,6 +142,7 @@ class Conflict(Exception):
         refine: Optional[tuple[int, ...]] = None,
         culprits: Optional[Sequence[Node]] = None,
         blame: Optional[Sequence[Node]] = None,
+        unit: Optional[int] = None,
     ) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
@@ -135,6 +151,7 @@ class Conflict(Exception):
         self.refine = refine
         self.culprits = tuple(culprits) if culprits is not None else None
         self.blame = tuple(blame) if blame is not None else None
+        self.unit = unit
 
 
 class RuleContext:
@@ -184,6 +201,7 @@ class LayerState:
     segments: Optional[tuple[int, ...]]  # refined output segments, NOTE: [segments]
     slice_input: bool = False  # rowwise on a replicated input sliced locally, NOTE: [rowwise fallback]
     whole_input: Optional[LayerNote] = None  # why its input must arrive replicated, NOTE: [tied uses]
+    unit: int = 1  # split granularity of its output (whole heads), NOTE: [uneven shards]
 
 
 Rule = Callable[[RuleContext], Decision]
@@ -205,6 +223,18 @@ def register_rule(*ops: OpKey) -> Callable[[Rule], Rule]:
         return fn
 
     return wrap
+
+
+def uneven_ok(fn: Rule) -> Rule:
+    """Mark ``fn`` as handling uneven shards (NOTE: [uneven shards] in ``fxtp/placement.py``):
+    its output shard keeps the input's unit and rank-dependent sizes go in as ``LocalSize``.
+    The planner refuses an uneven input to any other rule (``not-divisible``)."""
+    fn.fxtp_uneven = True  # type: ignore[attr-defined]
+    return fn
+
+
+def takes_uneven(rule: Optional[Rule]) -> bool:
+    return bool(getattr(rule, "fxtp_uneven", False))
 
 
 def get_rule(op: OpKey) -> Optional[Rule]:

@@ -33,7 +33,7 @@ from fxtp import collectives, rng
 from fxtp.placement import Shard, local_ranges
 from passes.plan import ShardingPlan
 from passes.propagate import EdgeAction
-from passes.registry import GroupName, ShardStart
+from passes.registry import GroupName, LocalSize, ShardStart
 
 __all__ = ["rewrite"]
 
@@ -80,7 +80,8 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
         if key not in cache:
             with after(value):
                 cache[key] = graph.call_function(
-                    collectives.gather_from_tp, (value, shard.dim, shard.segments, rank, ws, group_name)
+                    collectives.gather_from_tp,
+                    (value, shard.dim, shard.segments, rank, ws, group_name, *((shard.unit,) if shard.unit != 1 else ())),
                 )
             cache[key].meta["fxtp_placement"] = "R"
         return cache[key]
@@ -135,15 +136,20 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
 
 
 def _fill_rank_values(args: tuple, plan: ShardingPlan, rank: int, group_name: str) -> tuple:
-    """Replace each :class:`ShardStart` with this rank's first index of that value's shard, and
-    each :class:`GroupName` with the process group's name."""
+    """Replace each :class:`ShardStart` with this rank's first index of that value's shard, each
+    :class:`LocalSize` (also inside a size list) with this rank's size of its shard (NOTE:
+    [uneven shards]), and each :class:`GroupName` with the process group's name."""
 
     def fill(a):
         if isinstance(a, ShardStart):
             placement = plan.placements[a.value.name]
             return local_ranges(placement, rank, plan.world_size)[0][0]
+        if isinstance(a, LocalSize):
+            return a.shard.local_size(plan.world_size, rank)
         if isinstance(a, GroupName):
             return group_name
+        if isinstance(a, (list, tuple)) and not isinstance(a, Node):
+            return type(a)(fill(b) for b in a)
         return a
 
     return tuple(fill(a) for a in args)

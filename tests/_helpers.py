@@ -126,6 +126,7 @@ def compare_training(
         "report": pm.report.to_dict(),
         "code": pm.graph_module.code,
         "out_shapes": [tuple(t.shape) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)],
+        "local_shapes": {fqn: tuple(p.shape) for fqn, p in pm.named_parameters()},
     }
 
 

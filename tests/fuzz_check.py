@@ -27,7 +27,7 @@ from _helpers import CollectiveCounter, loss_of
 from fuzz_models import Spec, build
 
 import fxtp
-from fxtp.placement import shard_tensor
+from fxtp.placement import Shard, shard_tensor
 
 __all__ = ["Outcome", "differential", "check_outcomes"]
 
@@ -49,6 +49,7 @@ class Outcome:
     error: str = ""
     problems: list[tuple[str, str, float]] = field(default_factory=list)
     plan: dict[str, str] = field(default_factory=dict)
+    uneven: bool = False  # some parameter sharded unevenly (NOTE: [uneven shards])
 
 
 def _max_err(a: Any, b: Any) -> float:
@@ -128,7 +129,8 @@ def differential(spec: Spec, steps: int = 2, lr: float = 0.1) -> Outcome:
         return Outcome("rejected", "compile", f"{type(e).__name__}: {e}")
     except Exception:  # noqa: BLE001 - the property: any other exception is a finding
         return Outcome("raw-error", "compile", traceback.format_exc())
-    outcome = Outcome("ok", plan=dict(pm.plan))
+    uneven = any(isinstance(p, Shard) and not p.divisible(ws) for p in pm.placements.values())
+    outcome = Outcome("ok", plan=dict(pm.plan), uneven=uneven)
     problems = outcome.problems
     problems += [("mutated", k, float("nan")) for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
     problems += [("no-code", row.name, float("nan")) for row in pm.report.layers if row.style == "replicate" and row.code is None]

@@ -6,6 +6,8 @@ for its right plan: sharded correctly, or rejected with the stated code and reas
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -38,24 +40,51 @@ def test_case01_head_count_literal_in_view(pool):
     assert f"[2, 8, {8 // pool.world_size}, 64]" in r["code"]
 
 
-def test_case02_uneven_features_rejected(pool):
-    (r, *_) = pool.run(_train, "2-uneven")
-    for row in _layers(r).values():
-        assert (row["style"], row["code"]) == ("replicate", "not-divisible")
-        assert f"5 is not divisible by world_size {pool.world_size}" in row["reason"]
-    assert r["forward"] == {}
+def _front_loaded(units: int, ws: int) -> list[int]:
+    """Units per rank of an uneven shard (NOTE: [uneven shards]): the first ``units % ws`` ranks get one more."""
+    return [units // ws + (r < units % ws) for r in range(ws)]
 
 
-def test_case03_heads_not_divisible(pool):
-    (r, *_) = pool.run(_train, "3-heads-96")
-    if pool.world_size == 2:
-        assert _styles(r) == MEGATRON_ATTENTION
-        return
-    layers = _layers(r)
-    for name in "qkv":
-        assert (layers[name]["style"], layers[name]["code"]) == ("replicate", "not-divisible")
-        assert "size 6" in layers[name]["reason"] and "world_size 4" in layers[name]["reason"]
-    assert r["forward"] == {}
+def _report_bytes_are_the_local_tensors(results) -> None:
+    """Each rank's report counts its own parameter bytes (fp32, no tied weights here)."""
+    for r in results:
+        local = sum(4 * math.prod(shape) for shape in r["local_shapes"].values())
+        assert r["report"]["param_bytes"]["per_rank"] == local
+
+
+def test_case02_uneven_features_exact(pool):
+    """5 features at ws 2 and 4: colwise 3/2 and 2/1/1/1 rows, rowwise the same columns; the
+    outputs, gradients and SGD steps equal the single device (compare_training)."""
+    results = pool.run(_train, "2-uneven")
+    r = results[0]
+    assert _styles(r) == {"0": ("colwise", None), "2": ("rowwise", None)}
+    assert r["forward"] == {"all_reduce": 1}
+    for n, rank_result in zip(_front_loaded(5, pool.world_size), results):
+        shapes = rank_result["local_shapes"]
+        assert shapes["0.weight"] == (n, 5) and shapes["0.bias"] == (n,)
+        assert shapes["2.weight"] == (5, n) and shapes["2.bias"] == (5,)
+    assert _layers(r)["0"]["local_weight_shape"] == [_front_loaded(5, pool.world_size)[0], 5]  # rank 0's
+    _report_bytes_are_the_local_tensors(results)
+    # A plan that wants the second layer whole gathers the unequal pieces (padded all_gather).
+    (g, *_) = pool.run(_train, "2-uneven", plan={"0": "colwise", "2": "replicate"})
+    assert _styles(g)["0"] == ("colwise", None) and g["forward"] == {"all_gather": 1}
+
+
+def test_case03_heads_not_divisible_split_as_whole_heads(pool):
+    """6 heads of 16 at ws 4: 2/2/1/1 whole heads per rank (o's input columns matching); at ws 2
+    3 heads each, an even shard as before."""
+    results = pool.run(_train, "3-heads-96")
+    r = results[0]
+    assert _styles(r) == MEGATRON_ATTENTION
+    assert r["forward"] == {"all_reduce": 1}
+    for heads, rank_result in zip(_front_loaded(6, pool.world_size), results):
+        shapes = rank_result["local_shapes"]
+        for name in "qkv":
+            assert shapes[f"{name}.weight"] == (16 * heads, 96)
+        assert shapes["o.weight"] == (96, 16 * heads)
+    _report_bytes_are_the_local_tensors(results)
+    if pool.world_size == 4:  # the view literal is each rank's own head count
+        assert ", 2, 16]" in results[0]["code"] and ", 1, 16]" in results[3]["code"]
 
 
 def test_case04_grouped_query_attention(pool):
@@ -120,11 +149,16 @@ def test_case07_tied_embedding_and_head(pool):
 
 
 def test_case08_vocab_not_divisible_tracks_loss_for_20_steps(pool):
-    (r, *_) = pool.run(_train, "8-vocab-11", steps=20)  # the output is the loss itself
-    # 11 classes do not divide ws: the head fed by the model input goes rowwise on its sliced input
-    # (NOTE: [rowwise fallback]); the logits are all_reduced whole before the loss.
-    assert _styles(r) == {"head": ("rowwise", None)}
-    assert _layers(r)["head"]["local_weight_shape"] == [11, 16 // pool.world_size]
+    """11 classes at ws 2 and 4: a colwise head of 6/5 and 3/3/3/2 rows into the vocab-parallel
+    cross entropy (no logits gather); the loss tracks the single device for 20 SGD steps."""
+    results = pool.run(_train, "8-vocab-11", steps=20)  # the output is the loss itself
+    r = results[0]
+    assert _styles(r) == {"head": ("colwise", None)}
+    assert r["forward"] == {"all_reduce": 3}
+    for n, rank_result in zip(_front_loaded(11, pool.world_size), results):
+        assert rank_result["local_shapes"]["head.weight"] == (n, 16)
+        assert rank_result["local_shapes"]["head.bias"] == (n,)
+    _report_bytes_are_the_local_tensors(results)
 
 
 def test_case09_norms(pool):

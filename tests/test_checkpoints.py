@@ -42,6 +42,8 @@ MODELS = {
     "tied-lm": _tied_lm,
     "mha": lambda: build_case("14-mha"),
     "fused-qkv": lambda: build_case("5a-fused-chunk"),
+    "uneven": lambda: build_case("2-uneven"),  # 5 features: uneven at 2 and 4 (NOTE: [uneven shards])
+    "heads-96": lambda: build_case("3-heads-96"),  # 6 heads: 3/3 at 2, 2/2/1/1 whole heads at 4
 }
 
 
@@ -100,6 +102,8 @@ def test_dcp_reshards_every_layout(rank_pools, tmp_path, saved_ws, loaded_ws):
     assert kinds["mha"]["mha.out_proj.weight"] == "DTensor[Shard(dim=1)]"
     assert kinds["tied-lm"]["emb.weight"] == kinds["tied-lm"]["head.weight"] == "DTensor[Shard(dim=0)]"
     assert kinds["tied-lm"]["out.bias"] == "DTensor[Replicate()]" and kinds["tied-lm"]["scale"] == "Tensor"
+    assert kinds["uneven"]["0.weight"] == kinds["uneven"]["2.weight"] == "LocalChunks"  # DTensor's blocks are torch.chunk's
+    assert kinds["heads-96"]["q.weight"] == ("LocalChunks" if saved_ws == 4 else "DTensor[Shard(dim=0)]")
     results = [_load(str(tmp_path))] if loaded_ws == 1 else rank_pools(loaded_ws).run(_load, str(tmp_path))
     for loaded, outs in results:
         for name, full in fulls.items():

@@ -41,3 +41,5 @@ def test_fxtp_equals_single_device_or_rejects(pool, spec):
     outcomes = pool.run(differential, spec)
     event(check_outcomes(spec, outcomes))  # pytest --hypothesis-show-statistics shows the mix
     event("some layer sharded" if any(style != "replicate" for style in outcomes[0].plan.values()) else "all replicated")
+    if outcomes[0].uneven:
+        event("uneven shards")

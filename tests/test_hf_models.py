@@ -55,6 +55,36 @@ def test_gpt2(pool):
     _every_replicated_layer_says_why(r)
 
 
+def _gpt2_uneven():
+    """GPT-2 with 6 heads of 16 and a prime vocabulary of 131 (the ids stay below 128)."""
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(examples.gpt2_config(n_embd=96, n_head=6, vocab_size=131)).eval()
+    return compare_training(model, examples.gpt2()[1])
+
+
+def test_gpt2_uneven_heads_and_vocabulary(pool):
+    """NOTE: [uneven shards]: 6 heads at ws 4 are 2/2/1/1 whole heads of each of Q, K, V in the
+    fused c_attn (3/3 at ws 2, even); 131 vocabulary rows are 66/65 and 33/33/33/32, one shard
+    for the tied embedding and head."""
+    results = pool.run(_gpt2_uneven)
+    ws = pool.world_size
+    layers = _layers(results[0])
+    heads = [6 // ws + (r < 6 % ws) for r in range(ws)]
+    rows = [131 // ws + (r < 131 % ws) for r in range(ws)]
+    for i in range(N_BLOCKS):
+        attn = f"transformer.h.{i}.attn"
+        assert layers[f"{attn}.c_attn"]["style"] == "colwise" and layers[f"{attn}.c_proj"]["style"] == "rowwise"
+    assert layers["transformer.wte"]["style"] == "rowwise" and layers["lm_head"]["style"] == "colwise"
+    for r, result in enumerate(results):
+        shapes = result["local_shapes"]
+        assert shapes["transformer.h.0.attn.c_attn.weight"] == (96, 3 * 16 * heads[r])
+        assert shapes["transformer.h.0.attn.c_proj.weight"] == (16 * heads[r], 96)
+        assert shapes["transformer.wte.weight"] == (rows[r], 96)
+    assert (results[0]["forward"], results[0]["backward"]) == megatron_floor(results[0]["report"], N_BLOCKS)
+
+
 def test_llama_gqa(pool):
     """GQA (4 heads, 2 kv heads), rotary embeddings, RMSNorm as pow/mean/rsqrt, SwiGLU."""
     (r, *_) = pool.run(_train, "llama")

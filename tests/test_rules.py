@@ -13,6 +13,8 @@ only the substrings the message must contain (op names).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,7 +23,7 @@ from torch import nn
 from fxtp.api import _analyze
 from fxtp.placement import REPLICATE, Partial, Replicate, Shard, shard_tensor
 from passes import registry
-from passes.registry import Conflict, Decision, get_rule, register_rule, registered_ops
+from passes.registry import Conflict, Decision, LocalSize, get_rule, register_rule, registered_ops
 from passes.rules.shape import _split_pieces, group_dims, view_placement
 
 aten = torch.ops.aten
@@ -95,6 +97,62 @@ def test_view_split_heads():
     # (B, T, E) S(2) -> (B, T, heads, hd): the heads dim is sharded, 4 heads per rank.
     assert view_placement(S(2, 512), (2, 16, 512), (2, 16, 8, 64), 2) == S(2, 8)
     assert view_placement(S(2, 512), (2, 16, 512), (2, 16, 8, 64), 8) == S(2, 8)
+
+
+# --------------------------------------------------------------------------------------------
+# uneven shards (NOTE: [uneven shards], NOTE: [uneven views])
+
+
+def test_local_ranges_front_loaded():
+    from fxtp.placement import local_ranges
+
+    assert [local_ranges(Shard(0, (5,)), r, 4) for r in range(4)] == [[(0, 2)], [(2, 1)], [(3, 1)], [(4, 1)]]
+    assert [local_ranges(Shard(0, (11,)), r, 2) for r in range(2)] == [[(0, 6)], [(6, 5)]]
+    heads = Shard(0, (96,), unit=16)  # 6 heads of 16 at ws 4: 2/2/1/1 whole heads
+    assert [local_ranges(heads, r, 4) for r in range(4)] == [[(0, 32)], [(32, 32)], [(64, 16)], [(80, 16)]]
+    fused = Shard(0, (96, 96, 96), unit=16)  # Q|K|V: the same heads of each
+    assert local_ranges(fused, 3, 4) == [(80, 16), (176, 16), (272, 16)]
+    assert [fused.local_size(4, r) for r in range(4)] == [96, 96, 48, 48]
+    assert not heads.divisible(4) and heads.divisible(2) and Shard(0, (5,)).divisible(5)
+
+
+@pytest.mark.parametrize("shard", [S(1, 64), S(0, 64, 64, 64), Shard(0, (96,), unit=16)])
+@pytest.mark.parametrize("ws", [2, 4])
+def test_even_shards_keep_equal_blocks(shard, ws):
+    """An even shard is the equal split, whatever its unit (the layouts before uneven shards)."""
+    from fxtp.placement import local_ranges
+
+    if not shard.divisible(ws):
+        return
+    for r in range(ws):
+        blocks = [(offset + r * (seg // ws), seg // ws) for offset, seg in zip([0, *itertools.accumulate(shard.segments)], shard.segments)]
+        assert local_ranges(shard, r, ws) == blocks
+
+
+def test_shard_tensor_uneven_pieces_tile_the_tensor():
+    full = torch.arange(22.0).reshape(11, 2)
+    pieces = [shard_tensor(full, S(0, 11), r, 4) for r in range(4)]
+    assert [p.shape[0] for p in pieces] == [3, 3, 3, 2]
+    assert torch.equal(torch.cat(pieces), full)
+
+
+def test_uneven_view_splits_whole_heads_and_merges_back():
+    heads = Shard(2, (96,), unit=16)
+    assert view_placement(heads, (2, 5, 96), (2, 5, 6, 16), 4) == Shard(2, (6,))  # 2/2/1/1 heads
+    assert view_placement(Shard(2, (6,)), (2, 5, 6, 16), (2, 5, 96), 4) == heads  # and back
+    assert view_placement(heads, (2, 5, 96), (10, 96), 4) == Shard(1, (96,), unit=16)  # a 1:1 pass keeps it
+    # Half heads are whole in units of 2 of them; 24-wide pieces would cut a head: a conflict, as
+    # is merging the uneven dim as an inner one.
+    assert view_placement(heads, (2, 5, 96), (2, 5, 12, 8), 4) == Shard(2, (12,), unit=2)
+    assert conflict_of(view_placement, heads, (2, 5, 96), (2, 5, 4, 24), 4).code == "not-divisible"
+    assert conflict_of(view_placement, S(2, 5), (2, 5, 5), (2, 25), 4).code == "not-divisible"
+
+
+def test_view_that_splits_heads_unevenly_asks_for_whole_heads():
+    c = conflict_of(view_placement, S(2, 96), (2, 4, 96), (2, 4, 6, 16), 4)
+    assert c.code == "not-divisible" and c.unit == 16
+    # More ranks than heads: no unit would give every rank a head.
+    assert conflict_of(view_placement, S(2, 64), (2, 4, 64), (2, 4, 4, 16), 8).unit is None
 
 
 def test_view_split_heads_more_ranks_than_heads_is_not_divisible():
@@ -569,25 +627,34 @@ def test_matmul_between_head_sharded_activations_stays_sharded():
     assert report.count("forward", "all_reduce") == 1
 
 
-def test_six_heads_at_world_size_four_is_replicated_with_a_reason():
+def test_six_heads_at_world_size_four_are_split_as_whole_heads():
+    """NOTE: [uneven shards]: 6 heads of 16 over 4 ranks hold 2/2/1/1 whole heads; the view
+    asks q, k and v for a split in units of 16 (a head), o's input follows."""
     placements, plan, report, layers = analyze(Attention(dim=96, heads=6, fused=False), torch.randn(2, 5, 96), ws=4)
+    heads = Shard(0, (96,), unit=16)
     for name in ("q", "k", "v"):
-        assert layers[name].style == "replicate", name
-        assert layers[name].code is not None
-        assert layers[name].reason
-        assert layers[name].local_weight_shape == (96, 96)
-    assert layers["q"].code == "not-divisible"
-    assert layers["out"].style == "replicate"
-    assert plan.params == {}
-    assert report.count("forward", "all_reduce") == 0
-    assert all(p == REPLICATE for p in placements.values())
+        assert layers[name].style == "colwise" and layers[name].code is None, name
+        assert layers[name].local_weight_shape == (32, 96)  # rank 0's: the most
+        assert plan.params[f"p_{name}_weight"] == heads
+    assert placements["view"] == Shard(2, (6,))  # the head dim, in units of 1 head
+    assert plan.local_args["view"][1][2] == LocalSize(Shard(2, (6,)))  # filled per rank by the rewrite
+    assert placements["linear"] == Shard(2, (96,), unit=16)
+    assert layers["out"].style == "rowwise" and plan.params["p_out_weight"] == Shard(1, (96,), unit=16)
+    assert report.count("forward", "all_reduce") == 1
 
 
-def test_six_heads_fused_at_world_size_four_is_replicated_with_a_reason():
+def test_six_heads_fused_at_world_size_four_are_split_as_whole_heads():
+    """The fused q|k|v: segments (96, 96, 96) (the chunk), each in units of a head."""
     placements, plan, _, layers = analyze(Attention(dim=96, heads=6, fused=True), torch.randn(2, 5, 96), ws=4)
-    assert layers["qkv"].style == "replicate"
-    assert layers["qkv"].code is not None and layers["qkv"].reason
-    assert layers["out"].style == "replicate"
+    assert layers["qkv"].style == "colwise" and layers["out"].style == "rowwise"
+    assert plan.params["p_qkv_weight"] == Shard(0, (96, 96, 96), unit=16)
+    assert layers["qkv"].local_weight_shape == (96, 96)  # rank 0: 2 heads of each of q, k, v
+
+
+def test_more_ranks_than_heads_stays_replicated():
+    """4 heads of 16 at world_size 8: a rank would hold no head; nothing is sharded."""
+    placements, plan, _, layers = analyze(Attention(dim=64, heads=4, fused=False), torch.randn(2, 5, 64), ws=8)
+    assert {layers[n].style for n in ("q", "k", "v", "out")} == {"replicate"}
     assert plan.params == {}
 
 

@@ -7,10 +7,10 @@ from typing import Any
 from torch.fx import Node
 from torch.fx.node import map_aggregate
 
-from fxtp.placement import REPLICATE
-from passes.registry import RuleContext, is_tensor_node, shape_of
+from fxtp.placement import REPLICATE, Shard
+from passes.registry import LocalSize, RuleContext, is_tensor_node, shape_of
 
-__all__ = ["tensor_inputs", "activation_placement", "norm_dim", "local_sizes", "ndim"]
+__all__ = ["tensor_inputs", "activation_placement", "norm_dim", "local_sizes", "local_size", "ndim"]
 
 
 def tensor_inputs(node: Node) -> list[Node]:
@@ -48,3 +48,9 @@ def local_sizes(sizes: Any, index: int, local: int) -> list[Any]:
     out = list(sizes)
     out[index] = local
     return out
+
+
+def local_size(shard: Shard, world_size: int) -> Any:
+    """The local size of ``shard``'s dim for a shape literal: a number when even, else a
+    :class:`LocalSize` the rewrite fills in per rank (NOTE: [uneven shards])."""
+    return shard.local_size(world_size) if shard.divisible(world_size) else LocalSize(shard)

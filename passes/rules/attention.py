@@ -23,7 +23,7 @@ from torch.fx import Node
 
 from fxtp import local_ops
 from fxtp.placement import Shard
-from passes.registry import Conflict, Decision, RuleContext, ShardStart, register_rule, shape_of
+from passes.registry import Conflict, Decision, RuleContext, ShardStart, register_rule, shape_of, uneven_ok
 from passes.rules._common import ndim
 
 __all__: list[str] = []
@@ -32,6 +32,7 @@ aten = torch.ops.aten
 
 
 @register_rule(aten.scaled_dot_product_attention.default)
+@uneven_ok
 def sdpa_rule(ctx: RuleContext) -> Decision:
     q, k, v = ctx.node.args[:3]
     mask = ctx.node.args[3] if len(ctx.node.args) > 3 else ctx.node.kwargs.get("attn_mask")
@@ -60,6 +61,13 @@ def sdpa_rule(ctx: RuleContext) -> Decision:
     if any(len(p.segments) != nseg for p in shards.values()):
         raise Conflict("layout-mismatch", "q, k, v sharded with different segment counts", "keep the producers replicated")
     group = shape_of(q)[dim] // shape_of(k)[dim] if gqa and dim == nd - 3 else 1
+    uneven = [p for p in shards.values() if not p.divisible(ctx.world_size)]
+    if uneven and (len(shards) != 3 or len(set(shards.values())) != 1 or group != 1):
+        raise Conflict(  # NOTE: [uneven shards]: q, k and v must hold the same heads
+            "not-divisible",
+            f"attention with heads split unevenly ({uneven[0]}) at world_size {ctx.world_size} needs q, k and v sharded alike",
+            "use a world_size that divides the head count, or keep the producers replicated",
+        )
     if group > 1 and q in shards and k not in shards and v not in shards and not _heads_divide(k, dim, nseg, ctx.world_size):
         return _gathered_kv_heads(ctx, q, placements[q], group, mask, dim, nd)
     if group > 1 and q in shards and any(
@@ -96,7 +104,7 @@ def _want_mask(ctx: RuleContext, mask, dim: int, nd: int, q_shard: Shard, wants:
     if isinstance(ctx.placement(mask), Shard):
         raise Conflict("layout-mismatch", "sharded attention mask", "keep the mask's producer replicated")
     if mdim >= 0 and shape_of(mask)[mdim] != 1:
-        wants[mask] = Shard(mdim, q_shard.segments)
+        wants[mask] = q_shard.with_dim(mdim)
 
 
 def _gathered_kv_heads(ctx: RuleContext, q: Node, pq: Shard, group: int, mask, dim: int, nd: int) -> Decision:

@@ -24,7 +24,7 @@ from torch.fx import Node
 
 from fxtp import local_ops
 from fxtp.placement import REPLICATE, Partial, Shard
-from passes.registry import Conflict, Decision, LayerNote, RuleContext, ShardStart, module_of, register_rule, shape_of
+from passes.registry import Conflict, Decision, LayerNote, RuleContext, ShardStart, module_of, register_rule, shape_of, uneven_ok
 from passes.rules._common import activation_placement, ndim
 from passes.rules.experts import grouped_operands
 
@@ -89,6 +89,7 @@ def layer_weight(node: Node, is_param: Callable[[Node], bool]) -> Optional[Node]
 
 
 @register_rule(aten.linear.default)
+@uneven_ok
 def linear_rule(ctx: RuleContext) -> Decision:
     ops = layer_operands(ctx.node, ctx.is_param)
     assert ops is not None
@@ -96,6 +97,7 @@ def linear_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.addmm.default)
+@uneven_ok
 def addmm_rule(ctx: RuleContext) -> Decision:
     """GPT-2's ``Conv1D``: ``addmm(bias, x, W)`` with ``W`` of shape ``(in, out)``."""
     ops = layer_operands(ctx.node, ctx.is_param)
@@ -129,9 +131,9 @@ def _layer_rule(ctx: RuleContext, ops: LayerOperands) -> Decision:
         raise Conflict(code, f"{why}, so its input must be replicated", "drop the plan entry for the consumer")
     if isinstance(px, Shard) or state.forced == "rowwise" or state.slice_input and state.demoted is None:
         shard = px if isinstance(px, Shard) else Shard(last, (in_features,))
-        if not shard.divisible(ctx.world_size):
+        if not isinstance(px, Shard) and in_features < ctx.world_size:
             return Decision(REPLICATE, whole, layer=_not_divisible("in_features", in_features, ctx.world_size))
-        wants = {w: Shard(in_dim, shard.segments)}
+        wants = {w: shard.with_dim(in_dim)}  # uneven: the producer's offsets (NOTE: [uneven shards])
         if not isinstance(px, Shard):
             wants[x] = shard
         reason = "all_reduce after it, bias added once after that" if b is not None else "all_reduce after it"
@@ -145,15 +147,20 @@ def _layer_rule(ctx: RuleContext, ops: LayerOperands) -> Decision:
     if state.demoted is not None:
         return Decision(REPLICATE, whole, layer=state.demoted)
     segments = state.segments or (out_features,)
-    if any(s % ctx.world_size for s in segments):
+    unit = state.unit if all(s % state.unit == 0 for s in segments) else 1
+    if any(s < unit * ctx.world_size for s in segments):  # a rank would hold nothing
         return Decision(REPLICATE, whole, layer=_not_divisible("out_features", out_features, ctx.world_size))
-    out = Shard(last, segments)
-    wants = {w: Shard(ops.out_dim, segments)}
+    out = Shard(last, segments, unit)  # uneven when the units do not divide ws, NOTE: [uneven shards]
+    wants = {w: out.with_dim(ops.out_dim)}
     if b is not None:
-        wants[b] = Shard(0, segments)
+        wants[b] = out.with_dim(0)
     reason = "output stays sharded until a rowwise layer"
     if len(segments) > 1:
         reason += f"; fused output, each rank holds its block of every segment {list(segments)}"
+    if not out.divisible(ctx.world_size):
+        rows = "/".join(str(out.local_size(ctx.world_size, r)) for r in range(ctx.world_size))
+        heads = f", whole units of {unit} (heads)" if unit > 1 else ""
+        reason += f"; uneven: {rows} output features per rank{heads}"
     return Decision(out, wants, layer=LayerNote("colwise", reason))
 
 
@@ -168,17 +175,16 @@ def _on_other_dim(why: str) -> LayerNote:
 
 
 def _not_divisible(what: str, size: int, ws: int) -> LayerNote:
-    options = [d for d in range(2, min(size, 64) + 1) if size % d == 0][:4]
-    hint = f"use world_size {' or '.join(map(str, options))}" if options else "use world_size 1"
     return LayerNote(
         "replicate",
-        f"{what} {size} is not divisible by world_size {ws}",
+        f"{what} {size} is smaller than world_size {ws}: a rank would hold nothing",
         code="not-divisible",
-        fix=f"{hint}, or pad {what} to a multiple of {ws}",
+        fix="none needed: too small to shard",
     )
 
 
 @register_rule(aten.embedding.default)
+@uneven_ok
 def embedding_rule(ctx: RuleContext) -> Decision:
     """A vocab-parallel lookup (Megatron-LM's ``VocabParallelEmbedding``, DTensor's rowwise
     embedding): each rank holds a block of rows, looks up the ids that fall in it, zeroes the
@@ -192,7 +198,7 @@ def embedding_rule(ctx: RuleContext) -> Decision:
         note = state.demoted or _on_other_dim("the indices are sharded")
         return Decision(p if isinstance(p, Shard) else REPLICATE, {weight: REPLICATE}, layer=note)
     vocab = shape_of(weight)[0]
-    if vocab % ctx.world_size:
+    if vocab < ctx.world_size:
         return Decision(REPLICATE, {weight: REPLICATE}, layer=_not_divisible("num_embeddings", vocab, ctx.world_size))
     if _arg(ctx.node, 4, "sparse", False):
         note = LayerNote("replicate", "sparse gradients are not sharded", code="unsupported-op", fix="use sparse=False to shard it")
@@ -208,6 +214,7 @@ def embedding_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.matmul.default, aten.bmm.default, aten.mm.default)
+@uneven_ok
 def matmul_rule(ctx: RuleContext) -> Decision:
     """``a @ b`` between activations: a shard on batch dims, rows of ``a`` or columns of ``b``
     flows to the output; a sharded contraction dim is refused (``contracts-sharded-dim``)."""
@@ -234,7 +241,7 @@ def matmul_rule(ctx: RuleContext) -> Decision:
         if isinstance(p, Shard):
             if p.dim not in dmap:
                 raise Conflict("layout-mismatch", "matmul contracts over a dim sharded on one side only", "keep the producer replicated")
-            cand = Shard(dmap[p.dim], p.segments)
+            cand = p.with_dim(dmap[p.dim])
             if out is not None and cand != out:
                 raise Conflict("layout-mismatch", f"matmul operands sharded as {out} and {cand}", "keep one producer replicated")
             out = cand
@@ -248,5 +255,5 @@ def matmul_rule(ctx: RuleContext) -> Decision:
         inv = {o: d for d, o in dmap.items()}
         d = inv.get(out.dim)
         if d is not None and shape_of(node)[d] != 1:
-            wants[node] = Shard(d, out.segments)
+            wants[node] = out.with_dim(d)
     return Decision(out, wants)

@@ -10,7 +10,7 @@ import torch
 
 from fxtp import local_ops
 from fxtp.placement import REPLICATE, Shard
-from passes.registry import Conflict, Decision, GroupName, RuleContext, ShardStart, module_of, register_rule, shape_of
+from passes.registry import Conflict, Decision, GroupName, RuleContext, ShardStart, module_of, register_rule, shape_of, uneven_ok
 from passes.rules._common import ndim, norm_dim
 
 __all__: list[str] = []
@@ -27,6 +27,7 @@ def _reduces(ctx: RuleContext, what: str, dim: int) -> Conflict:
 
 
 @register_rule(aten.layer_norm.default, aten.rms_norm.default)
+@uneven_ok
 def norm_rule(ctx: RuleContext) -> Decision:
     """``layer_norm``/``rms_norm`` over the last ``len(normalized_shape)`` dims."""
     x, normalized_shape = ctx.node.args[:2]
@@ -39,6 +40,7 @@ def norm_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
+@uneven_ok
 def softmax_rule(ctx: RuleContext) -> Decision:
     x, dim = ctx.node.args[:2]
     p = ctx.placement(x)
@@ -52,6 +54,7 @@ def softmax_rule(ctx: RuleContext) -> Decision:
 @register_rule(
     aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.var.correction, aten.std.correction
 )
+@uneven_ok
 def reduction_rule(ctx: RuleContext) -> Decision:
     """Reductions over a dim list; ``keepdim`` decides whether the sharded dim moves."""
     x = ctx.node.args[0]
@@ -68,6 +71,7 @@ def reduction_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.sum.default, aten.mean.default, aten.nll_loss_nd.default)
+@uneven_ok
 def full_reduction_rule(ctx: RuleContext) -> Decision:
     """Reductions to a scalar (or over the class dim: ``nll_loss``). A sharded input is refused."""
     p = ctx.placement(ctx.node.args[0])
@@ -77,6 +81,7 @@ def full_reduction_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.cross_entropy_loss.default)
+@uneven_ok
 def cross_entropy_rule(ctx: RuleContext) -> Decision:
     """``cross_entropy(logits (N, C), target (N,))`` on logits sharded on the class dim (a colwise
     head's) is Megatron's vocab-parallel cross entropy: three all_reduce of (N,) instead of a

@@ -12,7 +12,7 @@ import operator
 import torch
 
 from fxtp.placement import REPLICATE, Placement, Shard
-from passes.registry import Conflict, Decision, RuleContext, register_rule, shape_of
+from passes.registry import Conflict, Decision, RuleContext, register_rule, shape_of, uneven_ok
 from passes.rules._common import activation_placement, ndim, tensor_inputs
 
 __all__ = ["broadcast_rule"]
@@ -46,6 +46,7 @@ POINTWISE_OPS = tuple(op for op in map(_overload, _POINTWISE_NAMES) if op is not
 
 
 @register_rule(*POINTWISE_OPS)
+@uneven_ok
 def broadcast_rule(ctx: RuleContext) -> Decision:
     """Output shard = the activations' common shard, aligned from the right (broadcasting).
 
@@ -76,7 +77,7 @@ def broadcast_rule(ctx: RuleContext) -> Decision:
             continue
         dim = out.dim - (out_nd - ndim(a))
         if dim >= 0 and shape_of(a)[dim] != 1:
-            wants[a] = Shard(dim, out.segments)
+            wants[a] = out.with_dim(dim)
     return Decision(out, wants)
 
 
@@ -94,6 +95,7 @@ def native_dropout_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(operator.getitem)
+@uneven_ok
 def getitem_rule(ctx: RuleContext) -> Decision:
     """An element of a multi-output node keeps that output's placement (recorded by the producer)."""
     source, index = ctx.node.args

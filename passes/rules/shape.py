@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 
 from fxtp.placement import REPLICATE, Shard
-from passes.registry import Conflict, Decision, RuleContext, register_rule, shape_of
-from passes.rules._common import activation_placement, local_sizes, ndim, norm_dim
+from passes.registry import Conflict, Decision, LocalSize, RuleContext, register_rule, shape_of, uneven_ok
+from passes.rules._common import activation_placement, local_size, local_sizes, ndim, norm_dim
 
 __all__ = ["view_placement", "group_dims"]
 
@@ -75,7 +75,9 @@ def view_placement(shard: Shard, in_shape: tuple[int, ...], out_shape: tuple[int
     big_in = [i for i in ins if in_shape[i] != 1]
     big_out = [o for o in outs if out_shape[o] != 1]
     if big_in == [shard.dim] and len(big_out) == 1:
-        return Shard(big_out[0], shard.segments)
+        return shard.with_dim(big_out[0])
+    if shard.unit != 1 or not shard.divisible(ws):
+        return _uneven_view(shard, in_shape, out_shape, big_in, big_out, ws)
     s = shard.segments[0]
     if any(seg != s for seg in shard.segments):
         raise Conflict(
@@ -105,6 +107,47 @@ def view_placement(shard: Shard, in_shape: tuple[int, ...], out_shape: tuple[int
         f"(e.g. a head count) across world_size {ws} inside its elements",
         f"use a world_size that divides {n}, or keep the producing layer replicated",
         refine=_refine_for_view(shard, in_shape, out_shape, group, ws),
+        unit=_head_unit(shard, out_shape, big_in, big_out, ws),
+    )
+
+
+# NOTE: [uneven views]
+# An uneven shard (NOTE: [uneven shards] in fxtp/placement.py) of one segment goes through the
+# views attention needs, and no others: a 1:1 pass (above), a split of the sharded dim into
+# (heads, head_dim, ...) whose inner span I divides the unit (``(B, T, 96)`` in units of 16 ->
+# ``(B, T, 6, 16)`` sharded on the 6 heads in units of 1), and the merge back (the sharded dim
+# outermost of the merged dims: the unit grows by the inner span). Splitting whole units
+# front-loaded over the outer dim gives the same rows as over the merged dim. Anything else
+# conflicts; a split whose inner span is a multiple of the unit asks the producing layer for
+# whole heads (``Conflict.unit``).
+
+
+def _head_unit(shard: Shard, out_shape, big_in: list[int], big_out: list[int], ws: int) -> Optional[int]:
+    """The split unit (a head's span) under which a view that splits the sharded dim into
+    ``(heads, head_dim, ...)`` is local with whole heads per rank, or ``None``."""
+    if big_in != [shard.dim] or len(big_out) < 2 or len(shard.segments) != 1:
+        return None
+    inner = math.prod(out_shape[o] for o in big_out[1:])
+    if inner % shard.unit or inner == shard.unit or shard.size // inner < ws:
+        return None
+    return inner
+
+
+def _uneven_view(shard: Shard, in_shape, out_shape, big_in: list[int], big_out: list[int], ws: int) -> Shard:
+    """NOTE: [uneven views]."""
+    if len(shard.segments) == 1 and big_in == [shard.dim] and len(big_out) >= 2:
+        inner = math.prod(out_shape[o] for o in big_out[1:])
+        if shard.unit % inner == 0:
+            return Shard(big_out[0], (out_shape[big_out[0]],), shard.unit // inner)
+    if len(shard.segments) == 1 and len(big_out) == 1 and big_in and big_in[0] == shard.dim:
+        inner = math.prod(in_shape[i] for i in big_in[1:])
+        return Shard(big_out[0], (shard.size * inner,), shard.unit * inner)
+    raise Conflict(
+        "not-divisible",
+        f"view {list(in_shape)} -> {list(out_shape)} regroups a dim sharded unevenly ({shard}, size {shard.size}) "
+        f"at world_size {ws}",
+        f"use a world_size that divides {shard.size}, or keep the producing layer replicated",
+        unit=_head_unit(shard, out_shape, big_in, big_out, ws),
     )
 
 
@@ -137,23 +180,26 @@ def _view_decision(ctx: RuleContext, size_arg: Optional[int]) -> Decision:
     if size_arg is None:
         return Decision(out)
     args = list(ctx.node.args)
-    args[size_arg] = local_sizes(args[size_arg], out.dim, out.local_size(ctx.world_size))
+    args[size_arg] = local_sizes(args[size_arg], out.dim, local_size(out, ctx.world_size))
     return Decision(out, local_args=tuple(args))
 
 
 @register_rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+@uneven_ok
 def view_rule(ctx: RuleContext) -> Decision:
     """``view(x, size)``: sizes become the local output shape (no ``-1`` left)."""
     return _view_decision(ctx, size_arg=1)
 
 
 @register_rule(aten.unsqueeze.default, aten.flatten.using_ints)
+@uneven_ok
 def squeeze_rule(ctx: RuleContext) -> Decision:
     """Dim-only views: the args name dims, not sizes, so nothing is rewritten."""
     return _view_decision(ctx, size_arg=None)
 
 
 @register_rule(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+@uneven_ok
 def global_squeeze_rule(ctx: RuleContext) -> Decision:
     """``squeeze``: only dims of global size 1. A sharded dim whose local size is 1 (4 heads
     at world_size 4) must not be squeezed on the rank, so a sharded input's squeeze becomes
@@ -173,6 +219,7 @@ def global_squeeze_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.unflatten.int)
+@uneven_ok
 def unflatten_rule(ctx: RuleContext) -> Decision:
     """``unflatten(x, dim, sizes)``: sizes become local."""
     x, dim, sizes = ctx.node.args[:3]
@@ -183,10 +230,11 @@ def unflatten_rule(ctx: RuleContext) -> Decision:
     start = norm_dim(dim, ndim(x))
     if not start <= out.dim < start + len(sizes):
         return Decision(out)
-    return Decision(out, local_args=(x, dim, local_sizes(sizes, out.dim - start, out.local_size(ctx.world_size))))
+    return Decision(out, local_args=(x, dim, local_sizes(sizes, out.dim - start, local_size(out, ctx.world_size))))
 
 
 @register_rule(aten.transpose.int)
+@uneven_ok
 def transpose_rule(ctx: RuleContext) -> Decision:
     x, d0, d1 = ctx.node.args
     p = ctx.placement(x)
@@ -199,6 +247,7 @@ def transpose_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.t.default, aten.numpy_T.default)
+@uneven_ok
 def t_rule(ctx: RuleContext) -> Decision:
     p = ctx.placement(ctx.node.args[0])
     if not isinstance(p, Shard):
@@ -207,6 +256,7 @@ def t_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.permute.default)
+@uneven_ok
 def permute_rule(ctx: RuleContext) -> Decision:
     x, dims = ctx.node.args
     p = ctx.placement(x)
@@ -217,6 +267,7 @@ def permute_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.select.int)
+@uneven_ok
 def select_rule(ctx: RuleContext) -> Decision:
     x, dim, _ = ctx.node.args
     p = ctx.placement(x)
@@ -229,6 +280,7 @@ def select_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.slice.Tensor)
+@uneven_ok
 def slice_rule(ctx: RuleContext) -> Decision:
     x = ctx.node.args[0]
     p = ctx.placement(x)
@@ -241,6 +293,7 @@ def slice_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.expand.default)
+@uneven_ok
 def expand_rule(ctx: RuleContext) -> Decision:
     """``expand(x, sizes)``: the sharded dim keeps its local size."""
     x = ctx.node.args[0]
@@ -248,7 +301,7 @@ def expand_rule(ctx: RuleContext) -> Decision:
     if not isinstance(p, Shard):
         return Decision(REPLICATE)
     out = p.with_dim(p.dim + len(ctx.out_shape) - ndim(x))
-    sizes = local_sizes(ctx.node.args[1], out.dim, out.local_size(ctx.world_size))
+    sizes = local_sizes(ctx.node.args[1], out.dim, local_size(out, ctx.world_size))
     return Decision(out, local_args=(x, sizes, *ctx.node.args[2:]))
 
 
@@ -271,7 +324,7 @@ def _split_pieces(shard: Shard, sizes: list[int], ws: int) -> list[Shard]:
             while sum(take) < size:
                 take.append(segs[i])
                 i += 1
-            pieces.append(Shard(shard.dim, tuple(take)))
+            pieces.append(Shard(shard.dim, tuple(take), shard.unit))
         return pieces
     merged = sorted(bounds | cuts)
     refined = tuple(b - a for a, b in zip(merged, merged[1:]))
@@ -285,6 +338,7 @@ def _split_pieces(shard: Shard, sizes: list[int], ws: int) -> list[Shard]:
 
 
 @register_rule(aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default)
+@uneven_ok
 def split_rule(ctx: RuleContext) -> Decision:
     """Split along the sharded dim works segment-wise (fused QKV); sizes become local."""
     x = ctx.node.args[0]
@@ -298,10 +352,17 @@ def split_rule(ctx: RuleContext) -> Decision:
         return Decision((p,) * n)
     sizes = [int(v.shape[dim]) for v in pieces_val]
     pieces = _split_pieces(p, sizes, ctx.world_size)
-    local = [piece.local_size(ctx.world_size) for piece in pieces]
+    local = [local_size(piece, ctx.world_size) for piece in pieces]
+    uneven = any(isinstance(size, LocalSize) for size in local)
+    if uneven and any(piece != pieces[0] for piece in pieces):  # equal pieces split equally on every rank
+        raise Conflict(
+            "not-divisible",
+            f"split into {sizes} of a dim sharded unevenly at world_size {ctx.world_size} into pieces of different layouts",
+            "keep the producing layer replicated",
+        )
     if ctx.node.target is aten.split_with_sizes.default:
         return Decision(tuple(pieces), local_args=(x, local, *ctx.node.args[2:]))
-    if len(set(local[:-1])) > 1 or local[-1] > local[0]:
+    if not uneven and (len(set(local[:-1])) > 1 or local[-1] > local[0]):
         raise Conflict("split-crosses-shard", f"split into {sizes} has no equal local split", "keep the producing layer replicated")
     if ctx.node.target is aten.split.Tensor:
         return Decision(tuple(pieces), local_args=(x, local[0], *ctx.node.args[2:]))
@@ -309,6 +370,7 @@ def split_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.unbind.int)
+@uneven_ok
 def unbind_rule(ctx: RuleContext) -> Decision:
     x = ctx.node.args[0]
     p = ctx.placement(x)
@@ -322,6 +384,7 @@ def unbind_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.cat.default)
+@uneven_ok
 def cat_rule(ctx: RuleContext) -> Decision:
     """Cat along the sharded dim concatenates segments; along another dim the shard is kept."""
     tensors = list(ctx.node.args[0])
@@ -335,7 +398,9 @@ def cat_rule(ctx: RuleContext) -> Decision:
     if shards[0].dim == dim:
         if len(shards) != len(tensors):
             raise Conflict("layout-mismatch", "cat along the sharded dim of sharded and replicated tensors", "keep the producers replicated")
-        return Decision(Shard(dim, tuple(s for p in shards for s in p.segments)), dict(zip(tensors, shards)))
+        if len({p.unit for p in shards}) > 1:
+            raise Conflict("layout-mismatch", "cat along the sharded dim of shards split in different units", "keep the producers replicated")
+        return Decision(Shard(dim, tuple(s for p in shards for s in p.segments), shards[0].unit), dict(zip(tensors, shards)))
     if any(p != shards[0] for p in shards):
         raise Conflict("layout-mismatch", "cat of tensors sharded differently", "keep one producer replicated")
     return Decision(shards[0], {t: shards[0] for t in tensors})

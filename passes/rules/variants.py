@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 
 from fxtp.placement import Replicate, Shard
-from passes.registry import Conflict, Decision, Rule, RuleContext, get_rule, is_tensor_node
+from passes.registry import Conflict, Decision, Rule, RuleContext, get_rule, is_tensor_node, takes_uneven, uneven_ok
 from passes.rules.dtensor_fallback import dtensor_rule
 
 __all__ = ["rule_for", "functional_variant"]
@@ -117,7 +117,7 @@ def _variant_rule(op: OpOverload, functional: OpOverload) -> Rule:
         return dec
 
     variant_rule.__name__ = f"{functional.overloadpacket.__name__}_variant_rule"
-    return variant_rule
+    return uneven_ok(variant_rule) if takes_uneven(own) else variant_rule
 
 
 def _stored_in_layout(ctx: RuleContext, arg: Node, have: Any, out: Any, dec: Decision) -> bool:
