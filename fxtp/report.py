@@ -102,6 +102,7 @@ class Report:
         self.inputs: tuple[InputSpec, ...] = ()  # the user inputs and their dims (fxtp.shapes)
         self.shape_notes: tuple[str, ...] = ()  # dims specialized by fxtp or a fallback, and why
         self.modes: dict[str, str] = {}  # mode -> how its graph was captured (NOTE: [modes])
+        self.generator_check = False  # a graph draws random numbers: the runtime checks the generators per call
 
     @property
     def plan(self) -> dict[str, str]:
@@ -132,6 +133,7 @@ class Report:
             "inputs": [_input_dict(spec) for spec in self.inputs],
             "shape_notes": list(self.shape_notes),
             "modes": dict(self.modes),
+            "generator_check": self.generator_check,
         }
 
     def __str__(self) -> str:
@@ -183,6 +185,11 @@ class Report:
             stats = [c for c in self.collectives if c.phase == phase and c.count]
             text = ", ".join(f"{c.count} {c.kind} ({_fmt_bytes(c.bytes)})" for c in stats) or "none"
             lines.append(f"collectives per {phase}: {text}")
+        if self.generator_check and self.world_size > 1:
+            lines.append(
+                "generator check: before each call of a graph that draws random numbers, 1 all_reduce of 16 bytes "
+                "(outside the graph's collectives above) checks that the ranks' generators agree (NOTE: [dropout across ranks])"
+            )
         if self.regions:
             lines.append(f"tensor-parallel regions: {len(self.regions)} (sharded stretches between replicated values)")
         frac = self.param_bytes_per_rank / self.param_bytes if self.param_bytes else 1.0

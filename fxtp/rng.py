@@ -12,7 +12,8 @@ order, as the single-device model would.
   A program that reseeds each rank differently after compile (``torch.manual_seed(seed + rank)``,
   common in data-parallel scripts) would silently give each rank another mask of a replicated
   value: before every call of a graph that draws random numbers, the runtime checks that the
-  group's generators agree (:func:`generators_in_step`, one all_reduce of 2 int64) and raises
+  group's generators agree (:func:`generators_in_step`, one all_reduce of 2 int64, named in the
+  report's summary) and raises
   ``FxtpRuntimeError`` where they do not.
 * Replicated values: the graph's own random ops, unchanged.
 * Sharded values (:func:`sharded_call`): an elementwise random op (dropout in all its forms,
@@ -44,7 +45,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from fxtp import collectives, local_ops
+from fxtp import local_ops
 from fxtp.placement import Shard, local_ranges
 
 __all__ = ["ELEMENTWISE", "draws_random", "generators_in_step", "is_random", "sharded_attention", "sharded_call", "sharded_random", "sync_generators"]
@@ -52,12 +53,15 @@ __all__ = ["ELEMENTWISE", "draws_random", "generators_in_step", "is_random", "sh
 _aten = torch.ops.aten
 
 
-def generators_in_step(group_name: str, device: torch.device) -> bool:
-    """Whether every rank of the group holds the same default generator state for ``device``
-    (CPU's, or the current CUDA device's): a 56-bit digest of it, its max and min over ranks."""
+def generators_in_step(group: "dist.ProcessGroup", device: torch.device) -> bool:
+    """Whether every rank of ``group`` holds the same default generator state for ``device``
+    (CPU's, or the current CUDA device's): a 56-bit digest of it, its max and min over ranks
+    (one all_reduce of 16 bytes, with torch.distributed's own call: not a graph collective, so
+    the report's counts of the graph's collectives stay what the graph runs)."""
     state = torch.cuda.get_rng_state() if device.type == "cuda" else torch.get_rng_state()
     digest = int.from_bytes(hashlib.blake2b(state.numpy().tobytes(), digest_size=7).digest(), "little")
-    both = collectives.all_reduce(torch.tensor([digest, -digest], dtype=torch.int64, device=device), group_name, "max")
+    both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     return int(both[0]) == -int(both[1])
 
 

@@ -292,7 +292,7 @@ class ParallelModule(nn.Module):
 
     def _check_generators(self, inputs: list[Any]) -> None:
         device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
-        if not rng.generators_in_step(self._group_name, device):
+        if not rng.generators_in_step(layout.tp_group(self), device):
             raise FxtpRuntimeError(
                 f"rank {self._rank}: the tensor-parallel ranks' random generators are out of step before a call that "
                 "draws random numbers (dropout): each rank would draw another mask for values that must be identical "
