@@ -127,9 +127,9 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
 
 
 def _compile_decoder(model: nn.Module, world_size: int, example_inputs: tuple, *, example_kwargs: dict, rank: Optional[int],
-                     group: Group, dynamic_shapes: Any) -> ParallelModule:
+                     group: Group, dynamic_shapes: Any, plan: Mapping[str, str]) -> ParallelModule:
     """``compile`` for fxtp.generation's static-cache decoder: its eval-mode graph only."""
-    return _compile(model, world_size, example_inputs, example_kwargs, rank, group, "auto", None, True, dynamic_shapes,
+    return _compile(model, world_size, example_inputs, example_kwargs, rank, group, "auto", plan, True, dynamic_shapes,
                     modes=())
 
 

@@ -110,6 +110,13 @@ def generate(
     pad = pad_token_id if pad_token_id is not None else cfg.pad_token_id
     if pad is None and eos:
         pad = eos[0]  # as Hugging Face's generate does
+    if attention_mask is None and pad is not None and pad not in eos and bool((input_ids == pad).any()):
+        # Hugging Face's generate would infer a mask hiding these tokens (pad != eos): not this decoder.
+        raise FxtpInputError(
+            f"generate: the prompt holds the pad token {pad}, which model.generate would mask out as padding; "
+            "fxtp's static cache has no padding. fix: pass attention_mask=torch.ones_like(input_ids) if those "
+            "tokens are real, or generate unpadded prompts"
+        )
     pick = _picker(cfg, do_sample, temperature, top_k, top_p)
     group = tp_group(pm)
     for key in decoder.written_state:  # a fresh cache (and its length counters)
@@ -243,6 +250,9 @@ def _compile_decoder(pm: nn.Module, gen: Generation, batch: int, max_cache_len: 
     decoder = gen.compile(
         wrapper, pm._world_size, (), example_kwargs=example, rank=pm._rank, group=tp_group(pm),
         dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}},
+        # What pm keeps whole the decoder keeps whole (its graph may shard more: another GQA path);
+        # the rest its planner lays out as pm's did, which _share_weights checks.
+        plan={f"model.{layer}": "replicate" for layer, style in pm.report.plan.items() if style == "replicate"},
     )
     _share_weights(pm, decoder)
     _allocate_cache(decoder, param.device)

@@ -40,7 +40,25 @@ def _mistral():
     return MistralForCausalLM(cfg).eval()
 
 
+def _uneven(name: str) -> nn.Module:
+    """6 heads of 16 (GPT-2; Qwen2 with 3 kv heads): at ws 4 (GPT-2) or 2 (Qwen2's kv heads) the
+    heads split unevenly or stay whole (NOTE: [uneven shards]); the decoder must shard alike."""
+    torch.manual_seed(0)
+    if name == "gpt2-6-heads":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config(n_embd=96, n_head=6, n_layer=2, vocab_size=128, n_positions=16, use_cache=False,
+                                          bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
+                                        num_key_value_heads=3, vocab_size=128, max_position_embeddings=16, use_cache=False,
+                                        pad_token_id=0, bos_token_id=0, eos_token_id=0)).eval()
+
+
 def _model(name: str) -> nn.Module:
+    if name.endswith("6-heads"):
+        return _uneven(name)
     if name == "qwen2":
         return _qwen2()
     if name == "mistral":
@@ -81,10 +99,11 @@ def _sampled(model: nn.Module, pm: nn.Module) -> dict:
     return {"same_on_ranks": all(torch.equal(t, got) for t in every), "equal_single": torch.equal(got, want)}
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral", "qwen2", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral", "qwen2", "mistral", "gpt2-6-heads", "qwen2-6-heads"])
 def test_greedy_generate_is_token_identical(pool, name):
-    if pool.world_size == 4 and name != "llama":
-        pytest.skip("ws 4 is checked on llama (2 kv heads on 4 ranks); the others at ws 2 keep the suite short")
+    at = {"llama": (2, 4), "gpt2-6-heads": (4,)}.get(name, (2,))
+    if pool.world_size not in at:
+        pytest.skip(f"{name} is checked at ws {at} (llama: 2 kv heads on 4 ranks; GPT-2: 6 heads 2/2/1/1)")
     shapes = [(2, 6, 8), (2, 3, 5), (1, 4, 6)] if name == "llama" and pool.world_size == 2 else [(2, 5, 6)]
     results = pool.run(_greedy, name, shapes)
     for r in results:
@@ -156,6 +175,9 @@ def test_generate_refuses_what_it_cannot_do():
         pm.generate(ids[:, :10], max_new_tokens=7)
     with pytest.raises(FxtpInputError, match="attention_mask with zeros"):
         pm.generate(ids[:, :4], max_new_tokens=2, attention_mask=torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
+    gpt2, (ids2,) = examples.gpt2()
+    with pytest.raises(FxtpInputError, match="holds the pad token 5"):  # pad != eos: HF would mask it
+        fxtp.compile(gpt2, 1, (ids2,)).generate(torch.tensor([[3, 5, 7]]), max_new_tokens=2, pad_token_id=5)
     with pytest.raises(FxtpInputError, match="int64"):
         pm.generate(ids[:, :4].float(), max_new_tokens=2)
     mlp, inputs = examples.mlp()
