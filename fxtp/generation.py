@@ -96,11 +96,12 @@ def generate(
         )
     batch, length = _check_prompt(input_ids, attention_mask, max_new_tokens)
     needed = length + max_new_tokens
-    limit = getattr(gen.config, "max_position_embeddings", None) or getattr(gen.config, "n_positions", None)
+    field_name = next((f for f in ("max_position_embeddings", "n_positions") if getattr(gen.config, f, None)), None)
+    limit = getattr(gen.config, field_name) if field_name else None
     if limit is not None and needed > limit:
         raise FxtpInputError(
             f"generate: prompt length {length} + max_new_tokens {max_new_tokens} = {needed} exceeds the model's "
-            f"{limit} positions (config.max_position_embeddings). fix: a shorter prompt or fewer new tokens"
+            f"{limit} positions (config.{field_name}). fix: a shorter prompt or fewer new tokens"
         )
     if max_cache_len is not None and max_cache_len < needed:
         raise FxtpInputError(f"generate: max_cache_len {max_cache_len} < prompt length + max_new_tokens = {needed}")
