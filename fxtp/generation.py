@@ -105,7 +105,6 @@ def generate(
         )
     if max_cache_len is not None and max_cache_len < needed:
         raise FxtpInputError(f"generate: max_cache_len {max_cache_len} < prompt length + max_new_tokens = {needed}")
-    decoder = _decoder(pm, gen, batch, needed, max_cache_len, limit)
     cfg = gen.generation_config
     eos = _as_list(eos_token_id if eos_token_id is not None else cfg.eos_token_id)
     pad = pad_token_id if pad_token_id is not None else cfg.pad_token_id
@@ -119,6 +118,7 @@ def generate(
             "tokens are real, or generate unpadded prompts"
         )
     pick = _picker(cfg, do_sample, temperature, top_k, top_p)
+    decoder = _decoder(pm, gen, batch, needed, max_cache_len, limit)  # compiled on first use, then kept
     group = tp_group(pm)
     for key in decoder.written_state:  # a fresh cache (and its length counters)
         _get(decoder, key).zero_()
