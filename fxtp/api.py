@@ -115,8 +115,9 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
             graphs[mode] = graphs[compiled] if same else other
             report.modes[mode] = "captured at compile" + (": the same graph" if same else ": its own graph")
     report.timings["modes_s"] = time.perf_counter() - start
+    # The captured graphs, not the rank graphs: there a random op on a shard is fxtp's own call.
     report.generator_check = any(draws_random(prog.graph) for prog, _ in graphs.values())
-    if group_name is not None and any(draws_random(g.graph) for _, g in graphs.values()):  # NOTE: [dropout across ranks]
+    if group_name is not None and report.generator_check:  # NOTE: [dropout across ranks]
         sync_generators(group.get_group() if hasattr(group, "get_group") else group or dist.group.WORLD)
     pm = ParallelModule(
         program, gm, sharding, report, rank=rank, world_size=ws, group_name=group_name, graphs=graphs, mode=compiled

@@ -193,6 +193,24 @@ def _reseeded_per_rank():
     return refused, all(torch.equal(g, out) for g in gathered)
 
 
+def _only_sharded_random_ops():
+    """Case 17: the only random op is SDPA's dropout on sharded heads, which the rank graph runs
+    as fxtp's own call; compile must still put generators seeded per rank in step."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model, (x,) = build_case("17-sdpa-dropout")
+    ref = copy.deepcopy(model)
+    torch.manual_seed(100 + rank)  # different on every rank before compile
+    pm = fxtp.compile(model, ws, (x,))
+    out = _same_draws(pm, ref, x, rank, ws)  # raises if the generators were left out of step
+    gathered = [torch.empty_like(out) for _ in range(ws)]
+    dist.all_gather(gathered, out)
+    return all(torch.equal(g, out) for g in gathered)
+
+
+def test_compile_syncs_generators_when_only_sharded_ops_draw(pool):
+    assert all(pool.run(_only_sharded_random_ops))
+
+
 def test_generators_out_of_step_are_refused(pool):
     for refused, same in pool.run(_reseeded_per_rank):
         assert refused is not None and "random generators are out of step" in refused and "torch.manual_seed(seed)" in refused
