@@ -121,7 +121,7 @@ def generate(
     decoder = _decoder(pm, gen, batch, needed, max_cache_len, limit)  # compiled on first use, then kept
     group = tp_group(pm)
     for key in decoder.written_state:  # a fresh cache (and its length counters)
-        _get(decoder, key).zero_()
+        decoder.get_buffer(key).zero_()
     ids = input_ids
     unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
     eos_t = torch.tensor(eos, device=input_ids.device) if eos else None
@@ -147,7 +147,7 @@ def cache_bytes(pm: nn.Module) -> int:
     gen: Optional[Generation] = pm._generation
     if gen is None:
         return 0
-    return sum(_get(d, key).numel() * _get(d, key).element_size() for d in gen.decoders.values() for key in d.written_state)
+    return sum(d.get_buffer(key).nbytes for d in gen.decoders.values() for key in d.written_state)
 
 
 def _check_prompt(input_ids: Any, attention_mask: Any, max_new_tokens: Any) -> tuple[int, int]:
@@ -243,6 +243,10 @@ def _compile_decoder(pm: nn.Module, gen: Generation, batch: int, max_cache_len: 
     model.generation_config.use_cache = True
     model.generation_config.cache_implementation = "static"
     wrapper = TorchExportableModuleWithStaticCache(model, batch_size=batch, max_cache_len=max_cache_len, device="meta")
+    # The graph reads and writes the cache through the StaticCache object, which export lifts as
+    # constants (those fxtp stores sharded); the wrapper's registrations of the same tensors would
+    # be extra graph inputs no op uses, each a whole cache to allocate.
+    wrapper._buffers.clear()
     seq = Dim("seq", min=1, max=max_cache_len)
     example = {
         "input_ids": torch.zeros(batch, 2, dtype=torch.long, device=param.device),
@@ -290,8 +294,8 @@ def _share_weights(pm: nn.Module, decoder: nn.Module) -> None:
             )
         decoder._register(fqn, pm.get_parameter(source))
     for fqn, buffer in list(decoder.named_buffers()):
-        if fqn in decoder.written_state or not fqn.startswith("model."):
-            continue  # the cache (the wrapper's own buffers, constants the graph writes)
+        if not fqn.startswith("model."):
+            continue  # constants lifted from the model: the cache (allocated below) and the others
         source = fqn.removeprefix("model.")
         try:
             decoder._register(fqn, pm.get_buffer(source), persistent=False)
@@ -307,18 +311,8 @@ def _allocate_cache(decoder: nn.Module, device: torch.device) -> None:
     for key, value in list(decoder.named_buffers()):
         if not value.is_meta:
             continue
-        if key not in decoder.written_state and _is_model_tensor(decoder, key):
+        if key not in decoder.written_state:
             target = decoder._constant_targets.get(key, key)
             raise FxtpInputError(f"generate: the decoder's tensor {target} was built on meta and is not a cache")
         owner, leaf = decoder.get_submodule(key.rpartition(".")[0]), key.rpartition(".")[2]
         owner._buffers[leaf] = torch.zeros(value.shape, dtype=value.dtype, device=device)
-
-
-def _is_model_tensor(decoder: nn.Module, key: str) -> bool:
-    """A tensor of the wrapped model (``model.<fqn>``, or a constant lifted from it), not the wrapper's cache."""
-    target = decoder._constant_targets.get(key, key)
-    return target.startswith("model.") and key not in decoder.written_state
-
-
-def _get(module: nn.Module, key: str) -> torch.Tensor:
-    return module.get_buffer(key)

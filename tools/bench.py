@@ -292,13 +292,12 @@ def _generation(generate: Callable[..., torch.Tensor], prompt: torch.Tensor, s: 
     return {"prefill_ms": 1e3 * prefill, "decode_tokens_per_s": decode, "tokens": tokens.tolist()}
 
 
-def _rank_generation(s: Settings, ws: int) -> dict[str, Any]:
+def _fxtp_generation(model: nn.Module, prompt: torch.Tensor, s: Settings, ws: int, barrier: Callable[[], None]) -> dict[str, Any]:
+    """:func:`_generation` of ``pm.generate`` at ``ws``, and the KV cache bytes this rank holds."""
     from fxtp import generation
 
-    model, prompt = generation_model(s)
     pm = fxtp.compile(model, ws, (prompt,))
-    result = _generation(pm.generate, prompt, s, dist.barrier)
-    return result | {"cache_bytes_per_rank": generation.cache_bytes(pm)}
+    return _generation(pm.generate, prompt, s, barrier) | {"cache_bytes_per_rank": generation.cache_bytes(pm)}
 
 
 def _rank_main(rank: int, ws: int, port: int, s: Settings, out_path: str) -> None:
@@ -323,7 +322,7 @@ def _rank_main(rank: int, ws: int, port: int, s: Settings, out_path: str) -> Non
             "plan": pm.plan,
             **_new_shape(pm, dt, s, dist.barrier),
         }
-        result["generation"] = _rank_generation(s, ws)
+        result["generation"] = _fxtp_generation(*generation_model(s), s, ws, dist.barrier)
         gathered: list[Any] = [None] * ws
         dist.all_gather_object(gathered, result)
         collectives = _rank_collectives(s, ws)
@@ -349,13 +348,6 @@ def bench_distributed(s: Settings, ws: int = 2) -> dict[str, Any]:
             return json.load(f)
 
 
-def _rank_generation_single(model: nn.Module, prompt: torch.Tensor, s: Settings) -> dict[str, Any]:
-    from fxtp import generation
-
-    pm = fxtp.compile(model, 1, (prompt,))
-    return _generation(pm.generate, prompt, s, lambda: None) | {"cache_bytes_per_rank": generation.cache_bytes(pm)}
-
-
 def bench_single(s: Settings) -> dict[str, Any]:
     """fxtp at world_size 1 against the plain model, one process, one thread."""
     threads = torch.get_num_threads()
@@ -369,7 +361,7 @@ def bench_single(s: Settings) -> dict[str, Any]:
         gen_model, prompt = generation_model(s)
         generation = {
             "single": _generation(lambda p, **kw: gen_model.generate(p, do_sample=False, pad_token_id=0, **kw), prompt, s, lambda: None),
-            "fxtp_ws1": _rank_generation_single(gen_model, prompt, s),
+            "fxtp_ws1": _fxtp_generation(gen_model, prompt, s, 1, lambda: None),
         }
         return {"step_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()}, "max_abs_error": errors,
                 "generation": generation}
