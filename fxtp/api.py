@@ -23,6 +23,7 @@ from fxtp.rng import draws_random, sync_generators
 from fxtp.runtime import ParallelModule
 from fxtp.shapes import input_specs, specialized_shapes
 from passes.dynamic import plan_symbols
+from passes.sequence import sequence_parallel
 from passes.normalize import normalize
 from passes.partial import defer_reductions
 from passes.plan import STYLES, ShardingPlan, plan_sharding
@@ -45,6 +46,7 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
     plan: Optional[Mapping[str, str]] = None,
     dynamic: bool = True,
     dynamic_shapes: Any = None,
+    sequence_parallel: bool = False,
 ) -> ParallelModule:
     """Turn ``model`` into this rank's part of a ``world_size``-way tensor-parallel model.
 
@@ -68,6 +70,12 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
             specializes every dim to the example (NOTE: [dynamic shapes] in fxtp/capture.py).
         dynamic_shapes: torch.export's ``dynamic_shapes`` spec, passed through (overrides
             ``dynamic``), e.g. ``{"ids": {0: Dim("batch", min=1)}}``.
+        sequence_parallel: Megatron-LM's sequence parallelism (Korthikanti et al. 2022): the
+            values between a rowwise layer and the next colwise one (residuals, norms, dropout)
+            are sharded on their token dim (the second-to-last), each rowwise all_reduce
+            becomes a reduce_scatter and each colwise entry an all_gather (the same bytes), and
+            a rank keeps 1/world_size of those activations (NOTE: [sequence parallelism] in
+            passes/sequence.py). Token counts must divide world_size (else ``FxtpInputError``).
 
     Returns:
         A :class:`ParallelModule`: same call signature and outputs as ``model``. Its
@@ -88,18 +96,18 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
         print(pm.report)
     """
     return _compile(model, world_size, example_inputs, example_kwargs, rank, group, capture, plan, dynamic, dynamic_shapes,
-                    modes=("train", "eval"))
+                    modes=("train", "eval"), sequence=_check_flag("sequence_parallel", sequence_parallel))
 
 
 def _compile(model, world_size, example_inputs, example_kwargs, rank, group, capture, plan, dynamic, dynamic_shapes, *,
-             modes: tuple[str, ...]) -> ParallelModule:
+             modes: tuple[str, ...], sequence: bool = False) -> ParallelModule:
     """``compile``, capturing the graphs of ``modes`` besides the model's own (NOTE: [modes]);
     a decoder for ``generate`` runs in eval mode only and needs no other."""
     ws = _check_world_size(world_size)
     args, kwargs = _check_inputs(model, example_inputs, example_kwargs)
     group_name, rank = _resolve_group(ws, rank, group)
     shapes = _shapes_spec(args, kwargs, dynamic, dynamic_shapes)
-    captured, sharding, report = _analyze(model, ws, args, kwargs, capture, plan, rank, shapes)
+    captured, sharding, report = _analyze(model, ws, args, kwargs, capture, plan, rank, shapes, sequence=sequence)
     program = captured.program
     start = time.perf_counter()
     gm = _rewrite(program, sharding, ws, rank, group_name)
@@ -110,7 +118,7 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
     start = time.perf_counter()
     for mode in modes:  # NOTE: [modes]
         if mode not in graphs:
-            other = _other_mode(model, mode, ws, args, kwargs, captured, plan, rank, shapes, group_name, program, sharding)
+            other = _other_mode(model, mode, ws, args, kwargs, captured, plan, rank, shapes, group_name, program, sharding, sequence)
             same = other[1].code == gm.code and input_specs(other[0]) == input_specs(program)
             graphs[mode] = graphs[compiled] if same else other
             report.modes[mode] = "captured at compile" + (": the same graph" if same else ": its own graph")
@@ -166,12 +174,12 @@ def _in_mode(model: nn.Module, training: bool) -> Iterator[None]:
 
 
 def _other_mode(
-    model, mode, ws, args, kwargs, first: Captured, plan, rank, shapes, group_name, program, sharding
+    model, mode, ws, args, kwargs, first: Captured, plan, rank, shapes, group_name, program, sharding, sequence
 ) -> tuple[torch.export.ExportedProgram, torch.fx.GraphModule]:
     """Capture, plan and rewrite ``model`` in ``mode``; its parameters must be sharded as in
     the compiled mode's plan (NOTE: [modes])."""
     with _in_mode(model, mode == "train"):
-        captured, other, _ = _analyze(model, ws, args, kwargs, first.frontend, plan, rank, shapes, report=False)
+        captured, other, _ = _analyze(model, ws, args, kwargs, first.frontend, plan, rank, shapes, report=False, sequence=sequence)
     want = parameter_placements(program, sharding)
     for fqn, placement in parameter_placements(captured.program, other).items():
         if fqn in want and want[fqn] != placement:
@@ -208,6 +216,7 @@ def analyze(
     dynamic: bool = True,
     dynamic_shapes: Any = None,
     rank: int = 0,
+    sequence_parallel: bool = False,
 ) -> Report:
     """The :class:`Report` ``compile`` would give, without creating any shard.
 
@@ -218,15 +227,17 @@ def analyze(
     ws = _check_world_size(world_size)
     args, kwargs = _check_inputs(model, example_inputs, example_kwargs)
     shapes = _shapes_spec(args, kwargs, dynamic, dynamic_shapes)
-    return _analyze(model, ws, args, kwargs, capture, plan, rank, shapes)[2]
+    return _analyze(model, ws, args, kwargs, capture, plan, rank, shapes,
+                    sequence=_check_flag("sequence_parallel", sequence_parallel))[2]
 
 
-def _analyze(model, ws, args, kwargs, how, plan, rank, shapes=None, report: bool = True) -> tuple[Captured, ShardingPlan, Optional[Report]]:
+def _analyze(model, ws, args, kwargs, how, plan, rank, shapes=None, report: bool = True,
+             sequence: bool = False) -> tuple[Captured, ShardingPlan, Optional[Report]]:
     if how not in (*FRONTENDS, "auto"):
         raise FxtpConfigError(f"capture must be one of {', '.join(repr(f) for f in (*FRONTENDS, 'auto'))}, not {how!r}")
     overrides = _check_plan(plan)
     start = time.perf_counter()
-    captured, sharding, capture_s = _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes)
+    captured, sharding, capture_s = _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes, sequence)
     symbols = plan_symbols(captured.program.graph, sharding)
     notes = list(captured.notes)
     if symbols:  # NOTE: [dynamic shapes]: a decision reads a dynamic size: specialize it, capture again
@@ -235,7 +246,7 @@ def _analyze(model, ws, args, kwargs, how, plan, rank, shapes=None, report: bool
         notes += [f"{dims.get(sym, sym + ' specialized')}: the plan depends on its size ({why})" for sym, why in symbols.items()]
         respec = specialized_shapes(flat, specs, set(symbols))
         first = captured
-        captured, sharding, again_s = _capture_and_plan(model, ws, args, kwargs, first.frontend, overrides, respec)
+        captured, sharding, again_s = _capture_and_plan(model, ws, args, kwargs, first.frontend, overrides, respec, sequence)
         captured = dataclasses.replace(captured, attempts=first.attempts + captured.attempts)
         capture_s += again_s
         notes += list(captured.notes)
@@ -249,7 +260,7 @@ def _analyze(model, ws, args, kwargs, how, plan, rank, shapes=None, report: bool
     return captured, sharding, rep
 
 
-def _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes) -> tuple[Captured, ShardingPlan, float]:
+def _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes, sequence: bool) -> tuple[Captured, ShardingPlan, float]:
     """Capture, normalize and plan; also the seconds the capture took."""
     start = time.perf_counter()
     captured = capture(model, args, kwargs, how, dynamic_shapes=shapes)
@@ -261,7 +272,16 @@ def _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes) -> tuple[
         spec.arg.name: spec.target for spec in program.graph_signature.input_specs if spec.kind == InputKind.PARAMETER
     }
     param_fqns |= written_state(program)  # NOTE: [sharded state] in passes/rules/variants.py
-    return captured, defer_reductions(program.graph, plan_sharding(program.graph, param_fqns, ws, overrides)), capture_s
+    sharding = defer_reductions(program.graph, plan_sharding(program.graph, param_fqns, ws, overrides))
+    if sequence:  # NOTE: [sequence parallelism] in passes/sequence.py
+        sharding = sequence_parallel(program.graph, sharding, frozenset(param_fqns))
+    return captured, sharding, capture_s
+
+
+def _check_flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise FxtpConfigError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def _check_world_size(world_size: Any) -> int:

@@ -129,6 +129,8 @@ def get_args_parser() -> argparse.ArgumentParser:
         "with placements; dot: Graphviz DOT",
     )
     inspect.add_argument("--rank", "-r", metavar="R", type=int, default=0, help="the rank shown (default: 0)")
+    inspect.add_argument("--sequence-parallel", action="store_true",
+                         help="Megatron sequence parallelism: token-sharded regions between rowwise and colwise layers")
     inspect.add_argument("--out", "-o", metavar="FILE", help="write to FILE; with --format dot, FILE.svg/.png/.pdf renders it with dot")
     inspect.add_argument("--verify", action="store_true", help="run the ranks on local gloo and compare outputs and gradients with the single-device model "
                          "(models with weights only: not the meta-device examples or a config.json)")
@@ -159,14 +161,16 @@ def _inspect(args: argparse.Namespace) -> int:
         raise UsageError(f"--verify runs the model, but {args.model} is on the meta device (no weights): analysis only")
     inputs = resolve_inputs(loaded, args.inputs)
     check_inputs(loaded, inputs, args.inputs)
-    text = inspect_text(loaded, inputs, world_size=args.world_size, rank=args.rank, fmt=args.format, verbose=args.verbose)
+    text = inspect_text(loaded, inputs, world_size=args.world_size, rank=args.rank, fmt=args.format, verbose=args.verbose,
+                        sequence_parallel=args.sequence_parallel)
     write_output(text, args.out, args.format)
     if not args.verify:
         return 0
     from fxtp.verify import verify
 
     sys.stdout.flush()
-    result = verify(args.model, loaded.model, inputs, args.world_size, tolerance=args.tolerance, verbose=args.verbose)
+    result = verify(args.model, loaded.model, inputs, args.world_size, tolerance=args.tolerance, verbose=args.verbose,
+                    sequence_parallel=args.sequence_parallel)
     print(result)
     return 0 if result.ok else 1
 

@@ -13,6 +13,12 @@ region:
 :func:`gather_from_tp` (all_gather forward, local slice backward) is used only where a user
 plan forces a shard into a consumer that needs the whole tensor.
 
+Sequence parallelism (Korthikanti et al. 2022, section 4.2.2; NOTE: [sequence parallelism] in
+passes/sequence.py) replaces ``g`` by :func:`reduce_scatter_to_sp` (reduce_scatter forward,
+all_gather backward) and ``f`` by :func:`gather_from_sp` (all_gather forward, reduce_scatter
+backward); :func:`scatter_to_sp` (slice forward, all_gather backward) brings a replicated value
+into the token-sharded region.
+
 Every function takes plain arguments (a group *name*, ints, tuples) so the emitted FX graph
 holds only plain tensors and literals and prints as readable code.
 
@@ -28,9 +34,21 @@ from __future__ import annotations
 import torch
 from torch.autograd import Function
 
+from fxtp import activations
+from fxtp.errors import FxtpInputError
 from fxtp.placement import Shard, local_ranges
 
-__all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "all_reduce", "all_gather"]
+__all__ = [
+    "copy_to_tp",
+    "reduce_from_tp",
+    "gather_from_tp",
+    "reduce_scatter_to_sp",
+    "gather_from_sp",
+    "scatter_to_sp",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+]
 
 _c10d = torch.ops._c10d_functional
 
@@ -62,6 +80,20 @@ def all_gather(
             offset = sum(length for _, length in ranges[r][:i])
             pieces.append(per_rank[r].narrow(0, offset, ranges[r][i][1]))
     return torch.cat(pieces, dim=0).movedim(0, dim)
+
+
+def reduce_scatter(t: torch.Tensor, dim: int, world_size: int, group_name: str) -> torch.Tensor:
+    """This rank's block of the sum over the ranks of ``t``, split evenly along ``dim`` (whose
+    size must divide ``world_size``): the inverse layout of :func:`all_gather` with one segment."""
+    out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(t.movedim(dim, 0).contiguous(), "sum", world_size, group_name))
+    return out.movedim(0, dim)
+
+
+def _gather_tokens(t: torch.Tensor, dim: int, world_size: int, group_name: str) -> torch.Tensor:
+    """All_gather of equal blocks along ``dim``, contiguous: a layer's ``reshape`` of it is then a
+    view, which NOTE: [regathered activations] recognizes."""
+    flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(t.movedim(dim, 0).contiguous(), world_size, group_name))
+    return flat.movedim(0, dim).contiguous()
 
 
 def _local(t: torch.Tensor, dim: int, segments: tuple[int, ...], rank: int, world_size: int, unit: int) -> torch.Tensor:
@@ -101,6 +133,45 @@ class _GatherFromTP(Function):
         return _local(grad, *ctx.args), None, None, None, None, None, None
 
 
+class _ReduceScatterToSP(Function):
+    @staticmethod
+    def forward(ctx, x, dim, world_size, group_name):  # type: ignore[override]
+        ctx.args = (dim, (x.shape[dim],), world_size, group_name)
+        return reduce_scatter(x, dim, world_size, group_name)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return all_gather(grad, *ctx.args), None, None, None
+
+
+class _GatherFromSP(Function):
+    @staticmethod
+    def forward(ctx, x, dim, rank, world_size, group_name, sum_grad, regather):  # type: ignore[override]
+        ctx.args, ctx.rank, ctx.sum_grad = (dim, world_size, group_name), rank, sum_grad
+        full = _gather_tokens(x, dim, world_size, group_name)
+        if regather:
+            activations.gathered(full, x, lambda shard: _gather_tokens(shard, dim, world_size, group_name))
+        return full
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        dim, world_size, group_name = ctx.args
+        if ctx.sum_grad:
+            return reduce_scatter(grad, dim, world_size, group_name), None, None, None, None, None, None
+        return grad.chunk(world_size, dim)[ctx.rank].contiguous(), None, None, None, None, None, None
+
+
+class _ScatterToSP(Function):
+    @staticmethod
+    def forward(ctx, x, dim, rank, world_size, group_name):  # type: ignore[override]
+        ctx.args = (dim, (x.shape[dim],), world_size, group_name)
+        return x.chunk(world_size, dim)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return all_gather(grad, *ctx.args), None, None, None, None
+
+
 def copy_to_tp(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Megatron's ``f``: identity forward, all_reduce backward. Same shape and dtype as ``x``."""
     return _CopyToTP.apply(x, group_name)
@@ -117,3 +188,37 @@ def gather_from_tp(
     """All_gather of a shard along ``dim`` (global size ``sum(segments)``, split in units of
     ``unit``, even or not: NOTE: [uneven shards]); backward keeps this rank's slice of the gradient."""
     return _GatherFromTP.apply(x, dim, segments, rank, world_size, group_name, unit)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, dim: int, world_size: int, group_name: str) -> torch.Tensor:
+    """Sequence parallelism's ``g``: this rank's block along ``dim`` of the sum over the ranks
+    (reduce_scatter; ``x.shape[dim]`` must divide ``world_size``), all_gather backward. Shape:
+    ``x``'s with ``dim`` divided by ``world_size``."""
+    _check_tokens(x, dim, world_size)
+    return _ReduceScatterToSP.apply(x, dim, world_size, group_name)
+
+
+def gather_from_sp(
+    x: torch.Tensor, dim: int, rank: int, world_size: int, group_name: str, sum_grad: bool, regather: bool = False
+) -> torch.Tensor:
+    """Sequence parallelism's ``f``: all_gather of every rank's block along ``dim``; backward
+    reduce_scatters the gradient when it is a partial sum (``sum_grad``: a sharded op consumes
+    the value), else keeps this rank's block of it. ``regather``: a layer that saves the result
+    for backward saves ``x`` instead (NOTE: [regathered activations] in fxtp/activations.py)."""
+    return _GatherFromSP.apply(x, dim, rank, world_size, group_name, sum_grad, regather)
+
+
+def scatter_to_sp(x: torch.Tensor, dim: int, rank: int, world_size: int, group_name: str) -> torch.Tensor:
+    """This rank's block of a replicated ``x`` along ``dim`` (Megatron-LM's
+    ``scatter_to_sequence_parallel_region``): slice forward, all_gather backward."""
+    _check_tokens(x, dim, world_size)
+    return _ScatterToSP.apply(x, dim, rank, world_size, group_name)
+
+
+def _check_tokens(x: torch.Tensor, dim: int, world_size: int) -> None:
+    if x.shape[dim] % world_size:
+        raise FxtpInputError(
+            f"sequence_parallel=True shards dim {dim} of a value of shape {tuple(x.shape)} (its tokens) over "
+            f"world_size {world_size}, and {x.shape[dim]} does not divide by it. fix: pad the sequence to a multiple "
+            f"of {world_size}, or compile with sequence_parallel=False"
+        )

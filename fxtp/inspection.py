@@ -291,14 +291,16 @@ def check_inputs(loaded: Loaded, inputs: tuple[Any, ...], specs: list[InputSpec]
 
 
 def inspect_text(
-    loaded: Loaded, inputs: tuple[Any, ...], *, world_size: int, rank: int, fmt: str, verbose: bool = False
+    loaded: Loaded, inputs: tuple[Any, ...], *, world_size: int, rank: int, fmt: str, verbose: bool = False,
+    sequence_parallel: bool = False,
 ) -> str:
     """What ``fxtp inspect`` prints in format ``fmt`` for rank ``rank`` of ``world_size``
     (``verbose``: the table shows each failed capture frontend's error)."""
     if fmt in ("table", "json"):
-        report = fxtp.analyze(loaded.model, world_size, inputs, example_kwargs=loaded.kwargs, rank=rank)
+        report = fxtp.analyze(loaded.model, world_size, inputs, example_kwargs=loaded.kwargs, rank=rank,
+                              sequence_parallel=sequence_parallel)
         return render(report, fmt, verbose=verbose)
-    pm = fxtp.compile(loaded.model, world_size, inputs, example_kwargs=loaded.kwargs, rank=rank)
+    pm = fxtp.compile(loaded.model, world_size, inputs, example_kwargs=loaded.kwargs, rank=rank, sequence_parallel=sequence_parallel)
     return render(pm, fmt, name=loaded.name)
 
 

@@ -23,6 +23,9 @@ from fxtp.placement import REPLICATE, Partial, Placement, Shard, is_sharded
 from fxtp.rng import is_random, sharded_call
 from fxtp.shapes import InputSpec, describe_dims
 from passes.plan import LayerDecision, ShardingPlan, module_of
+from passes.propagate import param_root
+from passes.rules.matmul import layer_weight
+from passes.sequence import saving_layers
 
 __all__ = ["Report", "CollectiveStat", "Note", "build_report", "megatron_floor", "parameter_placements"]
 
@@ -103,6 +106,9 @@ class Report:
         self.shape_notes: tuple[str, ...] = ()  # dims specialized by fxtp or a fallback, and why
         self.modes: dict[str, str] = {}  # mode -> how its graph was captured (NOTE: [modes])
         self.generator_check = False  # a graph draws random numbers: the runtime checks the generators per call
+        # layer node -> its communication where sequence parallelism changed it (NOTE: [sequence parallelism])
+        self.layer_comms: dict[str, str] = {}
+        self.sequence_parallel = False  # some region is sharded on tokens
 
     @property
     def plan(self) -> dict[str, str]:
@@ -134,6 +140,7 @@ class Report:
             "shape_notes": list(self.shape_notes),
             "modes": dict(self.modes),
             "generator_check": self.generator_check,
+            "sequence_parallel": self.sequence_parallel,
         }
 
     def __str__(self) -> str:
@@ -150,7 +157,7 @@ class Report:
                 reason = f"{layer.code}: {reason}" + (f" (at {where})" if where else "") + f". fix: {layer.fix}"
             row = [layer.name, layer.module] if show_module else [layer.name]
             row += [layer.op, "x".join(map(str, layer.weight_shape)), layer.style, "x".join(map(str, layer.local_weight_shape))]
-            rows.append((*row, _layer_comm(layer), reason))
+            rows.append((*row, self.layer_comms.get(layer.node) or _layer_comm(layer), reason))
         headers = ["layer", "module"] if show_module else ["layer"]
         headers += ["op", "weight", "style", "local weight", "communication", "reason"]
         widths = [None] * (len(headers) - 1) + [64]
@@ -189,6 +196,11 @@ class Report:
             lines.append(
                 "generator check: before each call of a graph that draws random numbers, 1 all_reduce of 16 bytes "
                 "(outside the graph's collectives above) checks that the ranks' generators agree (NOTE: [dropout across ranks])"
+            )
+        if self.sequence_parallel:
+            lines.append(
+                "sequence parallelism: the values between a rowwise layer and the next colwise one are sharded on their "
+                "tokens (reduce_scatter / all_gather instead of all_reduce); token counts must divide world_size"
             )
         if self.regions:
             lines.append(f"tensor-parallel regions: {len(self.regions)} (sharded stretches between replicated values)")
@@ -258,25 +270,8 @@ def _nbytes(val: Any) -> int:
 def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, attempts, rank: int) -> Report:
     """Assemble the report from the captured program and the plan (reads ``meta["val"]``)."""
     nodes = {n.name: n for n in program.graph.nodes}
-    reduces = [nodes[name] for name in plan.reduces]
-    gathered = {p for (_, p), a in plan.edges.items() if a.kind == "gather"}
     needs_grad = _needs_grad(program)
-    entered = {p for (_, p), a in plan.edges.items() if (a.kind == "enter" or a.enter) and p in needs_grad}
-    # Emitted ops that all_reduce themselves: a vocab-parallel loss, 3 of fp32 (N,) for (N, C) logits.
-    inside = [
-        (nodes[name], local_ops.FORWARD_COLLECTIVES[target])
-        for name, target in plan.local_targets.items()
-        if target in local_ops.FORWARD_COLLECTIVES
-    ]
-    inside_count = sum(count for _, (kind, count) in inside if kind == "all_reduce")
-    inside_bytes = sum(count * 4 * optimization_hint(n.args[0].meta["val"].shape[0]) for n, (kind, count) in inside if kind == "all_reduce")
-    stats = (
-        CollectiveStat(
-            "forward", "all_reduce", len(reduces) + inside_count, sum(_nbytes(n.meta["val"]) for n in reduces) + inside_bytes
-        ),
-        CollectiveStat("forward", "all_gather", len(gathered), sum(_nbytes(nodes[p].meta["val"]) for p in gathered)),
-        CollectiveStat("backward", "all_reduce", len(entered), sum(_nbytes(nodes[p].meta["val"]) for p in entered)),
-    )
+    stats = _collectives(program, plan, nodes, needs_grad)
     placements = parameter_placements(program, plan)
     tensors = {id(program.state_dict[fqn]): (program.state_dict[fqn], p) for fqn, p in placements.items()}
     total = per_rank = 0
@@ -285,7 +280,7 @@ def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, at
         total += nbytes
         per_rank += _local_bytes(nbytes, placement, rank, plan.world_size)
     param_names = {s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.PARAMETER}
-    return Report(
+    report = Report(
         world_size=plan.world_size,
         rank=rank,
         frontend=frontend,
@@ -299,6 +294,82 @@ def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, at
         regions=_regions(program, plan),
         uneven=any(isinstance(p, Shard) and not p.divisible(plan.world_size) for _, p in tensors.values()),
     )
+    report.sequence_parallel = bool(plan.scatters)
+    report.layer_comms = _sequence_comms(program, plan)
+    return report
+
+
+def _collectives(program: ExportedProgram, plan: ShardingPlan, nodes: dict[str, Any], needs_grad: set[str]) -> tuple[CollectiveStat, ...]:
+    """Collectives per forward and backward on the example, as the rewrite emits them: one per
+    value and kind (the rewrite shares an ``f``, a gather, a slice among consumers)."""
+    def nbytes(names) -> int:
+        return sum(_nbytes(nodes[n].meta["val"]) for n in names)
+
+    reduces = [name for name in plan.reduces if name not in plan.scatters]
+    reduce_scattered = [name for name in plan.scatters if name in plan.reduces]
+    sliced_out = [name for name in plan.scatters if name not in plan.reduces and name in needs_grad]
+    tp_gathered = {p for (_, p), a in plan.edges.items() if a.kind == "gather"}
+    # NOTE: [sequence parallelism]: a token shard is gathered once per kind of backward it needs
+    sp_gathered = {(p, a.enter) for (_, p), a in plan.edges.items() if a.kind == "sp_gather"}
+    entered = {p for (_, p), a in plan.edges.items() if a.kind in ("enter", "slice", "gather") and (a.kind == "enter" or a.enter) and p in needs_grad}
+    entered |= {f"{p}@gathered" for (_, p), a in plan.edges.items() if a.kind == "sp_gather" and a.then is not None and (a.then.kind == "enter" or a.then.enter) and p in needs_grad}
+    entered |= {b for n, b in plan.reduces.items() if n in plan.scatters and b is not None and b in needs_grad}  # the bias's f
+    scattered_back = {p for p, summed in sp_gathered if summed and p in needs_grad}
+    sliced_in = {p for (_, p), a in plan.edges.items() if a.kind == "sp_scatter" and a.enter and p in needs_grad}
+    regathered = _regathered(program, plan, nodes)
+    # Emitted ops that all_reduce themselves: a vocab-parallel loss, 3 of fp32 (N,) for (N, C) logits.
+    inside = [
+        (nodes[name], local_ops.FORWARD_COLLECTIVES[target])
+        for name, target in plan.local_targets.items()
+        if target in local_ops.FORWARD_COLLECTIVES
+    ]
+    inside_count = sum(count for _, (kind, count) in inside if kind == "all_reduce")
+    inside_bytes = sum(count * 4 * optimization_hint(n.args[0].meta["val"].shape[0]) for n, (kind, count) in inside if kind == "all_reduce")
+    return (
+        CollectiveStat("forward", "all_reduce", len(reduces) + inside_count, nbytes(reduces) + inside_bytes),
+        CollectiveStat("forward", "all_gather", len(tp_gathered) + len(sp_gathered), nbytes(tp_gathered) + nbytes(p for p, _ in sp_gathered)),
+        CollectiveStat("forward", "reduce_scatter", len(reduce_scattered), nbytes(reduce_scattered)),
+        CollectiveStat("backward", "all_reduce", len(entered), nbytes(p.removesuffix("@gathered") for p in entered)),
+        CollectiveStat(
+            "backward",
+            "all_gather",
+            len([n for n in reduce_scattered if n in needs_grad]) + len(sliced_out) + len(sliced_in) + len(regathered),
+            nbytes(n for n in reduce_scattered if n in needs_grad) + nbytes(sliced_out) + nbytes(sliced_in)
+            + nbytes(p for p, _ in regathered),
+        ),
+        CollectiveStat("backward", "reduce_scatter", len(scattered_back), nbytes(scattered_back)),
+    )
+
+
+def _regathered(program: ExportedProgram, plan: ShardingPlan, nodes: dict[str, Any]) -> set[tuple[str, bool]]:
+    """The gathered token shards a layer with a trainable weight saves: backward gathers each
+    again, once (NOTE: [regathered activations])."""
+    specs = [s for s in program.graph_signature.input_specs if s.kind == InputKind.PARAMETER]
+    params = frozenset(s.arg.name for s in specs)
+    trainable = frozenset(s.arg.name for s in specs if program.state_dict[s.target].requires_grad)
+    out = set()
+    for (c, p), a in plan.edges.items():
+        if a.kind != "sp_gather" or not a.regather:
+            continue
+        layers = saving_layers(nodes[c], lambda n: param_root(n, params) is not None) or set()
+        if any(layer_weight(n, lambda w: param_root(w, trainable) is not None) is not None for n in layers):
+            out.add((p, a.enter))
+    return out
+
+
+def _sequence_comms(program: ExportedProgram, plan: ShardingPlan) -> dict[str, str]:
+    """Layer node -> its communication under sequence parallelism (NOTE: [sequence parallelism])."""
+    if not plan.scatters:
+        return {}
+    nodes = {n.name: n for n in program.graph.nodes}
+    out = {}
+    for layer in plan.layers:
+        node = nodes[layer.node]
+        if layer.style == "rowwise" and ({node.name} | {u.name for u in node.users}) & set(plan.scatters):
+            out[layer.node] = "reduce_scatter fwd, all_gather bwd"
+        elif layer.style == "colwise" and any(a.kind == "sp_gather" for (c, _), a in plan.edges.items() if c == node.name):
+            out[layer.node] = "all_gather fwd, reduce_scatter bwd"
+    return out
 
 
 def _local_bytes(nbytes: int, placement: Placement, rank: int, world_size: int) -> int:

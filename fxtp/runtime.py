@@ -19,7 +19,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import GraphModule
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
-from fxtp import checkpoint, generation, layout, rng
+from fxtp import activations, checkpoint, collectives, generation, layout, rng
 from fxtp.capture import written_state
 from fxtp.errors import FxtpInputError, FxtpRuntimeError
 from fxtp.placement import REPLICATE, Placement, shard_tensor
@@ -68,12 +68,14 @@ class ModeGraph:
     inputs: list[tuple[str, str]]  # (kind, key) per placeholder
     slots: Optional[list[tuple[Optional[nn.Module], str]]] = None
     draws_random: bool = False  # checks the generators before each call (NOTE: [dropout across ranks])
+    regathers: bool = False  # saves gathered token shards as shards (NOTE: [regathered activations])
 
     @classmethod
     def of(cls, program: ExportedProgram, gm: GraphModule, inputs: list[tuple[str, str]]) -> "ModeGraph":
         outputs = [(spec.kind, spec.target) for spec in program.graph_signature.output_specs]
         return cls(gm, program.call_spec.in_spec, program.call_spec.out_spec, outputs, input_specs(program), inputs,
-                   draws_random=rng.draws_random(program.graph))
+                   draws_random=rng.draws_random(program.graph),
+                   regathers=any(n.target is collectives.gather_from_sp for n in gm.graph.nodes))
 
 
 class ParallelModule(nn.Module):
@@ -267,7 +269,8 @@ class ParallelModule(nn.Module):
         if graph.draws_random and self._world_size > 1 and not torch.compiler.is_compiling():
             self._check_generators(inputs)
         try:
-            outputs = graph.gm(*inputs)
+            with activations.saved_tensors(regather=graph.regathers):
+                outputs = graph.gm(*inputs)
         except IndexError as exc:  # a lookup the single device would refuse too (ids, positions)
             raise FxtpInputError(
                 f"rank {self._rank}: an index in the inputs is out of range: {str(exc).splitlines()[0]}. fix: keep "

@@ -65,12 +65,12 @@ def _max_error(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
     return max((float((a.detach().float() - b.detach().float()).abs().max()) for a, b in pairs if a.numel()), default=0.0)
 
 
-def _compare(model: torch.nn.Module, inputs: tuple, world_size: int) -> tuple[float, float, int]:
+def _compare(model: torch.nn.Module, inputs: tuple, world_size: int, sequence_parallel: bool = False) -> tuple[float, float, int]:
     import fxtp
 
     rank = dist.get_rank()
     ref = copy.deepcopy(model)
-    pm = fxtp.compile(model, world_size, inputs)
+    pm = fxtp.compile(model, world_size, inputs, sequence_parallel=sequence_parallel)
     # The same generator state for both runs: a model with dropout in train mode draws the same
     # masks (fxtp draws the single device's mask and keeps its slice, NOTE: [dropout across ranks]).
     state = torch.random.get_rng_state()
@@ -93,7 +93,8 @@ def _compare(model: torch.nn.Module, inputs: tuple, world_size: int) -> tuple[fl
 
 
 def _rank_main(
-    rank: int, world_size: int, port: int, timeout_s: int, model_text: str, state: dict, inputs: tuple, results: Any
+    rank: int, world_size: int, port: int, timeout_s: int, model_text: str, state: dict, inputs: tuple, results: Any,
+    sequence_parallel: bool = False,
 ) -> None:
     from fxtp.inspection import load_model
 
@@ -103,7 +104,7 @@ def _rank_main(
     try:
         model = load_model(model_text).model
         model.load_state_dict(state)
-        found = _compare(model, inputs, world_size)
+        found = _compare(model, inputs, world_size, sequence_parallel)
         if rank == 0:
             results.put(("ok", found))
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent as a message
@@ -125,6 +126,7 @@ def verify(
     tolerance: float = 1e-4,
     timeout_s: int = 120,
     verbose: bool = False,
+    sequence_parallel: bool = False,
 ) -> VerifyResult:
     """Run ``world_size`` local gloo ranks on MODEL ``model_text`` (``model`` is its single-device
     instance: its state dict is sent to the ranks) and return the max abs errors.
@@ -138,7 +140,7 @@ def verify(
     try:
         mp.spawn(
             _rank_main,
-            args=(world_size, _free_port(), timeout_s, model_text, state, inputs, results),
+            args=(world_size, _free_port(), timeout_s, model_text, state, inputs, results, sequence_parallel),
             nprocs=world_size,
             join=True,
         )

@@ -19,6 +19,7 @@ import torch
 from torch.fx import Graph, Node
 
 from fxtp.placement import Shard
+from fxtp.rng import is_random
 from passes.plan import ShardingPlan
 from passes.registry import is_tensor_node, shape_of
 from passes.rules.shape import group_dims
@@ -45,6 +46,8 @@ def plan_symbols(graph: Graph, plan: ShardingPlan) -> dict[str, str]:
 
     for name, placement in plan.placements.items():
         node, val = nodes[name], nodes[name].meta.get("val")
+        if _any_token_count(node, plan):
+            continue
         pieces = placement if isinstance(placement, tuple) else (placement,)
         vals = val if isinstance(val, (tuple, list)) else (val,)
         for p, v in zip(pieces, vals):
@@ -55,9 +58,19 @@ def plan_symbols(graph: Graph, plan: ShardingPlan) -> dict[str, str]:
             if isinstance(source, Shard):
                 _check_view(node, source, found)
     for (consumer, producer), action in plan.edges.items():
+        if action.kind == "sp_gather" or action.kind == "sp_scatter" and action.enter:
+            continue  # sized at run time (fxtp.collectives), NOTE: [sequence parallelism]
         if action.placement is not None:
             check(nodes[consumer], nodes[producer].meta["val"], action.placement, f"input {producer} of")
     return found
+
+
+def _any_token_count(node: Node, plan: ShardingPlan) -> bool:
+    """A value sharded on tokens whose op reads no size (no local shape literal, no random
+    draw of a mask sized from the example): it runs at any token count the collectives accept
+    (NOTE: [sequence parallelism] in passes/sequence.py)."""
+    return (node.name in plan.tokens and node.name not in plan.local_args and node.name not in plan.local_targets
+            and not is_random(node.target, node.args, node.kwargs))
 
 
 def _check_view(node: Node, shard: Shard, found: dict[str, str]) -> None:

@@ -72,6 +72,10 @@ class ShardingPlan:
     local_targets: Mapping[str, Any]  # node name -> op the rank runs instead (with local_args)
     layers: tuple[LayerDecision, ...]
     rounds: int
+    # node -> the token shard it is cut to: a Partial node's reduce_scatter (instead of its
+    # all_reduce), a replicated one's local slice; NOTE: [sequence parallelism] in passes/sequence.py
+    scatters: Mapping[str, Shard] = dataclasses.field(default_factory=dict)
+    tokens: frozenset[str] = frozenset()  # the values sharded on tokens (same NOTE)
 
 
 def plan_sharding(

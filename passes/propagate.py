@@ -44,9 +44,12 @@ _TRANSPOSES = (aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.pe
 class EdgeAction:
     """Local work on one (consumer, producer) edge; see the module docstring."""
 
-    kind: str  # "enter" | "slice" | "gather"
-    placement: Optional[Shard] = None  # slice: the wanted shard; gather: the producer's shard
-    enter: bool = False  # slice/gather: also wrap in f (float value into a sharded op)
+    kind: str  # "enter" | "slice" | "gather" | "sp_gather" | "sp_scatter" (NOTE: [sequence parallelism])
+    placement: Optional[Shard] = None  # slice, sp_scatter: the wanted shard; gather, sp_gather: the producer's shard
+    enter: bool = False  # slice/gather: also wrap in f (float value into a sharded op); sp_gather: the
+    # gradient is a partial sum (reduce_scatter it); sp_scatter: a float value (all_gather its gradient)
+    then: Optional["EdgeAction"] = None  # sp_gather: the tensor-parallel work on the gathered value
+    regather: bool = False  # sp_gather: layers save the value as its shard (NOTE: [regathered activations])
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ For each node, in order:
 * a random op on a sharded value (a train-mode dropout, ``bernoulli``, an attention's
   ``dropout_p``) draws this rank's slice of one global mask (``fxtp.rng.sharded_call``,
   NOTE: [dropout across ranks]);
-* a ``Partial`` output gets ``g`` (all_reduce) right after it and the bias added after that::
+* a ``Partial`` output gets ``g`` (all_reduce) right after it and the bias added after that
+  (under sequence parallelism a reduce_scatter, NOTE: [sequence parallelism])::
 
       linear = aten.linear.default(reshape, p_wo_weight, p_wo_bias)
   becomes
@@ -86,7 +87,32 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
             cache[key].meta["fxtp_placement"] = "R"
         return cache[key]
 
+    def gather_sequence(value: Node, shard: Shard, sum_grad: bool, regather: bool) -> Node:
+        key = ("sp_gather", value, sum_grad)
+        if key not in cache:
+            with after(value):
+                cache[key] = graph.call_function(
+                    collectives.gather_from_sp, (value, shard.dim, rank, ws, group_name, sum_grad, regather)
+                )
+            cache[key].meta["fxtp_placement"] = "R"
+        return cache[key]
+
+    def scatter_sequence(value: Node, shard: Shard) -> Node:
+        key = ("sp_scatter", value, shard)
+        if key not in cache:
+            with after(value):
+                cache[key] = graph.call_function(collectives.scatter_to_sp, (value, shard.dim, rank, ws, group_name))
+            cache[key].meta["fxtp_placement"] = str(shard)
+        return cache[key]
+
     def materialize(value: Node, action: EdgeAction) -> Node:
+        if action.kind == "sp_gather":  # NOTE: [sequence parallelism]
+            assert action.placement is not None
+            gathered = gather_sequence(value, action.placement, action.enter, action.regather)
+            return gathered if action.then is None else materialize(gathered, action.then)
+        if action.kind == "sp_scatter":
+            assert action.placement is not None
+            return scatter_sequence(value, action.placement) if action.enter else local_slice(value, action.placement)
         if action.kind == "enter":
             return enter(value)
         if action.kind == "slice":
@@ -119,17 +145,29 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
             # promised "dropout-on-shard", so an independent per-rank draw would be silently wrong.
             raise AssertionError(f"fxtp internal error: {plan.local_targets[name]} at {name} wraps a random op; "
                                  "teach fxtp.rng.sharded_call its global-mask form")
-        if name in plan.reduces:
+        if name in plan.scatters and name not in plan.reduces:  # a replicated value starts a token-sharded region
             with graph.inserting_after(node):
-                reduced = graph.call_function(collectives.reduce_from_tp, (node, group_name))
+                sliced = graph.call_function(collectives.scatter_to_sp, (node, plan.scatters[name].dim, rank, ws, group_name))
+            node.replace_all_uses_with(sliced, delete_user_cb=lambda user: user is not sliced)
+            old_name[sliced] = name
+            sliced.meta["fxtp_placement"] = str(plan.scatters[name])
+        if name in plan.reduces:
+            scatter = plan.scatters.get(name)  # NOTE: [sequence parallelism]
+            with graph.inserting_after(node):
+                if scatter is None:
+                    reduced = graph.call_function(collectives.reduce_from_tp, (node, group_name))
+                else:
+                    reduced = graph.call_function(collectives.reduce_scatter_to_sp, (node, scatter.dim, ws, group_name))
             final = reduced
             bias = plan.reduces[name]
             if bias is not None:
+                # on a token shard the bias meets this rank's tokens only: its gradient is summed (f)
+                bias_node = nodes[bias] if scatter is None else enter(nodes[bias])
                 with graph.inserting_after(reduced):
-                    final = graph.call_function(aten.add.Tensor, (reduced, nodes[bias]))
+                    final = graph.call_function(aten.add.Tensor, (reduced, bias_node))
             node.replace_all_uses_with(final, delete_user_cb=lambda user: user is not reduced)
             old_name[final] = name  # consumers' edges (an f into a colwise layer) name the original
-            reduced.meta["fxtp_placement"] = final.meta["fxtp_placement"] = "R"
+            reduced.meta["fxtp_placement"] = final.meta["fxtp_placement"] = "R" if scatter is None else str(scatter)
     graph.eliminate_dead_code()
     graph.lint()
     return GraphModule(gm, graph)

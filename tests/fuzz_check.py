@@ -33,7 +33,7 @@ __all__ = ["Outcome", "differential", "check_outcomes"]
 
 _NOISE = 10.0
 _CHAOTIC = 1e-3
-_PHASES = (("forward", "all_reduce"), ("forward", "all_gather"), ("backward", "all_reduce"))
+_PHASES = tuple((phase, kind) for phase in ("forward", "backward") for kind in ("all_reduce", "all_gather", "reduce_scatter"))
 
 
 @dataclass
@@ -124,7 +124,7 @@ def differential(spec: Spec, steps: int = 2, lr: float = 0.1) -> Outcome:
     inputs64 = tuple(t.double() if t.is_floating_point() else t for t in inputs)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     try:
-        pm = fxtp.compile(model, ws, inputs)
+        pm = fxtp.compile(model, ws, inputs, sequence_parallel=spec.sequence_parallel)
     except fxtp.FxtpError as e:
         return Outcome("rejected", "compile", f"{type(e).__name__}: {e}")
     except Exception:  # noqa: BLE001 - the property: any other exception is a finding

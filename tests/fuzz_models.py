@@ -128,6 +128,7 @@ class Spec:
     batch: int = 2
     seq: int = 8
     seed: int = 0
+    sequence_parallel: bool = False  # compile with sequence_parallel=True (NOTE: [sequence parallelism])
 
 
 def features(spec: Spec) -> set[str]:
@@ -151,7 +152,7 @@ def features(spec: Spec) -> set[str]:
         out |= {f"embed.{f.name}" for f in dataclasses.fields(spec.embed) if getattr(spec.embed, f.name) not in (None, False)}
     if spec.head != "none":
         out.add(f"head:{spec.head}")
-    for flag in ("loss", "train", "also_hidden"):
+    for flag in ("loss", "train", "also_hidden", "sequence_parallel"):
         if getattr(spec, flag):
             out.add(flag)
     return out

@@ -133,4 +133,5 @@ def specs(draw: st.DrawFn, exclude: frozenset[str] = frozenset()) -> Spec:
         batch=draw(st.sampled_from((2, 1))),
         seq=draw(st.sampled_from((8, 4, 5))),
         seed=draw(st.integers(0, 3)),
+        sequence_parallel=draw(_flag("sequence_parallel", exclude)),
     )

@@ -36,6 +36,10 @@ def test_bench_quick_writes_json(tmp_path):
     assert collectives["tiny_gpt"]["floor_ok"] is True
     assert collectives["tiny_gpt"]["forward"]["all_reduce"] == collectives["tiny_gpt"]["report_forward_all_reduce"]
 
+    activations = result["activations"]  # measured on the ranks: sequence parallelism saves less than tp alone
+    assert 0 < activations["saved_fraction"]["tp_sp"] < activations["saved_fraction"]["tp"] < 1
+    assert all(b > 0 for b in activations["logits_peak_bytes"].values()) and activations["head_with_loss"] == "colwise"
+
     assert result["compile"], "no compile timings"
     for timings in result["compile"].values():
         assert timings["capture_s"] > 0 and timings["passes_s"] > 0

@@ -43,3 +43,5 @@ def test_fxtp_equals_single_device_or_rejects(pool, spec):
     event("some layer sharded" if any(style != "replicate" for style in outcomes[0].plan.values()) else "all replicated")
     if outcomes[0].uneven:
         event("uneven shards")
+    if spec.sequence_parallel:
+        event("sequence_parallel=True")

@@ -15,6 +15,9 @@
 3. **Compile time**: capture and fxtp's own passes, separately, for Llama-shaped configs on the
    ``meta`` device (``Report.timings``).
 4. **Memory**: parameter bytes per rank against the whole model (``fxtp.analyze``).
+5. **Activations** (``tools/bench_activations.py``), on the gloo ranks: bytes saved for backward
+   per rank (single device, tensor parallel, tensor + sequence parallel) and the peak bytes of
+   the loss step with the logits all_gathered against loss parallel.
 
 Timing is per rank with ``torch.set_num_threads(1)`` (one core per rank), median of the timed
 steps after warm-up, the implementations alternating step by step so drift hits both alike.
@@ -53,6 +56,9 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import fxtp  # noqa: E402
 from fxtp import examples  # noqa: E402
 from fxtp.report import megatron_floor  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_activations  # noqa: E402
 
 __all__ = ["Settings", "get_args_parser", "main"]
 
@@ -323,6 +329,7 @@ def _rank_main(rank: int, ws: int, port: int, s: Settings, out_path: str) -> Non
             **_new_shape(pm, dt, s, dist.barrier),
         }
         result["generation"] = _fxtp_generation(*generation_model(s), s, ws, dist.barrier)
+        result["activations"] = bench_activations.measure(model, ids, s.vocab, ws)
         gathered: list[Any] = [None] * ws
         dist.all_gather_object(gathered, result)
         collectives = _rank_collectives(s, ws)
@@ -468,6 +475,15 @@ def tables(result: dict[str, Any]) -> str:
         else:
             rows.append((name, f"{m['total_bytes'] / 2**20:.1f}", *[f"{m[ws]:.1%}" for ws in wss]))
     parts.append("Parameter bytes per rank / whole model\n" + tabulate(rows, headers=("model", "MiB", *[f"ws {ws}" for ws in wss]), tablefmt="github"))
+    a = result["activations"]
+    saved, peaks = a["saved_activation_bytes"], a["logits_peak_bytes"]
+    rows = [("single device", saved["single"], "1.000"), ("fxtp tensor parallel", saved["tp"], f"{a['saved_fraction']['tp']:.3f}"),
+            ("fxtp tensor + sequence parallel", saved["tp_sp"], f"{a['saved_fraction']['tp_sp']:.3f}")]
+    parts.append(f"Activations saved for backward, rank 0 of {a['world_size']} (reference Transformer, "
+                 f"batch {result['settings']['batch']}, seq {result['settings']['seq']})\n"
+                 + tabulate(rows, headers=("", "bytes", "of single device"), tablefmt="github"))
+    parts.append(f"Loss step peak, rank 0 (fp32 logits {a['logits_bytes']} bytes): logits all_gathered {peaks['gathered']} bytes, "
+                 f"loss parallel {peaks['loss_parallel']} bytes (head {a['head_with_loss']})")
     parts.append("Goals\n" + tabulate([(g, v, "met" if ok else "MISSED") for g, v, ok in result["goals"]], headers=("goal", "value", ""), tablefmt="github"))
     return "\n\n".join(parts)
 
@@ -483,6 +499,12 @@ def goals(result: dict[str, Any]) -> list[tuple[str, str, bool]]:
             out.append((f"{name}: collectives at the Megatron floor", "yes" if c["floor_ok"] else "no", c["floor_ok"]))
         elif "error" in c:
             out.append((f"{name}: collectives at the Megatron floor", "error", False))
+    a = result["activations"]
+    frac, ws = a["saved_fraction"]["tp_sp"], a["world_size"]
+    out.append((f"saved activations with sequence parallelism <= 1/{ws} + 0.05", f"{frac:.3f}", frac <= 1 / ws + 0.05))
+    peaks = a["logits_peak_bytes"]
+    out.append(("loss parallel peak < logits-gathered peak", f"{peaks['loss_parallel']} < {peaks['gathered']}",
+                peaks["loss_parallel"] < peaks["gathered"]))
     comp = result["compile"]
     for layers, t in comp.items():
         out.append((f"{layers} layers: passes <= 20% of capture", f"{t['passes_s'] / t['capture_s']:.1%}", t["passes_s"] <= 0.2 * t["capture_s"]))
@@ -524,6 +546,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="tiniest settings (the CI smoke test)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write pass time against layers as a PNG (needs matplotlib)")
+    parser.add_argument("--plot-activations", metavar="PATH", help="write saved activations and loss-step peaks as a PNG")
     parser.add_argument("--steps", type=int, help="timed steps (default 20; --quick: 3)")
     return parser
 
@@ -574,6 +597,7 @@ def run(s: Settings) -> dict[str, Any]:
         "ranks": ranks,
         "collectives": dist_result["collectives"],
         "generation": _generation_result(single["generation"], ranks),
+        "activations": ranks[0]["activations"] | {"world_size": 2},
         "compile": timed("compile", bench_compile),
         "param_fraction": timed("memory", bench_memory),
         "section_s": sections,
@@ -601,6 +625,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             f.write("\n")
     if args.plot and not plot(result["compile"], args.plot):
         print("--plot: matplotlib is not installed (pip install 'fxtp[bench]'); no plot written", file=sys.stderr)
+    if args.plot_activations and not bench_activations.plot(result["activations"], 2, args.plot_activations):
+        print("--plot-activations: matplotlib is not installed (pip install 'fxtp[bench]'); no plot written", file=sys.stderr)
     return 0
 
 

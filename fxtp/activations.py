@@ -1,0 +1,146 @@
+"""Activations saved for backward: sequence parallelism's regathered inputs, and their measure.
+
+NOTE: [regathered activations]
+Under sequence parallelism (NOTE: [sequence parallelism] in passes/sequence.py) a colwise
+layer's input is all_gathered from the token shards, and the layer saves that whole input for
+its weight gradient: kept as is, every layer would hold a whole ``(B, T, H)`` activation again
+and sequence parallelism would save little. Megatron-LM's sequence-parallel linear saves its
+input shard and all_gathers it again in backward (Korthikanti et al. 2022, section 4.2.2); fxtp
+does the same with autograd's saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``):
+while :func:`saved_tensors` is active, every value ``fxtp.collectives.gather_from_sp`` returns is
+registered with its shard and a function gathering it; a saved tensor that is (a view of) such a
+value is stored as a token holding the shard, and the first unpack in backward gathers the value
+once more, shared by all the layers that saved it (q, k and v save one input). Each rank runs
+the same graph, so the backward's all_gathers come in the same order on every rank.
+
+:func:`measure` counts the bytes a forward saves for backward (parameters excluded, a storage
+counted once, a regathered value as its shard): the figure ``tools/bench.py`` reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+__all__ = ["saved_tensors", "measure", "SavedBytes", "gathered"]
+
+
+@dataclass
+class SavedBytes:
+    """Bytes saved for backward during a :func:`measure` block (``total``), per kind."""
+
+    total: int = 0
+    regathered: int = 0  # of which: shards standing for gathered values (NOTE: [regathered activations])
+    _seen: set[int] = field(default_factory=set, repr=False)
+
+    def add(self, t: torch.Tensor, regathered: bool = False) -> None:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._seen or key == 0:
+            return
+        self._seen.add(key)
+        self.total += storage.nbytes()
+        self.regathered += storage.nbytes() if regathered else 0
+
+
+_MEASURES: list[SavedBytes] = []
+_GATHERED: list[dict[int, "_Entry"]] = []
+
+
+@dataclass
+class _Entry:
+    root: Any  # weakref to the gathered value's root tensor
+    shard: torch.Tensor
+    gather: Callable[[torch.Tensor], torch.Tensor]
+    token: Optional["_Regathered"] = None
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    return t if t._base is None else t._base
+
+
+def gathered(full: torch.Tensor, shard: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Register ``full`` (``gather(shard)``) for regathering while :func:`saved_tensors` is active."""
+    if not _GATHERED:
+        return
+    root = _root(full)
+    table = _GATHERED[-1]
+    table[id(root)] = _Entry(weakref.ref(root, lambda _, k=id(root), tb=table: tb.pop(k, None)), shard.detach(), gather)
+
+
+class _Regathered:
+    """A gathered value saved as its shard; gathered again at its first unpack."""
+
+    def __init__(self, shard: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.shard, self.gather, self.root = shard, gather, None
+
+    def view(self, size, stride, offset) -> torch.Tensor:
+        if self.root is None:
+            with torch.no_grad():
+                self.root = _root(self.gather(self.shard))
+        return self.root.as_strided(size, stride, offset)
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    root = _root(t)
+    return isinstance(root, torch.nn.Parameter) or (root.is_leaf and root.requires_grad)
+
+
+@contextlib.contextmanager
+def saved_tensors(regather: bool) -> Iterator[None]:
+    """Saved-tensor hooks for one forward: regather (NOTE: [regathered activations]) when
+    ``regather``, and count into the active :func:`measure` if any. A no-op block when neither
+    applies, or under ``torch.compile`` (its graphs save their own tensors)."""
+    if not (regather or _MEASURES) or torch.compiler.is_compiling():
+        yield
+        return
+    table: dict[int, _Entry] = {}
+    counter = _MEASURES[-1] if _MEASURES else None
+
+    def pack(t: torch.Tensor) -> Any:
+        root = _root(t)
+        entry = table.get(id(root)) if regather else None
+        if entry is None or entry.root() is not root:
+            if counter is not None and not _is_parameter(t):
+                counter.add(t)
+            return t
+        if entry.token is None:
+            entry.token = _Regathered(entry.shard, entry.gather)
+        if counter is not None:
+            counter.add(entry.shard, regathered=True)
+        return entry.token, tuple(t.shape), t.stride(), t.storage_offset()
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        token, size, stride, offset = packed
+        return token.view(size, stride, offset)
+
+    _GATHERED.append(table)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        _GATHERED.pop()
+
+
+@contextlib.contextmanager
+def measure(result: Optional[SavedBytes] = None) -> Iterator[SavedBytes]:
+    """Count the bytes saved for backward by the forwards run in the block (a plain model's, or
+    a ``ParallelModule``'s with its regathered values as shards)::
+
+        with fxtp.activations.measure() as saved:
+            loss = model(x).sum()
+        print(saved.total)
+    """
+    result = SavedBytes() if result is None else result
+    _MEASURES.append(result)
+    try:
+        with saved_tensors(regather=False):
+            yield result
+    finally:
+        _MEASURES.pop()
