@@ -90,9 +90,6 @@ class KvHeads:
         start, length = self.local_range(rank, world_size)
         return full.detach().narrow(self.dim, start, length).clone()
 
-    def __str__(self) -> str:
-        return f"kv heads of S({self.query.dim}, {self.query.size} query heads, {self.group} per kv head)"
-
 
 @dataclass(frozen=True)
 class _Read:
@@ -149,7 +146,7 @@ def _kept(placeholders: list[Node], writers: dict[Node, Node], reads: list["_Rea
     for p in placeholders:
         mine = [r for r in reads if p in (writers[r.writers[0]], writers[r.writers[1]])]
         entries = {e for r in mine for w, e in zip(r.writers, r.entries) if writers[w] is p}
-        if not mine or any(w not in writers for w in p.users) or {u for w in p.users for u in w.users} != entries:
+        if not mine or any(w not in writers or not w.users for w in p.users) or {u for w in p.users for u in w.users} != entries:
             continue
         layouts = {(r.group, plan.placements[r.query.name]) for r in mine}
         if len(layouts) == 1:
@@ -169,6 +166,7 @@ def _is_writer(node: Node, state: Node, plan: ShardingPlan) -> bool:
         and node.args[1] % nd != nd - 3
         and is_tensor_node(source)
         and not isinstance(plan.placements.get(source.name), Shard)
+        and is_tensor_node(node.args[2])
         and not isinstance(plan.placements.get(node.args[2].name), Shard)
     )
 
