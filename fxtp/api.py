@@ -23,11 +23,12 @@ from fxtp.rng import draws_random, sync_generators
 from fxtp.runtime import ParallelModule
 from fxtp.shapes import input_specs, specialized_shapes
 from passes.dynamic import plan_symbols
-from passes.sequence import sequence_parallel
+from passes.kv_heads import keep_needed_kv_heads
 from passes.normalize import normalize
 from passes.partial import defer_reductions
 from passes.plan import STYLES, ShardingPlan, plan_sharding
 from passes.rewrite import rewrite
+from passes.sequence import sequence_parallel
 
 __all__ = ["compile", "analyze"]
 
@@ -100,14 +101,16 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
 
 
 def _compile(model, world_size, example_inputs, example_kwargs, rank, group, capture, plan, dynamic, dynamic_shapes, *,
-             modes: tuple[str, ...], sequence: bool = False) -> ParallelModule:
+             modes: tuple[str, ...], sequence: bool = False, kv_heads: bool = False) -> ParallelModule:
     """``compile``, capturing the graphs of ``modes`` besides the model's own (NOTE: [modes]);
-    a decoder for ``generate`` runs in eval mode only and needs no other."""
+    a decoder for ``generate`` runs in eval mode only and needs no other, and keeps of its
+    cache the kv heads each rank needs (``kv_heads``, passes/kv_heads.py)."""
     ws = _check_world_size(world_size)
     args, kwargs = _check_inputs(model, example_inputs, example_kwargs)
     group_name, rank = _resolve_group(ws, rank, group)
     shapes = _shapes_spec(args, kwargs, dynamic, dynamic_shapes)
-    captured, sharding, report = _analyze(model, ws, args, kwargs, capture, plan, rank, shapes, sequence=sequence)
+    captured, sharding, report = _analyze(model, ws, args, kwargs, capture, plan, rank, shapes, sequence=sequence,
+                                          kv_heads=kv_heads)
     program = captured.program
     start = time.perf_counter()
     gm = _rewrite(program, sharding, ws, rank, group_name)
@@ -139,7 +142,7 @@ def _compile_decoder(model: nn.Module, world_size: int, example_inputs: tuple, *
                      group: Group, dynamic_shapes: Any, plan: Mapping[str, str]) -> ParallelModule:
     """``compile`` for fxtp.generation's static-cache decoder: its eval-mode graph only."""
     return _compile(model, world_size, example_inputs, example_kwargs, rank, group, "auto", plan, True, dynamic_shapes,
-                    modes=())
+                    modes=(), kv_heads=True)
 
 
 # NOTE: [modes]
@@ -232,12 +235,12 @@ def analyze(
 
 
 def _analyze(model, ws, args, kwargs, how, plan, rank, shapes=None, report: bool = True,
-             sequence: bool = False) -> tuple[Captured, ShardingPlan, Optional[Report]]:
+             sequence: bool = False, kv_heads: bool = False) -> tuple[Captured, ShardingPlan, Optional[Report]]:
     if how not in (*FRONTENDS, "auto"):
         raise FxtpConfigError(f"capture must be one of {', '.join(repr(f) for f in (*FRONTENDS, 'auto'))}, not {how!r}")
     overrides = _check_plan(plan)
     start = time.perf_counter()
-    captured, sharding, capture_s = _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes, sequence)
+    captured, sharding, capture_s = _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes, sequence, kv_heads)
     symbols = plan_symbols(captured.program.graph, sharding)
     notes = list(captured.notes)
     if symbols:  # NOTE: [dynamic shapes]: a decision reads a dynamic size: specialize it, capture again
@@ -246,7 +249,8 @@ def _analyze(model, ws, args, kwargs, how, plan, rank, shapes=None, report: bool
         notes += [f"{dims.get(sym, sym + ' specialized')}: the plan depends on its size ({why})" for sym, why in symbols.items()]
         respec = specialized_shapes(flat, specs, set(symbols))
         first = captured
-        captured, sharding, again_s = _capture_and_plan(model, ws, args, kwargs, first.frontend, overrides, respec, sequence)
+        captured, sharding, again_s = _capture_and_plan(model, ws, args, kwargs, first.frontend, overrides, respec, sequence,
+                                                        kv_heads)
         captured = dataclasses.replace(captured, attempts=first.attempts + captured.attempts)
         capture_s += again_s
         notes += list(captured.notes)
@@ -260,8 +264,10 @@ def _analyze(model, ws, args, kwargs, how, plan, rank, shapes=None, report: bool
     return captured, sharding, rep
 
 
-def _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes, sequence: bool) -> tuple[Captured, ShardingPlan, float]:
-    """Capture, normalize and plan; also the seconds the capture took."""
+def _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes, sequence: bool,
+                      kv_heads: bool = False) -> tuple[Captured, ShardingPlan, float]:
+    """Capture, normalize and plan (sequence parallelism with ``sequence``; keep a cache's needed
+    kv heads with ``kv_heads``); also the seconds the capture took."""
     start = time.perf_counter()
     captured = capture(model, args, kwargs, how, dynamic_shapes=shapes)
     capture_s = time.perf_counter() - start
@@ -271,8 +277,11 @@ def _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes, sequence:
     param_fqns = {
         spec.arg.name: spec.target for spec in program.graph_signature.input_specs if spec.kind == InputKind.PARAMETER
     }
-    param_fqns |= written_state(program)  # NOTE: [sharded state] in passes/rules/variants.py
+    written = written_state(program)
+    param_fqns |= written  # NOTE: [sharded state] in passes/rules/variants.py
     sharding = defer_reductions(program.graph, plan_sharding(program.graph, param_fqns, ws, overrides))
+    if kv_heads:  # NOTE: [kv heads kept by the ranks that need them] in passes/kv_heads.py
+        sharding = keep_needed_kv_heads(program.graph, sharding, written)
     if sequence:  # NOTE: [sequence parallelism] in passes/sequence.py
         sharding = sequence_parallel(program.graph, sharding, frozenset(param_fqns))
     return captured, sharding, capture_s

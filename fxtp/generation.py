@@ -12,8 +12,10 @@ NOTE: [generation]
   and every new token (decode) run one graph: no capture per token or per prompt length.
 * The planner stores each cache tensor in the layout its k/v projection writes (NOTE: [sharded
   state] in passes/rules/variants.py): a rank keeps its kv heads' part of the cache (1/ws of it
-  when the kv heads divide world_size; the whole cache where the kv projections stay whole,
-  e.g. 2 kv heads on 4 ranks).
+  when the kv heads divide world_size). Where the kv projections stay whole (2 kv heads on 4
+  ranks, MQA), a rank keeps the kv heads its query heads attend with (NOTE: [kv heads kept by
+  the ranks that need them] in passes/kv_heads.py, a pass only the decoder's compile runs): 2
+  kv heads on 4 ranks, half the cache each. ``cache_bytes`` is what the rank holds.
 * The decoder is built from the model's config with its parameters on the ``meta`` device, so
   it allocates no weights, and is traced on ``meta`` (its cache too; the graph's device literals
   are normalized, ``passes/normalize.py``). It then takes the compiled module's own parameter

@@ -6,7 +6,15 @@ import torch
 
 from fxtp.errors import FxtpInputError
 
-__all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy", "grouped_query_attention", "repeat_interleave"]
+__all__ = [
+    "vocab_parallel_embedding",
+    "vocab_parallel_cross_entropy",
+    "grouped_query_attention",
+    "grouped_query_attention_local_kv",
+    "index_copy_kv_heads",
+    "kv_head_range",
+    "repeat_interleave",
+]
 
 
 def check_ids(ids: torch.Tensor, size: int, what: str, where: str, ignore_index: "int | None" = None) -> None:
@@ -117,6 +125,57 @@ def kv_heads_of(
     ``(q_start + j) // group`` (``repeat_interleave`` of the heads, restricted to this rank)."""
     heads = torch.arange(q_start, q_start + query.shape[-3], device=key.device) // group
     return key.index_select(-3, heads), value.index_select(-3, heads)
+
+
+def kv_head_range(q_start: int, q_count: int, group: int) -> tuple[int, int]:
+    """``(start, length)`` of the kv heads that query heads ``[q_start, q_start + q_count)``
+    attend with, ``group`` query heads per kv head (NOTE: [kv heads kept by the ranks that need
+    them] in ``passes/kv_heads.py``): at 8 query heads, 2 kv heads, world_size 4, rank 1's heads
+    2, 3 give ``(0, 1)``; at 6 query heads, 3 kv heads, world_size 2, rank 0's heads 0..2 give
+    ``(0, 2)``."""
+    start = q_start // group
+    return start, -(-(q_start + q_count) // group) - start
+
+
+def index_copy_kv_heads(
+    state: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, q_start: int, q_count: int, group: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """``state.index_copy_(dim, index, source)`` where ``state`` holds only this rank's kv heads.
+
+    Args:
+        state: ``(..., h, S, E)`` along ``head_dim``: kv heads :func:`kv_head_range` ``(q_start,
+            q_count, group)`` of the global state (a static KV cache), written in place.
+        dim, index: as in ``index_copy_`` (the positions; never ``head_dim``).
+        source: ``(..., Hkv, T, E)``: every kv head (the k/v projection stays whole).
+        q_start, q_count: this rank's first query head and number of query heads.
+        group: query heads per kv head. head_dim: the heads dim of ``state`` and ``source``.
+
+    Returns:
+        ``state``, written.
+    """
+    start, length = kv_head_range(q_start, q_count, group)
+    return state.index_copy_(dim, index, source.narrow(head_dim, start, length))
+
+
+def grouped_query_attention_local_kv(
+    q_start: int,
+    group: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: "torch.Tensor | None" = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: "float | None" = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """:func:`grouped_query_attention` with ``key`` and ``value`` holding only the kv heads this
+    rank's query heads use, :func:`kv_head_range` (``(..., h, S, E)``, written by
+    :func:`index_copy_kv_heads`): local kv head ``(q_start + j) // group - q_start // group``,
+    which is ``(q_start % group + j) // group``."""
+    return grouped_query_attention(q_start % group, group, query, key, value, attn_mask, dropout_p, is_causal, scale=scale)
 
 
 def repeat_interleave(x: torch.Tensor, repeats: int, dim: int, output_size: "int | None" = None) -> torch.Tensor:

@@ -115,6 +115,7 @@ class ParallelModule(nn.Module):
         self._rank, self._world_size, self._group_name = rank, world_size, group_name
         self.placements: dict[str, Placement] = {}
         self._state_placements = dict(sharding.params)  # placeholder -> Shard, NOTE: [sharded state]
+        self._kv_heads = dict(sharding.kv_heads)  # placeholder -> KvHeads (passes/kv_heads.py)
         self.written_state: set[str] = set()  # buffers and constants the graphs write in place (a KV cache)
         self._generation = None  # set by fxtp.compile for a Hugging Face causal LM (fxtp.generation)
         self._fxtp_constants = nn.Module()
@@ -177,7 +178,10 @@ class ParallelModule(nn.Module):
 
     def _local_state(self, placeholder: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's copy of a buffer or constant: its shard where the plan stores it sharded
-        (a KV cache written in place, NOTE: [sharded state] in passes/rules/variants.py)."""
+        (a KV cache written in place, NOTE: [sharded state] in passes/rules/variants.py), or the
+        kv heads this rank's query heads need (NOTE: [kv heads kept by the ranks that need them])."""
+        if placeholder in self._kv_heads:
+            return self._kv_heads[placeholder].local(full, self._rank, self._world_size)
         placement = self._state_placements.get(placeholder, REPLICATE)
         return shard_tensor(full, placement, self._rank, self._world_size)
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 from torch.fx import Graph, Node
@@ -32,6 +32,9 @@ from fxtp.placement import REPLICATE, Partial, Placement, Shard
 from passes.propagate import EdgeAction, ParamPiece, PlannerState, Propagation, param_root, propagate
 from passes.registry import Conflict, LayerNote, module_of, shape_of
 from passes.rules.matmul import layer_operands, layer_weight
+
+if TYPE_CHECKING:
+    from passes.kv_heads import KvHeads
 
 __all__ = ["LayerDecision", "ShardingPlan", "plan_sharding", "module_of", "STYLES"]
 
@@ -74,8 +77,10 @@ class ShardingPlan:
     rounds: int
     # node -> the token shard it is cut to: a Partial node's reduce_scatter (instead of its
     # all_reduce), a replicated one's local slice; NOTE: [sequence parallelism] in passes/sequence.py
-    scatters: Mapping[str, Shard] = dataclasses.field(default_factory=dict)
+    scatters: Mapping[str, Shard] = field(default_factory=dict)
     tokens: frozenset[str] = frozenset()  # the values sharded on tokens (same NOTE)
+    # placeholder -> the kv heads each rank keeps of a replicated cache (passes/kv_heads.py)
+    kv_heads: Mapping[str, "KvHeads"] = field(default_factory=dict)
 
 
 def plan_sharding(

@@ -56,9 +56,30 @@ def _uneven(name: str) -> nn.Module:
                                         pad_token_id=0, bos_token_id=0, eos_token_id=0)).eval()
 
 
+def _fewer_kv_heads(name: str) -> nn.Module:
+    """kv heads that do not divide world_size (their projections stay whole): Llama with one kv
+    head (MQA), Qwen2 8 heads / 2 kv heads, Mistral 12 heads / 3 kv heads (at ws 4 ranks 1 and 2
+    need 2 of them: NOTE: [kv heads kept by the ranks that need them])."""
+    torch.manual_seed(0)
+    if name == "llama-mqa":
+        return examples.llama(num_key_value_heads=1)[0]
+    small = dict(vocab_size=128, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=16, use_cache=False,
+                 pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    if name == "qwen2-8-heads":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        return Qwen2ForCausalLM(Qwen2Config(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, **small)).eval()
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM(MistralConfig(hidden_size=96, num_attention_heads=12, num_key_value_heads=3, sliding_window=None,
+                                            **small)).eval()
+
+
 def _model(name: str) -> nn.Module:
     if name.endswith("6-heads"):
         return _uneven(name)
+    if name in _KV_HEADS_KEPT_BY_RANK:
+        return _fewer_kv_heads(name)
     if name == "qwen2":
         return _qwen2()
     if name == "mistral":
@@ -83,9 +104,23 @@ def _greedy(name: str, shapes: list[tuple[int, int, int]]) -> dict:
     out["cache_shapes"] = sorted({tuple(decoder.get_buffer(k).shape) for k in decoder.written_state if decoder.get_buffer(k).dim() == 4})
     out["decoders"] = sorted(pm._generation.decoders)
     out["cache_bytes"] = generation.cache_bytes(pm)
+    out["decoder_bytes"] = _decoder_bytes(pm)
     if name == "llama" and dist.get_world_size() == 2:
         out["sampled"] = _sampled(model, pm)
     return out
+
+
+def _decoder_bytes(pm: nn.Module) -> int:
+    """Bytes of the tensors the decoders hold that ``pm`` does not (counted by storage)."""
+    def storages(module: nn.Module) -> dict[int, int]:
+        tensors = [*module.parameters(), *module.buffers()]
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+    own = storages(pm)
+    held: dict[int, int] = {}
+    for decoder in pm._generation.decoders.values():
+        held |= {ptr: n for ptr, n in storages(decoder).items() if ptr not in own}
+    return sum(held.values())
 
 
 def _sampled(model: nn.Module, pm: nn.Module) -> dict:
@@ -99,11 +134,22 @@ def _sampled(model: nn.Module, pm: nn.Module) -> dict:
     return {"same_on_ranks": all(torch.equal(t, got) for t in every), "equal_single": torch.equal(got, want)}
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral", "qwen2", "mistral", "gpt2-6-heads", "qwen2-6-heads"])
+# NOTE: [kv heads kept by the ranks that need them]: (model, world_size) -> the kv heads of the
+# cache each rank keeps, where the kv heads do not divide world_size; 2 layers, k and v each.
+_KV_HEADS_KEPT_BY_RANK = {
+    "llama-mqa": {2: [1, 1], 4: [1, 1, 1, 1]},  # 4 heads, 1 kv head: each rank keeps it
+    "qwen2-8-heads": {4: [1, 1, 1, 1]},  # 8 heads, 2 kv heads: ranks 0, 1 keep kv head 0; ranks 2, 3 kv head 1
+    "mistral-12-heads": {4: [1, 2, 2, 1]},  # 12 heads, 3 kv heads: rank 1's heads 3..5 use kv heads 0, 1
+}
+
+
+@pytest.mark.parametrize(
+    "name", ["llama", "gpt2", "mixtral", "qwen2", "mistral", "gpt2-6-heads", "qwen2-6-heads", *_KV_HEADS_KEPT_BY_RANK]
+)
 def test_greedy_generate_is_token_identical(pool, name):
-    at = {"llama": (2, 4), "gpt2-6-heads": (4,)}.get(name, (2,))
+    at = {"llama": (2, 4), "gpt2-6-heads": (4,), **{n: tuple(ws) for n, ws in _KV_HEADS_KEPT_BY_RANK.items()}}.get(name, (2,))
     if pool.world_size not in at:
-        pytest.skip(f"{name} is checked at ws {at} (llama: 2 kv heads on 4 ranks; GPT-2: 6 heads 2/2/1/1)")
+        pytest.skip(f"{name} is checked at ws {at} (llama: 2 kv heads on 4 ranks; GPT-2: 6 heads 2/2/1/1; fewer kv heads than ranks)")
     shapes = [(2, 6, 8), (2, 3, 5), (1, 4, 6)] if name == "llama" and pool.world_size == 2 else [(2, 5, 6)]
     results = pool.run(_greedy, name, shapes)
     for r in results:
@@ -114,11 +160,43 @@ def test_greedy_generate_is_token_identical(pool, name):
     assert r["decoders"] == ([(1, 16), (2, 16)] if len(shapes) == 3 else [(2, 16)])
     if name == "llama" and pool.world_size == 2:  # 2 kv heads of 16: one per rank, the cache split by heads
         assert r["cache_shapes"] == [(2, 1, 16, 16)]
-    if name == "llama" and pool.world_size == 4:  # 2 kv heads on 4 ranks: k/v whole, the cache too
-        assert r["cache_shapes"] == [(2, 2, 16, 16)]
+    if name == "llama" and pool.world_size == 4:  # 2 kv heads on 4 ranks: k/v whole; ranks 0, 1 keep kv head 0
+        for r in results:
+            assert r["cache_shapes"] == [(2, 1, 16, 16)]
+            assert r["cache_bytes"] == 2 * 2 * (2 * 1 * 16 * 16) * 4 + 2 * 8  # and the 2 position counters
+    for rank, (r, heads) in enumerate(zip(results, _KV_HEADS_KEPT_BY_RANK.get(name, {}).get(pool.world_size, []))):
+        head_dim = {"llama-mqa": 16}.get(name, 8)
+        assert r["cache_shapes"] == [(2, heads, 16, head_dim)], (rank, r["cache_shapes"])
+    for r in results:  # the decoders hold their cache and nothing else of their own
+        assert r["cache_bytes"] == r["decoder_bytes"], r
     if name == "llama" and pool.world_size == 2:  # sampling: rank 0 draws, every rank appends its token
         for r in results:
             assert r["sampled"]["same_on_ranks"] and r["sampled"]["equal_single"], r["sampled"]
+
+
+@pytest.mark.parametrize("heads,kv_heads,ws", [(8, 2, 4), (12, 3, 4), (6, 3, 2), (4, 1, 4), (6, 2, 4)])
+def test_kept_kv_heads_attend_as_the_whole_cache(heads, kv_heads, ws):
+    """NOTE: [kv heads kept by the ranks that need them]: each rank writes the kv heads its query
+    heads need (``local_ops.kv_head_range``, even or uneven query shards) and attends with them
+    as the single device's ``enable_gqa`` attention does with the whole cache."""
+    from fxtp import local_ops
+    from fxtp.placement import Shard, local_ranges
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, heads, 3, 8), torch.randn(2, kv_heads, 3, 8), torch.randn(2, kv_heads, 3, 8)
+    mask = torch.ones(3, 5, dtype=torch.bool).tril(2)
+    full_k, full_v = (torch.zeros(2, kv_heads, 5, 8).index_copy_(2, torch.arange(3), t) for t in (k, v))
+    want = nn.functional.scaled_dot_product_attention(q, full_k, full_v, attn_mask=mask, enable_gqa=True)
+    group = heads // kv_heads
+    for rank in range(ws):
+        ((start, count),) = local_ranges(Shard(1, (heads,)), rank, ws)
+        first, n = local_ops.kv_head_range(start, count, group)
+        assert (first, n) == (start // group, (start + count - 1) // group - start // group + 1)
+        caches = [torch.zeros(2, n, 5, 8), torch.zeros(2, n, 5, 8)]
+        for cache, source in zip(caches, (k, v)):
+            local_ops.index_copy_kv_heads(cache, 2, torch.arange(3), source, start, count, group, 1)
+        got = local_ops.grouped_query_attention_local_kv(start, group, q[:, start:start + count], *caches, mask)
+        torch.testing.assert_close(got, want[:, start:start + count], rtol=0, atol=1e-6)
 
 
 class _Decoder(nn.Module):

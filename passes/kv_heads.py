@@ -1,0 +1,222 @@
+"""KV cache heads kept by the ranks that need them: a plan pass for the generation decoder.
+
+NOTE: [kv heads kept by the ranks that need them]
+A static KV cache is a state ``(B, Hkv, S, E)`` written in place by ``index_copy_(state, 2,
+cache_position, k)`` and read by the attention (NOTE: [sharded state] in
+``passes/rules/variants.py``). When the kv heads divide world_size, the k/v projections are
+colwise and the cache is stored sharded by its heads. When they do not (2 kv heads on 4 ranks,
+one kv head: MQA), the projections stay whole and so, without this pass, does the cache on every
+rank, though rank ``r``'s query heads ``[q0, q0 + n)`` attend with kv heads ``[q0 // g,
+ceil((q0 + n) / g))`` only (``g = Hq // Hkv``, ``local_ops.kv_head_range``). At 8 query heads,
+2 kv heads and world_size 4, ranks 0 and 1 keep kv head 0 and ranks 2 and 3 kv head 1: half the
+cache each. At 6 query heads and 3 kv heads on 2 ranks, rank 0 keeps kv heads 0, 1 and rank 1
+kv heads 1, 2 (a kv head shared by two ranks' query heads is kept by both). The ranges overlap,
+so this is no ``Shard`` (NOTE: [segments]): it is :class:`KvHeads`, kept in
+``ShardingPlan.kv_heads`` beside the placements (which still say ``R``: the value every rank
+computes with is the whole cache, restricted to what its heads read).
+
+``keep_needed_kv_heads`` finds, in the captured graph and its plan, each replicated state whose
+only uses are writers ``index_copy_`` of a replicated source along a dim other than the heads,
+and whose writers' only uses are attentions that read it as their ``key`` or ``value``:
+
+* ``scaled_dot_product_attention(q, k, v, ..., enable_gqa=True)`` already run as
+  ``local_ops.grouped_query_attention`` (NOTE: [enable_gqa] in ``passes/rules/attention.py``);
+* Hugging Face's ``repeat_kv`` (the path with a mask)::
+
+      unsqueeze = aten.unsqueeze.default(index_copy_, 2)
+      expand = aten.expand.default(unsqueeze, [B, Hkv, g, S, E])
+      reshape = aten.reshape.default(expand, [B, Hkv * g, S, E])
+      scaled_dot_product_attention = aten.scaled_dot_product_attention.default(q, reshape, ..., mask)
+
+  with the repeated heads sliced to the query's shard on their way in.
+
+Both of an attention's ``key`` and ``value`` must be such states, its ``q`` sharded on its heads
+in one segment, no dropout. The updated plan (the rewrite needs no change):
+
+* the state's placeholder -> :class:`KvHeads` (the runtime stores rows ``local_range`` of it);
+* each writer runs ``local_ops.index_copy_kv_heads`` (the source, entering through ``f`` as a
+  replicated value entering sharded work does, is narrowed to the rank's kv heads);
+* each attention runs ``local_ops.grouped_query_attention_local_kv`` on the written states
+  directly (the ``repeat_kv`` views and their slice are left dead for the rewrite to drop).
+
+Only ``fxtp.generation``'s decoder asks for this pass (``fxtp.api``): its graph runs in eval
+mode only, under ``no_grad``; the training graphs and their reports are never touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Collection, Optional
+
+import torch
+from torch.fx import Graph, Node
+
+from fxtp import local_ops
+from fxtp.placement import Shard, local_ranges
+from passes.plan import ShardingPlan
+from passes.propagate import EdgeAction
+from passes.registry import LocalSize, ShardStart, is_tensor_node, shape_of
+
+__all__ = ["KvHeads", "keep_needed_kv_heads"]
+
+aten = torch.ops.aten
+_SDPA = aten.scaled_dot_product_attention.default
+
+
+@dataclass(frozen=True)
+class KvHeads:
+    """A state stored as the kv heads this rank's query heads need (NOTE: [kv heads kept by
+    the ranks that need them]).
+
+    Args:
+        dim: the kv-head dim of the state (1 for a cache ``(B, Hkv, S, E)``).
+        group: query heads per kv head, ``Hq // Hkv``.
+        query: the attention query's placement, sharded on its heads dim in one segment of
+            ``Hq`` heads (even or not, NOTE: [uneven shards]).
+    """
+
+    dim: int
+    group: int
+    query: Shard
+
+    def local_range(self, rank: int, world_size: int) -> tuple[int, int]:
+        """``(start, length)`` of the kv heads rank ``rank`` keeps."""
+        ((q_start, q_count),) = local_ranges(self.query, rank, world_size)
+        return local_ops.kv_head_range(q_start, q_count, self.group)
+
+    def local(self, full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+        """Rank ``rank``'s copy of the state ``full`` (a new tensor; ``meta`` stays ``meta``)."""
+        start, length = self.local_range(rank, world_size)
+        return full.detach().narrow(self.dim, start, length).clone()
+
+
+@dataclass(frozen=True)
+class _Read:
+    """An attention reading two written states as key and value."""
+
+    attention: Node
+    query: Node
+    group: int
+    writers: tuple[Node, Node]  # the index_copy_ whose results are its key, value
+    entries: tuple[Node, Node]  # the writers' users on the way: the attention, or repeat_kv's unsqueeze
+
+
+def keep_needed_kv_heads(graph: Graph, plan: ShardingPlan, states: Collection[str]) -> ShardingPlan:
+    """``plan`` with every cache of ``states`` (placeholder names of written states) that only
+    replicated k/v write and only GQA attentions read kept as the kv heads each rank needs; the
+    plan as it was where there is none. Reads ``node.meta["val"]``; does not modify ``graph``."""
+    if plan.world_size == 1:
+        return plan
+    placeholders = [n for n in graph.nodes if n.op == "placeholder" and n.name in states and n.name not in plan.params]
+    writers = {w: p for p in placeholders for w in p.users if _is_writer(w, p, plan)}
+    reads = [r for r in (_read(n, writers, plan) for n in graph.nodes if n.target is _SDPA) if r is not None]
+    kept = _kept(placeholders, writers, reads, plan)
+    while True:  # an attention whose key or value is not kept leaves its other state whole too
+        reads = [r for r in reads if all(writers[w] in kept for w in r.writers)]
+        still = _kept(list(kept), writers, reads, plan)
+        if still.keys() == kept.keys():
+            break
+        kept = still
+    if not reads:
+        return plan
+    local_targets, local_args, edges = dict(plan.local_targets), dict(plan.local_args), dict(plan.edges)
+    for w, p in writers.items():
+        if p in kept:
+            read = next(r for r in reads if w in r.writers)
+            _, dim, index, source = w.args[:4]
+            local_targets[w.name] = local_ops.index_copy_kv_heads
+            local_args[w.name] = (p, dim, index, source, ShardStart(read.query), LocalSize(kept[p].query), kept[p].group, kept[p].dim)
+            edges[(w.name, source.name)] = EdgeAction("enter")
+    for r in reads:
+        node = r.attention
+        local_targets[node.name] = local_ops.grouped_query_attention_local_kv
+        local_args[node.name] = (ShardStart(r.query), r.group, r.query, *r.writers, *node.args[3:])
+        for kv in node.args[1:3]:
+            edges.pop((node.name, kv.name), None)
+    return dataclasses.replace(
+        plan, local_targets=local_targets, local_args=local_args, edges=edges, kv_heads={p.name: kept[p] for p in kept}
+    )
+
+
+def _kept(placeholders: list[Node], writers: dict[Node, Node], reads: list["_Read"], plan: ShardingPlan) -> dict[Node, KvHeads]:
+    """The states whose every use is a writer whose every use is one of ``reads``, with one
+    query layout and group among those reads."""
+    kept: dict[Node, KvHeads] = {}
+    for p in placeholders:
+        mine = [r for r in reads if p in (writers[r.writers[0]], writers[r.writers[1]])]
+        entries = {e for r in mine for w, e in zip(r.writers, r.entries) if writers[w] is p}
+        if not mine or any(w not in writers or not w.users for w in p.users) or {u for w in p.users for u in w.users} != entries:
+            continue
+        layouts = {(r.group, plan.placements[r.query.name]) for r in mine}
+        if len(layouts) == 1:
+            ((group, query),) = layouts
+            kept[p] = KvHeads(dim=len(shape_of(p)) - 3, group=group, query=query)
+    return kept
+
+
+def _is_writer(node: Node, state: Node, plan: ShardingPlan) -> bool:
+    """``index_copy_(state, dim, index, source)`` of a replicated source, not along the heads."""
+    if node.target is not aten.index_copy_.default or node.args[0] is not state or node.name in plan.local_targets:
+        return False
+    nd = len(shape_of(state))
+    source = node.args[3]
+    return (
+        nd >= 3
+        and node.args[1] % nd != nd - 3
+        and is_tensor_node(source)
+        and not isinstance(plan.placements.get(source.name), Shard)
+        and is_tensor_node(node.args[2])
+        and not isinstance(plan.placements.get(node.args[2].name), Shard)
+    )
+
+
+def _read(node: Node, writers: dict[Node, Node], plan: ShardingPlan) -> Optional[_Read]:
+    """The attention ``node`` as a reader of two written states, or ``None``."""
+    q, k, v = node.args[:3]
+    dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    query = plan.placements.get(q.name)
+    nd = len(shape_of(q))
+    if dropout != 0 or not isinstance(query, Shard) or query.dim != nd - 3 or len(query.segments) != 1 or query.unit != 1:
+        return None
+    if plan.local_targets.get(node.name) is local_ops.grouped_query_attention:
+        group = plan.local_args[node.name][1]
+        found = [(t, group, node) if t in writers else None for t in (k, v)]
+    elif node.name not in plan.local_targets:
+        found = [_repeated(t, writers, plan, node, query) for t in (k, v)]
+    else:
+        return None
+    if None in found or found[0][1] != found[1][1]:
+        return None
+    return _Read(node, q, found[0][1], (found[0][0], found[1][0]), (found[0][2], found[1][2]))
+
+
+def _repeated(value: Node, writers: dict[Node, Node], plan: ShardingPlan, attention: Node, query: Shard) -> Optional[tuple[Node, int, Node]]:
+    """``(writer, g, unsqueeze)`` for ``reshape(expand(unsqueeze(writer, d + 1), [.., Hkv, g, ..]), [.., Hkv * g, ..])``
+    (``repeat_kv``, ``d`` the heads dim) read by ``attention`` through a slice to ``query``."""
+    chain = [value]
+    for _ in range(2):
+        chain.append(chain[-1].args[0] if chain[-1].op == "call_function" and chain[-1].args else None)
+        if not is_tensor_node(chain[-1]):
+            return None
+    reshape, expand, unsqueeze = chain
+    writer = unsqueeze.args[0] if unsqueeze.args else None
+    if (reshape.target, expand.target, unsqueeze.target) != (aten.reshape.default, aten.expand.default, aten.unsqueeze.default):
+        return None
+    if writer not in writers or any(len(n.users) != 1 for n in chain):
+        return None
+    heads = query.dim
+    kv, repeated = shape_of(writer), shape_of(reshape)
+    group = shape_of(expand)[heads + 1] if len(shape_of(expand)) == len(kv) + 1 else 0
+    action = plan.edges.get((attention.name, reshape.name))
+    if (
+        unsqueeze.args[1] != heads + 1
+        or group < 1
+        or repeated != (*kv[:heads], kv[heads] * group, *kv[heads + 1:])
+        or repeated[heads] != query.size
+        or action is None
+        or action.kind != "slice"
+        or action.placement != query
+    ):
+        return None
+    return writer, group, unsqueeze
