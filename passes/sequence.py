@@ -44,10 +44,11 @@ from typing import Any, Optional
 import torch
 from torch.fx import Graph, Node
 
+from fxtp.errors import FxtpPlanError
 from fxtp.placement import REPLICATE, Partial, Replicate, Shard, is_sharded
 from passes.plan import ShardingPlan
 from passes.propagate import EdgeAction, param_root
-from passes.registry import Conflict, Decision, LayerState, RuleContext, is_tensor_node, shape_of
+from passes.registry import Conflict, Decision, LayerState, RuleContext, is_tensor_node, module_of, shape_of
 from passes.rules._common import tensor_inputs
 from passes.rules.matmul import layer_weight
 from passes.rules.variants import rule_for
@@ -105,7 +106,7 @@ def sequence_parallel(graph: Graph, plan: ShardingPlan, param_names: frozenset[s
         if node.op == "output":
             for a in tensor_inputs(node):
                 if a in region:
-                    edges[(node.name, a.name)] = _gather(region[a], plan.edges.get((node.name, a.name)))
+                    edges[(node.name, a.name)] = _gather(region[a], plan.edges.get((node.name, a.name)), node, a)
             continue
         if node.op != "call_function" or node in region:
             continue
@@ -115,7 +116,7 @@ def sequence_parallel(graph: Graph, plan: ShardingPlan, param_names: frozenset[s
         dec = _joins(node, plan, placement, is_param, region, ws)
         if dec is None:  # the region ends here: gather what reaches the node
             for a in ins:
-                edges[(node.name, a.name)] = _gather(region[a], plan.edges.get((node.name, a.name)))
+                edges[(node.name, a.name)] = _gather(region[a], plan.edges.get((node.name, a.name)), node, a)
             continue
         region[node] = placements[node.name] = dec.out
         if dec.local_args is not None:
@@ -155,6 +156,8 @@ def _joins(node: Node, plan: ShardingPlan, placement, is_param, region: dict[Nod
         dec = rule(ctx)
     except Conflict:
         return None
+    if isinstance(dec.out, tuple) and any(u.target is not operator.getitem for u in node.users):
+        return None  # a tuple leaves the region only through its items
     outs = dec.out if isinstance(dec.out, tuple) else (dec.out,)
     if not is_sharded(dec.out) or any(isinstance(p, Partial) for p in outs) or dec.layer is not None or dec.after_reduce is not None:
         return None
@@ -176,11 +179,20 @@ def _plain(shard: Shard, ws: int) -> bool:
     return len(shard.segments) == 1 and shard.unit == 1 and shard.divisible(ws)
 
 
-def _gather(shard: Any, tp: Optional[EdgeAction]) -> EdgeAction:
+def _gather(shard: Any, tp: Optional[EdgeAction], consumer: Node, value: Node) -> EdgeAction:
     """The all_gather where a token shard leaves the region; ``tp`` is the tensor-parallel edge
     work the consumer had (an ``f`` into a colwise layer becomes the gather's reduce_scatter
-    backward; other work runs on the gathered value)."""
-    assert isinstance(shard, Shard), shard
+    backward; other work runs on the gathered value).
+
+    Raises:
+        FxtpPlanError: ``value`` is not one token-sharded tensor (a tuple of them).
+    """
+    if not isinstance(shard, Shard):
+        raise FxtpPlanError(
+            f"sequence_parallel=True: {consumer.format_node()} (module {module_of(consumer) or 'top level'}) takes "
+            f"{value.name}, a token-sharded {shard}, whole, and fxtp gathers only single tensors. fix: compile "
+            "with sequence_parallel=False, or please report this model"
+        )
     if tp is not None and tp.kind == "enter":
         return EdgeAction("sp_gather", shard, enter=True)
     return EdgeAction("sp_gather", shard, enter=False, then=tp)
