@@ -301,7 +301,9 @@ def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, at
 
 def _collectives(program: ExportedProgram, plan: ShardingPlan, nodes: dict[str, Any], needs_grad: set[str]) -> tuple[CollectiveStat, ...]:
     """Collectives per forward and backward on the example, as the rewrite emits them: one per
-    value and kind (the rewrite shares an ``f``, a gather, a slice among consumers)."""
+    value and kind (the rewrite shares an ``f``, a gather, a slice among consumers). The first
+    three keep their places in ``to_dict()["collectives"]`` (the kinds tensor parallelism
+    alone uses); sequence parallelism's follow."""
     def nbytes(names) -> int:
         return sum(_nbytes(nodes[n].meta["val"]) for n in names)
 
@@ -328,8 +330,8 @@ def _collectives(program: ExportedProgram, plan: ShardingPlan, nodes: dict[str, 
     return (
         CollectiveStat("forward", "all_reduce", len(reduces) + inside_count, nbytes(reduces) + inside_bytes),
         CollectiveStat("forward", "all_gather", len(tp_gathered) + len(sp_gathered), nbytes(tp_gathered) + nbytes(p for p, _ in sp_gathered)),
-        CollectiveStat("forward", "reduce_scatter", len(reduce_scattered), nbytes(reduce_scattered)),
         CollectiveStat("backward", "all_reduce", len(entered), nbytes(p.removesuffix("@gathered") for p in entered)),
+        CollectiveStat("forward", "reduce_scatter", len(reduce_scattered), nbytes(reduce_scattered)),
         CollectiveStat(
             "backward",
             "all_gather",
