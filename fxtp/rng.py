@@ -48,7 +48,10 @@ import torch.distributed as dist
 from fxtp import local_ops
 from fxtp.placement import Shard, local_ranges
 
-__all__ = ["ELEMENTWISE", "draws_random", "generators_in_step", "is_random", "sharded_attention", "sharded_call", "sharded_random", "sync_generators"]
+__all__ = [
+    "ELEMENTWISE", "draws_random", "generators_in_step", "is_random", "sharded_attention", "sharded_call", "sharded_random",
+    "sync_generators", "token_random",
+]
 
 _aten = torch.ops.aten
 
@@ -118,12 +121,16 @@ def draws_random(graph: torch.fx.Graph) -> bool:
 
 
 def sharded_call(
-    target: Any, args: tuple, kwargs: Mapping[str, Any], shard: Shard, rank: int, world_size: int
+    target: Any, args: tuple, kwargs: Mapping[str, Any], shard: Shard, rank: int, world_size: int, tokens: bool = False
 ) -> Optional[tuple[Callable[..., Any], tuple, dict[str, Any]]]:
     """The call that replaces a random op whose output is sharded as ``shard``: ``(fn, args,
     kwargs)``, or ``None`` when the op draws nothing or is not covered (NOTE: [dropout across ranks]).
     ``target`` may also be a rule's local op that wraps a random op
-    (``local_ops.grouped_query_attention``, the GQA attention with whole k/v)."""
+    (``local_ops.grouped_query_attention``, the GQA attention with whole k/v). ``tokens``: the
+    shard is sequence parallelism's token shard, whose size is read at run time
+    (:func:`token_random`; NOTE: [sequence parallelism] in passes/sequence.py)."""
+    if tokens and target in ELEMENTWISE and is_random(target, args, kwargs):
+        return token_random, (target, shard.dim, rank, world_size, *args), dict(kwargs)
     where = (shard.dim, tuple(shard.segments), rank, world_size)
     if target is local_ops.grouped_query_attention:
         if _dropout_p(args[2:], kwargs) == 0:
@@ -177,6 +184,13 @@ def sharded_random(
     if isinstance(out, tuple):
         return tuple(_local(o, shard, rank, world_size) for o in out)
     return _local(out, shard, rank, world_size)
+
+
+def token_random(op: Any, dim: int, rank: int, world_size: int, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """:func:`sharded_random` on a token shard: ``x`` is block ``rank`` of ``world_size`` equal
+    blocks along ``dim``, the full size read from ``x`` at run time, so the token count may
+    change between calls (dynamic shapes)."""
+    return sharded_random(op, dim, (x.shape[dim] * world_size,), rank, world_size, x, *args, **kwargs)
 
 
 def _dropout_p(args: tuple, kwargs: Mapping[str, Any]) -> float:

@@ -19,7 +19,7 @@ import torch
 from torch.fx import Graph, Node
 
 from fxtp.placement import Shard
-from fxtp.rng import is_random
+from fxtp.rng import ELEMENTWISE, is_random
 from passes.plan import ShardingPlan
 from passes.registry import is_tensor_node, shape_of
 from passes.rules.shape import group_dims
@@ -66,11 +66,12 @@ def plan_symbols(graph: Graph, plan: ShardingPlan) -> dict[str, str]:
 
 
 def _any_token_count(node: Node, plan: ShardingPlan) -> bool:
-    """A value sharded on tokens whose op reads no size (no local shape literal, no random
-    draw of a mask sized from the example): it runs at any token count the collectives accept
-    (NOTE: [sequence parallelism] in passes/sequence.py)."""
+    """A value sharded on tokens whose op reads no size (no local shape literal; a random op
+    draws its mask sized at run time, ``fxtp.rng.token_random``): it runs at any token count
+    the collectives accept (NOTE: [sequence parallelism] in passes/sequence.py)."""
+    random = is_random(node.target, node.args, node.kwargs)
     return (node.name in plan.tokens and node.name not in plan.local_args and node.name not in plan.local_targets
-            and not is_random(node.target, node.args, node.kwargs))
+            and (not random or node.target in ELEMENTWISE))
 
 
 def _check_view(node: Node, shard: Shard, found: dict[str, str]) -> None:

@@ -137,7 +137,8 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
             action = plan.edges.get((name, old_name.get(inp, "")))
             if action is not None:
                 node.replace_input_with(inp, materialize(inp, action))
-        local = rng.sharded_call(node.target, node.args, node.kwargs, shard, rank, ws) if isinstance(shard, Shard) else None
+        local = (rng.sharded_call(node.target, node.args, node.kwargs, shard, rank, ws, tokens=name in plan.tokens)
+                 if isinstance(shard, Shard) else None)
         if local is not None:  # NOTE: [dropout across ranks] in fxtp/rng.py
             node.target, node.args, node.kwargs = local
         elif random_on_shard and name in plan.local_targets:

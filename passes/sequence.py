@@ -136,8 +136,20 @@ def sequence_parallel(graph: Graph, plan: ShardingPlan, param_names: frozenset[s
     edges = _mark_regathers(graph, edges, is_param)
     return dataclasses.replace(
         plan, placements=placements, edges=edges, reduces=reduces, local_args=local_args, local_targets=local_targets,
-        scatters=scatters, tokens=frozenset(n.name for n in region),
+        scatters=scatters, tokens=frozenset(n.name for n in region), layers=_reasons(plan, nodes, scatters),
     )
+
+
+def _reasons(plan: ShardingPlan, nodes: dict[str, Node], scatters: dict[str, Shard]) -> tuple:
+    """The layers' report rows, a reduce_scatter named where it replaced a rowwise all_reduce."""
+    out = []
+    for layer in plan.layers:
+        node = nodes[layer.node]
+        if layer.style == "rowwise" and ({node.name} | {u.name for u in node.users}) & set(scatters):
+            layer = dataclasses.replace(layer, reason=layer.reason.replace(
+                "all_reduce after it", "reduce_scatter on its tokens after it (sequence parallelism)"))
+        out.append(layer)
+    return tuple(out)
 
 
 def _joins(node: Node, plan: ShardingPlan, placement, is_param, region: dict[Node, Any], ws: int) -> Optional[Decision]:

@@ -49,13 +49,16 @@ def test_training_matches_single_device(rank_pools, ws, name):
 
 def _dynamic_tokens():
     rank, ws = dist.get_rank(), dist.get_world_size()
-    model, inputs = _reference()
+    model, inputs = _reference(dropout=0.2)  # train-mode dropout on the token shards, too
     model.train()
     ref = copy.deepcopy(model)
     pm = fxtp.compile(model, ws, inputs, sequence_parallel=True)
     for tokens in (8, 16, 4 * ws):
         ids = inputs[0][:, :tokens]
-        out, ref_out = pm(ids), ref(ids)
+        state = torch.get_rng_state()
+        out = pm(ids)
+        torch.set_rng_state(state)
+        ref_out = ref(ids)
         torch.testing.assert_close(out, ref_out)
         loss_of(out).backward()
         loss_of(ref_out).backward()
@@ -66,7 +69,7 @@ def _dynamic_tokens():
 
 def test_token_count_stays_dynamic(pool):
     """One compile runs every token count that divides world_size (the token dim is not
-    specialized): outputs and accumulated gradients equal the single device's."""
+    specialized, dropout included): outputs and accumulated gradients equal the single device's."""
     for notes, dynamic in pool.run(_dynamic_tokens):
         assert dynamic == [True, True] and not notes, (dynamic, notes)
 
@@ -87,7 +90,7 @@ def _dropout():
     loss_of(ref_out).backward()
     for fqn, p in pm.named_parameters():
         torch.testing.assert_close(p.grad, shard_tensor(ref.get_parameter(fqn).grad, pm.placements[fqn], rank, ws))
-    return pm.graph_module.code.count("sharded_random(")
+    return pm.graph_module.code.count("token_random(")
 
 
 def test_dropout_on_token_shards_draws_the_single_device_mask(pool):
