@@ -136,12 +136,12 @@ class _GatherFromTP(Function):
 class _ReduceScatterToSP(Function):
     @staticmethod
     def forward(ctx, x, dim, world_size, group_name):  # type: ignore[override]
-        ctx.args = (dim, (x.shape[dim],), world_size, group_name)
+        ctx.args = (dim, world_size, group_name)
         return reduce_scatter(x, dim, world_size, group_name)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return all_gather(grad, *ctx.args), None, None, None
+        return _gather_tokens(grad, *ctx.args), None, None, None
 
 
 class _GatherFromSP(Function):
@@ -164,12 +164,12 @@ class _GatherFromSP(Function):
 class _ScatterToSP(Function):
     @staticmethod
     def forward(ctx, x, dim, rank, world_size, group_name):  # type: ignore[override]
-        ctx.args = (dim, (x.shape[dim],), world_size, group_name)
+        ctx.args = (dim, world_size, group_name)
         return x.chunk(world_size, dim)[rank].contiguous()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return all_gather(grad, *ctx.args), None, None, None, None
+        return _gather_tokens(grad, *ctx.args), None, None, None, None
 
 
 def copy_to_tp(x: torch.Tensor, group_name: str) -> torch.Tensor:

@@ -25,7 +25,7 @@ from fxtp.shapes import InputSpec, describe_dims
 from passes.plan import LayerDecision, ShardingPlan, module_of
 from passes.propagate import param_root
 from passes.rules.matmul import layer_weight
-from passes.sequence import saving_layers
+from passes.sequence import reduce_scatters, saving_layers
 
 __all__ = ["Report", "CollectiveStat", "Note", "build_report", "megatron_floor", "parameter_placements"]
 
@@ -313,9 +313,13 @@ def _collectives(program: ExportedProgram, plan: ShardingPlan, nodes: dict[str, 
     tp_gathered = {p for (_, p), a in plan.edges.items() if a.kind == "gather"}
     # NOTE: [sequence parallelism]: a token shard is gathered once per kind of backward it needs
     sp_gathered = {(p, a.enter) for (_, p), a in plan.edges.items() if a.kind == "sp_gather"}
-    entered = {p for (_, p), a in plan.edges.items() if a.kind in ("enter", "slice", "gather") and (a.kind == "enter" or a.enter) and p in needs_grad}
-    entered |= {f"{p}@gathered" for (_, p), a in plan.edges.items() if a.kind == "sp_gather" and a.then is not None and (a.then.kind == "enter" or a.then.enter) and p in needs_grad}
+    def enters(a) -> bool:  # the edge work wraps its value in f (all_reduce backward)
+        return a.kind == "enter" or a.kind in ("slice", "gather") and a.enter
+
+    entered = {p for (_, p), a in plan.edges.items() if enters(a) and p in needs_grad}
     entered |= {b for n, b in plan.reduces.items() if n in plan.scatters and b is not None and b in needs_grad}  # the bias's f
+    # an f on a gathered token shard (its consumer's own edge work): one more per value
+    entered_gathered = {p for (_, p), a in plan.edges.items() if a.kind == "sp_gather" and a.then is not None and enters(a.then) and p in needs_grad}
     scattered_back = {p for p, summed in sp_gathered if summed and p in needs_grad}
     sliced_in = {p for (_, p), a in plan.edges.items() if a.kind == "sp_scatter" and a.enter and p in needs_grad}
     regathered = _regathered(program, plan, nodes)
@@ -330,7 +334,7 @@ def _collectives(program: ExportedProgram, plan: ShardingPlan, nodes: dict[str, 
     return (
         CollectiveStat("forward", "all_reduce", len(reduces) + inside_count, nbytes(reduces) + inside_bytes),
         CollectiveStat("forward", "all_gather", len(tp_gathered) + len(sp_gathered), nbytes(tp_gathered) + nbytes(p for p, _ in sp_gathered)),
-        CollectiveStat("backward", "all_reduce", len(entered), nbytes(p.removesuffix("@gathered") for p in entered)),
+        CollectiveStat("backward", "all_reduce", len(entered) + len(entered_gathered), nbytes(entered) + nbytes(entered_gathered)),
         CollectiveStat("forward", "reduce_scatter", len(reduce_scattered), nbytes(reduce_scattered)),
         CollectiveStat(
             "backward",
@@ -367,7 +371,7 @@ def _sequence_comms(program: ExportedProgram, plan: ShardingPlan) -> dict[str, s
     out = {}
     for layer in plan.layers:
         node = nodes[layer.node]
-        if layer.style == "rowwise" and ({node.name} | {u.name for u in node.users}) & set(plan.scatters):
+        if layer.style == "rowwise" and reduce_scatters(node, plan.scatters):
             out[layer.node] = "reduce_scatter fwd, all_gather bwd"
         elif layer.style == "colwise" and any(a.kind == "sp_gather" for (c, _), a in plan.edges.items() if c == node.name):
             out[layer.node] = "all_gather fwd, reduce_scatter bwd"

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch.fx import Graph, Node
@@ -53,7 +53,7 @@ from passes.rules._common import tensor_inputs
 from passes.rules.matmul import layer_weight
 from passes.rules.variants import rule_for
 
-__all__ = ["sequence_parallel"]
+__all__ = ["sequence_parallel", "saving_layers", "reduce_scatters"]
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -140,12 +140,17 @@ def sequence_parallel(graph: Graph, plan: ShardingPlan, param_names: frozenset[s
     )
 
 
+def reduce_scatters(layer: Node, scatters: Mapping[str, Shard]) -> bool:
+    """Does the reduction of rowwise ``layer``'s output reduce_scatter (at the layer, or after
+    the view of GPT-2's ``Conv1D``)?"""
+    return bool(({layer.name} | {u.name for u in layer.users}) & set(scatters))
+
+
 def _reasons(plan: ShardingPlan, nodes: dict[str, Node], scatters: dict[str, Shard]) -> tuple:
     """The layers' report rows, a reduce_scatter named where it replaced a rowwise all_reduce."""
     out = []
     for layer in plan.layers:
-        node = nodes[layer.node]
-        if layer.style == "rowwise" and ({node.name} | {u.name for u in node.users}) & set(scatters):
+        if layer.style == "rowwise" and reduce_scatters(nodes[layer.node], scatters):
             layer = dataclasses.replace(layer, reason=layer.reason.replace(
                 "all_reduce after it", "reduce_scatter on its tokens after it (sequence parallelism)"))
         out.append(layer)
@@ -259,10 +264,10 @@ def _is_alias(node: Node) -> bool:
 def _past_view(node: Node) -> Node:
     """The node a ``(B*T, H)`` partial value is viewed to as ``(B, T, H)`` (its only use), or itself."""
     val = node.meta["val"]
-    users = [u for u in node.users if u.target is not aten.sym_size.int]
+    users = list(node.users)
     if isinstance(val, torch.Tensor) and val.dim() == 2 and len(users) == 1 and users[0].target in _VIEWS:
         viewed = users[0].meta["val"]
-        if viewed.dim() >= 3 and shape_of(users[0])[-1] == shape_of(node)[-1] and len(node.users) == 1:
+        if viewed.dim() >= 3 and shape_of(users[0])[-1] == shape_of(node)[-1]:
             return users[0]
     return node
 
