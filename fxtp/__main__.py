@@ -1,5 +1,5 @@
 import sys
 
-from fxtp.cli import main
+from fxtp.explain.cli import main
 
 sys.exit(main())

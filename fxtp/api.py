@@ -14,14 +14,14 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.export.graph_signature import InputKind
 
-from fxtp.capture import FRONTENDS, Captured, auto_dynamic_shapes, capture, written_state
-from fxtp.checkpoint import bind_state_keys
-from fxtp.errors import FxtpConfigError, FxtpInputError, FxtpPlanError
-from fxtp.generation import generation_for
-from fxtp.report import Report, build_report, parameter_placements
-from fxtp.rng import draws_random, sync_generators
-from fxtp.runtime import ParallelModule
-from fxtp.shapes import input_specs, specialized_shapes
+from fxtp.capture.frontends import FRONTENDS, Captured, auto_dynamic_shapes, capture, written_state
+from fxtp.runtime.checkpoint import bind_state_keys
+from fxtp.core.errors import FxtpConfigError, FxtpInputError, FxtpPlanError
+from fxtp.runtime.generation import generation_for
+from fxtp.explain.report import Report, build_report, parameter_placements
+from fxtp.core.rng import draws_random, sync_generators
+from fxtp.runtime.module import ParallelModule
+from fxtp.capture.shapes import input_specs, specialized_shapes
 from passes.dynamic import plan_symbols
 from passes.kv_heads import keep_needed_kv_heads
 from passes.normalize import normalize
@@ -64,11 +64,11 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
         group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``world_size`` ranks; defaults to
             the initialized default group. Without one, the result can be inspected, and
             running it raises ``FxtpRuntimeError``.
-        capture: ``"fx"``, ``"export"``, ``"dynamo"`` or ``"auto"`` (see ``fxtp.capture``).
+        capture: ``"fx"``, ``"export"``, ``"dynamo"`` or ``"auto"`` (see ``fxtp.capture.frontends``).
         plan: overrides ``{fqn_or_glob: "colwise" | "rowwise" | "replicate"}``.
         dynamic: capture with dynamic shapes (default): every input dim the model allows
             (batch, sequence) stays symbolic, so one module runs every such size; ``False``
-            specializes every dim to the example (NOTE: [dynamic shapes] in fxtp/capture.py).
+            specializes every dim to the example (NOTE: [dynamic shapes] in fxtp/capture/frontends.py).
         dynamic_shapes: torch.export's ``dynamic_shapes`` spec, passed through (overrides
             ``dynamic``), e.g. ``{"ids": {0: Dim("batch", min=1)}}``.
         sequence_parallel: Megatron-LM's sequence parallelism (Korthikanti et al. 2022): the
@@ -140,7 +140,7 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
 
 def _compile_decoder(model: nn.Module, world_size: int, example_inputs: tuple, *, example_kwargs: dict, rank: Optional[int],
                      group: Group, dynamic_shapes: Any, plan: Mapping[str, str]) -> ParallelModule:
-    """``compile`` for fxtp.generation's static-cache decoder: its eval-mode graph only."""
+    """``compile`` for fxtp.runtime.generation's static-cache decoder: its eval-mode graph only."""
     return _compile(model, world_size, example_inputs, example_kwargs, rank, group, "auto", plan, True, dynamic_shapes,
                     modes=(), kv_heads=True)
 

@@ -1,4 +1,4 @@
-"""Which dynamic sizes a sharding plan depends on (NOTE: [dynamic shapes] in fxtp/capture.py).
+"""Which dynamic sizes a sharding plan depends on (NOTE: [dynamic shapes] in fxtp/capture/frontends.py).
 
 Rules reason on the example's sizes (``registry.shape_of``). That is sound for any size of a
 dynamic dim only if no decision reads one: a sharded dim must be static (its segments, local
@@ -18,8 +18,8 @@ import sympy
 import torch
 from torch.fx import Graph, Node
 
-from fxtp.placement import Shard
-from fxtp.rng import ELEMENTWISE, is_random
+from fxtp.core.placement import Shard
+from fxtp.core.rng import ELEMENTWISE, is_random
 from passes.plan import ShardingPlan
 from passes.registry import is_tensor_node, shape_of
 from passes.rules.shape import group_dims
@@ -59,7 +59,7 @@ def plan_symbols(graph: Graph, plan: ShardingPlan) -> dict[str, str]:
                 _check_view(node, source, found)
     for (consumer, producer), action in plan.edges.items():
         if action.kind == "sp_gather" or action.kind == "sp_scatter" and action.enter:
-            continue  # sized at run time (fxtp.collectives), NOTE: [sequence parallelism]
+            continue  # sized at run time (fxtp.core.collectives), NOTE: [sequence parallelism]
         if action.placement is not None:
             check(nodes[consumer], nodes[producer].meta["val"], action.placement, f"input {producer} of")
     return found
@@ -67,7 +67,7 @@ def plan_symbols(graph: Graph, plan: ShardingPlan) -> dict[str, str]:
 
 def _any_token_count(node: Node, plan: ShardingPlan) -> bool:
     """A value sharded on tokens whose op reads no size (no local shape literal; a random op
-    draws its mask sized at run time, ``fxtp.rng.token_random``): it runs at any token count
+    draws its mask sized at run time, ``fxtp.core.rng.token_random``): it runs at any token count
     the collectives accept (NOTE: [sequence parallelism] in passes/sequence.py)."""
     random = is_random(node.target, node.args, node.kwargs)
     return (node.name in plan.tokens and node.name not in plan.local_args and node.name not in plan.local_targets

@@ -39,7 +39,7 @@ in one segment, no dropout. The updated plan (the rewrite needs no change):
 * each attention runs ``local_ops.grouped_query_attention_local_kv`` on the written states
   directly (the ``repeat_kv`` views and their slice are left dead for the rewrite to drop).
 
-Only ``fxtp.generation``'s decoder asks for this pass (``fxtp.api``): its graph runs in eval
+Only ``fxtp.runtime.generation``'s decoder asks for this pass (``fxtp.api``): its graph runs in eval
 mode only, under ``no_grad``; the training graphs and their reports are never touched.
 """
 
@@ -52,9 +52,9 @@ from typing import Collection, Optional
 import torch
 from torch.fx import Graph, Node
 
-from fxtp import local_ops
-from fxtp.placement import Shard, local_ranges
-from passes.plan import ShardingPlan
+from fxtp.core import local_ops
+from fxtp.core.placement import Shard
+from passes.sharding_plan import KvHeads, ShardingPlan
 from passes.propagate import EdgeAction
 from passes.registry import LocalSize, ShardStart, is_tensor_node, shape_of
 
@@ -62,33 +62,6 @@ __all__ = ["KvHeads", "keep_needed_kv_heads"]
 
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
-
-
-@dataclass(frozen=True)
-class KvHeads:
-    """A state stored as the kv heads this rank's query heads need (NOTE: [kv heads kept by
-    the ranks that need them]).
-
-    Args:
-        dim: the kv-head dim of the state (1 for a cache ``(B, Hkv, S, E)``).
-        group: query heads per kv head, ``Hq // Hkv``.
-        query: the attention query's placement, sharded on its heads dim in one segment of
-            ``Hq`` heads (even or not, NOTE: [uneven shards]).
-    """
-
-    dim: int
-    group: int
-    query: Shard
-
-    def local_range(self, rank: int, world_size: int) -> tuple[int, int]:
-        """``(start, length)`` of the kv heads rank ``rank`` keeps."""
-        ((q_start, q_count),) = local_ranges(self.query, rank, world_size)
-        return local_ops.kv_head_range(q_start, q_count, self.group)
-
-    def local(self, full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-        """Rank ``rank``'s copy of the state ``full`` (a new tensor; ``meta`` stays ``meta``)."""
-        start, length = self.local_range(rank, world_size)
-        return full.detach().narrow(self.dim, start, length).clone()
 
 
 @dataclass(frozen=True)

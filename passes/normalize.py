@@ -23,7 +23,7 @@ NOTE: [meta models]
 A model built with its parameters on ``meta`` is captured with ``meta`` example inputs, so every
 device the model code computes (``x.device``) is traced as the literal ``meta``; its weights
 become real at load time (``ParallelModule.load_safetensors``/``load_full_state_dict``). Buffers
-no checkpoint holds must be real when the model is built (see ``fxtp.checkpoint._check_meta``).
+no checkpoint holds must be real when the model is built (see ``fxtp.runtime.checkpoint._check_meta``).
 """
 
 from __future__ import annotations

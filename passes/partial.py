@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
-from fxtp.placement import Partial, Replicate
+from fxtp.core.placement import Partial, Replicate
 from passes.plan import ShardingPlan
 from passes.propagate import EdgeAction
 from passes.registry import is_tensor_node

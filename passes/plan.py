@@ -18,69 +18,36 @@ modify the graph.
 
 from __future__ import annotations
 
-import dataclasses
-import fnmatch
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch.fx import Graph, Node
 
-from fxtp import local_ops
-from fxtp.errors import FxtpError, FxtpPlanError
-from fxtp.placement import REPLICATE, Partial, Placement, Shard
-from passes.propagate import EdgeAction, ParamPiece, PlannerState, Propagation, param_root, propagate
+import passes.rules  # noqa: F401  (registers the op rules)
+from fxtp.core.errors import FxtpError, FxtpPlanError
+from fxtp.core.placement import REPLICATE, Partial, Placement, Shard
+from passes.layers import (
+    apply_overrides,
+    check_forced,
+    is_output_head,
+    keep_renormed_tables,
+    keep_small_embeddings,
+    layer_decision,
+    layer_names,
+    rowwise_feeds,
+    weight_numel,
+    weight_of,
+    weight_placeholder,
+)
+from passes.propagate import ParamPiece, PlannerState, Propagation, param_root, propagate
 from passes.registry import Conflict, LayerNote, module_of, shape_of
-from passes.rules.matmul import layer_operands, layer_weight
-
-if TYPE_CHECKING:
-    from passes.kv_heads import KvHeads
+from passes.rules.matmul import layer_operands
+from passes.sharding_plan import LayerDecision, ShardingPlan
 
 __all__ = ["LayerDecision", "ShardingPlan", "plan_sharding", "module_of", "STYLES"]
 
 STYLES = ("colwise", "rowwise", "replicate")
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class LayerDecision:
-    """One matmul-like layer's style and why; a row of the report."""
-
-    name: str  # plan key: the module FQN, else the weight FQN (a split piece adds "[start:end]")
-    node: str  # node name in the captured graph
-    module: str  # module FQN of the call
-    op: str  # "linear" or "embedding"
-    weight: str  # parameter FQN
-    weight_shape: tuple[int, ...]
-    style: str
-    local_weight_shape: tuple[int, ...]
-    reason: str
-    code: Optional[str] = None
-    fix: Optional[str] = None
-    culprit: Optional[str] = None  # format_node() of the node that decided it
-    culprit_module: Optional[str] = None
-    output_head: bool = False  # colwise, its logits all_gathered at the model output
-
-
-@dataclass(frozen=True)
-class ShardingPlan:
-    """What the rewrite applies; node names refer to the captured graph."""
-
-    world_size: int
-    placements: Mapping[str, Any]  # node name -> placement (tuple for multi-output nodes)
-    params: Mapping[str, Placement]  # placeholder name -> placement, sharded ones only
-    local_args: Mapping[str, tuple[Any, ...]]  # node name -> args with local shape literals
-    edges: Mapping[tuple[str, str], EdgeAction]  # (consumer, producer) -> local work
-    reduces: Mapping[str, Optional[str]]  # Partial node -> bias node added after the all_reduce
-    local_targets: Mapping[str, Any]  # node name -> op the rank runs instead (with local_args)
-    layers: tuple[LayerDecision, ...]
-    rounds: int
-    # node -> the token shard it is cut to: a Partial node's reduce_scatter (instead of its
-    # all_reduce), a replicated one's local slice; NOTE: [sequence parallelism] in passes/sequence.py
-    scatters: Mapping[str, Shard] = field(default_factory=dict)
-    tokens: frozenset[str] = frozenset()  # the values sharded on tokens (same NOTE)
-    # placeholder -> the kv heads each rank keeps of a replicated cache (passes/kv_heads.py)
-    kv_heads: Mapping[str, "KvHeads"] = field(default_factory=dict)
 
 
 def plan_sharding(
@@ -102,15 +69,15 @@ def plan_sharding(
         FxtpPlanError: an override names no layer or cannot be honoured.
     """
     param_names = frozenset(param_fqns)
-    layers = [n for n in graph.nodes if _weight(n, param_names) is not None]
-    names = _layer_names(layers, param_names, param_fqns)
+    layers = [n for n in graph.nodes if weight_of(n, param_names) is not None]
+    names = layer_names(layers, param_names, param_fqns)
     state = PlannerState()
     if world_size == 1:
         for n in layers:
             state.demoted[n.name] = LayerNote("replicate", "world_size is 1: nothing to shard")
-    _apply_overrides(overrides or {}, layers, names, state)
-    _keep_small_embeddings(layers, state, param_names)
-    _keep_renormed_tables(graph, layers, state, param_names)
+    apply_overrides(overrides or {}, layers, names, state)
+    keep_small_embeddings(layers, state, param_names)
+    keep_renormed_tables(graph, layers, state, param_names)
     terminal = _terminal_layers(graph, layers)
     max_rounds = (_MAX_SEGMENTS + 5) * len(layers) + 8
     for rounds in range(1, max_rounds + 1):
@@ -119,9 +86,9 @@ def plan_sharding(
             break
     else:  # pragma: no cover - demotions and refinements only grow
         raise FxtpError(f"internal: planning did not converge in {max_rounds} rounds; please report this model")
-    feeds = _rowwise_feeds(layers, names, res, param_names)
-    decisions = tuple(_layer_decision(n, names[n], res, state, param_names, param_fqns, world_size, feeds) for n in layers)
-    _check_forced(decisions, state, names)
+    feeds = rowwise_feeds(layers, names, res, param_names)
+    decisions = tuple(layer_decision(n, names[n], res, state, param_names, param_fqns, world_size, feeds) for n in layers)
+    check_forced(decisions, state, names)
     return ShardingPlan(
         world_size=world_size,
         placements={n.name: p for n, p in res.placements.items()},
@@ -139,111 +106,6 @@ def plan_sharding(
     )
 
 
-def _layer_names(layers: list[Node], param_names: frozenset[str], param_fqns: Mapping[str, str]) -> dict[Node, str]:
-    """Stable, unique layer names: the module FQN, or where several layers share a module
-    (``nn.MultiheadAttention``'s functional projections) the weight's FQN, a split piece adding
-    ``[start:end]``."""
-    modules = {n: module_of(n) for n in layers}
-    counts: dict[str, int] = {}
-    for m in modules.values():
-        counts[m] = counts.get(m, 0) + 1
-    names: dict[Node, str] = {}
-    for n in layers:
-        if modules[n] and counts[modules[n]] == 1:
-            names[n] = modules[n]
-            continue
-        weight = _weight(n, param_names)
-        piece = param_root(weight, param_names) if isinstance(weight, Node) else None
-        if piece is None:
-            names[n] = f"{modules[n] or 'model'}:{n.name}"
-            continue
-        fqn = param_fqns[piece.placeholder.name]
-        if piece.dim is not None:
-            names[n] = f"{fqn}[{piece.offset}:{piece.offset + piece.length}]"
-        else:
-            names[n] = fqn[: -len(".weight")] if fqn.endswith(".weight") else fqn
-    taken = list(names.values())
-    return {n: name if taken.count(name) == 1 else f"{name}:{n.name}" for n, name in names.items()}
-
-
-def _weight(node: Node, param_names: frozenset[str]) -> Optional[Node]:
-    return layer_weight(node, lambda a: param_root(a, param_names) is not None)
-
-
-def _weight_placeholder(node: Node, param_names: frozenset[str]) -> Optional[Node]:
-    weight = _weight(node, param_names)
-    piece = param_root(weight, param_names) if isinstance(weight, Node) else None
-    return piece.placeholder if piece is not None else None
-
-
-# A table with fewer rows than this many times its width (a position or token-type table) stays
-# replicated: sharding it saves little memory and costs an all_reduce per lookup. Vocabularies
-# are far taller than wide (GPT-2: 50257 x 768; Llama-2: 32000 x 4096). A share of the model's
-# bytes would not do: Llama-2-70B's vocabulary is only 0.4% of its parameters.
-VOCAB_ROWS_PER_COLUMN = 2
-
-
-def _keep_small_embeddings(layers: list[Node], state: PlannerState, param_names: frozenset[str]) -> None:
-    weights = [_weight_placeholder(n, param_names) for n in layers]
-    for n in layers:
-        if n.target is not aten.embedding.default or n.name in state.demoted or n.name in state.forced:
-            continue
-        if weights.count(_weight_placeholder(n, param_names)) > 1:
-            continue  # tied to a head: the table follows what its other uses allow
-        rows, cols = shape_of(n.args[0])
-        if rows < VOCAB_ROWS_PER_COLUMN * cols:
-            state.demoted[n.name] = LayerNote(
-                "replicate",
-                f"a {rows}x{cols} table is not a vocabulary (fewer than {VOCAB_ROWS_PER_COLUMN}x as many rows as columns): "
-                "a vocab-parallel lookup would add an all_reduce to save little memory",
-                code="small-embedding",
-                fix="none needed; plan={'{layer}': 'rowwise'} shards it anyway",
-            )
-
-
-def _keep_renormed_tables(graph: Graph, layers: list[Node], state: PlannerState, param_names: frozenset[str]) -> None:
-    """``nn.Embedding(max_norm=...)`` renormalizes the looked-up rows of its table in place
-    (``embedding_renorm_`` on the table before the lookup). A vocab-parallel table would have
-    to renormalize only its own rows with only the ids that fall in them; fxtp does not emit
-    that, so such a table stays replicated, with that reason."""
-    renormed = set()
-    for node in graph.nodes:
-        if node.target is aten.embedding_renorm_.default:
-            table = node.args[0]
-            while isinstance(table, Node) and table.target in (aten.detach.default, aten.alias.default):
-                table = table.args[0]
-            renormed.add(table)
-    for n in layers:
-        if n.target is aten.embedding.default and n.args[0] in renormed and n.name not in state.forced:
-            state.demoted.setdefault(
-                n.name,
-                LayerNote(
-                    "replicate",
-                    "max_norm renormalizes the looked-up rows of the table in place (embedding_renorm_); "
-                    "fxtp does not shard a renormalized table",
-                    code="embedding-max-norm",
-                    fix="drop max_norm (e.g. clip the rows after each optimizer step) to shard the table",
-                ),
-            )
-
-
-def _apply_overrides(overrides: Mapping[str, str], layers: list[Node], names, state: PlannerState) -> None:
-    for pattern, style in overrides.items():
-        hits = [n for n in layers if fnmatch.fnmatchcase(names[n], pattern) or fnmatch.fnmatchcase(module_of(n), pattern)]
-        if not hits:
-            known = ", ".join(sorted(names.values())) or "(none)"
-            raise FxtpPlanError(f"plan key {pattern!r} matches no layer; layers are: {known}")
-        for n in hits:
-            if n.target is aten.embedding.default and style == "colwise":
-                raise FxtpPlanError(f"plan asks embedding {names[n]} to be colwise; embeddings are 'rowwise' (vocab-parallel) or 'replicate'")
-            if style == "replicate":
-                state.demoted[n.name] = LayerNote(
-                    "replicate", "kept replicated by the user's plan", code="user-plan", fix="drop the plan entry to let fxtp shard it"
-                )
-            else:
-                state.forced[n.name] = style
-
-
 # Rejections a finer segment layout of the producing layer may cure (NOTE: [segments]).
 _LAYOUT_CODES = frozenset(
     {
@@ -257,18 +119,6 @@ _LAYOUT_CODES = frozenset(
     }
 )
 _MAX_SEGMENTS = 8  # fused projections have few parts (Q|K|V, gate|up, K|V)
-
-
-def _is_output_head(layer: Node, param_names: frozenset[str]) -> bool:
-    """An output head (an LM head): a layer that widens (out_features > in_features). Its
-    logits are all_gathered at the model output rather than kept replicated: the gather moves
-    activations once, the shard saves (ws - 1)/ws of the widest weight (Megatron-LM's parallel
-    LM head, DTensor's ``ColwiseParallel`` output layer)."""
-    ops = layer_operands(layer, lambda a: param_root(a, param_names) is not None)
-    if ops is None:
-        return False
-    shape = shape_of(ops.weight)
-    return shape[ops.out_dim] > shape[1 - ops.out_dim]
 
 
 def _resolve(
@@ -327,7 +177,7 @@ def _resolve(
                 changed = True
                 continue
         heads = c.code == "needs-gather" and rej.node.op == "output" and demotable
-        if heads and all(_is_output_head(n, param_names) and n.name not in state.demoted for n in demotable):
+        if heads and all(is_output_head(n, param_names) and n.name not in state.demoted for n in demotable):
             state.heads.update(n.name for n in demotable)
             demotable = []  # gather the logits at the output instead
         if not demotable:
@@ -363,7 +213,7 @@ def _resolve(
             ]
             # Replicate the layers whose own weight this is; the layers that fed them follow next round
             # (their consumer keeps its input whole), with that reason.
-            weight_of = [n for n in sharded_by if _weight_placeholder(n, param_names) is placeholder]
+            weight_of = [n for n in sharded_by if weight_placeholder(n, param_names) is placeholder]
             sharded_by = weight_of or sharded_by
             forced = [n for n in sharded_by if state.forced.get(n.name) is not None]
             if forced:
@@ -407,7 +257,7 @@ def _take_tied_input_whole(
             note = res.layers.get(n)
             ops = layer_operands(n, lambda a: param_root(a, param_names) is not None)
             if (
-                piece.dim is not None or ops is None or _weight_placeholder(n, param_names) is not placeholder
+                piece.dim is not None or ops is None or weight_placeholder(n, param_names) is not placeholder
                 or getattr(note, "style", None) != "rowwise" or n.name in state.slice_input
                 or n.name in state.whole_input or state.forced.get(n.name) is not None
             ):
@@ -488,7 +338,7 @@ def _replicate_cheaper_side(res: Propagation, state: PlannerState, param_names: 
         sides = [side for side in (meets, fed_by) if side and not any(n.name in state.forced for n in side)]
         if not sides:
             continue
-        cheaper = min(sides, key=lambda side: sum(_weight_numel(n, param_names) for n in side))
+        cheaper = min(sides, key=lambda side: sum(weight_numel(n, param_names) for n in side))
         for n in cheaper:
             if n.name not in state.demoted:
                 state.demoted[n.name] = LayerNote(
@@ -502,11 +352,6 @@ def _replicate_cheaper_side(res: Propagation, state: PlannerState, param_names: 
                 )
                 changed = True
     return changed
-
-
-def _weight_numel(layer: Node, param_names: frozenset[str]) -> int:
-    weight = _weight_placeholder(layer, param_names)
-    return weight.meta["val"].numel() if weight is not None else 0
 
 
 def _next_segments(layer: Node, state: PlannerState, hint: Optional[tuple[int, ...]], ws: int) -> Optional[tuple[int, ...]]:
@@ -563,64 +408,3 @@ def _combine(requests: list[tuple[ParamPiece, Placement, Any]], name: str) -> Pl
     return Shard(dim, tuple(segments), pieces[0][3].unit)
 
 
-def _rowwise_feeds(layers: list[Node], names: Mapping[Node, str], res: Propagation, param_names) -> dict[Node, list[str]]:
-    """colwise layer -> names of the rowwise layers (or vocab-parallel losses) its shard reaches,
-    and the reverse."""
-    feeds: dict[Node, list[str]] = {}
-    for node, dec in res.decisions.items():
-        if dec.local_target is local_ops.vocab_parallel_cross_entropy:
-            for origin in res.origins.get(node.args[0], frozenset()):
-                feeds.setdefault(origin, []).append("a vocab-parallel cross_entropy (3 all_reduce of (N,), no logits gather)")
-    for n in layers:
-        note = res.layers.get(n)
-        ops = layer_operands(n, lambda a: param_root(a, param_names) is not None)
-        if note is not None and note.style == "rowwise" and ops is not None:
-            for origin in sorted(res.origins.get(ops.x, frozenset()), key=lambda o: o.name):
-                feeds.setdefault(origin, []).append(names[n])
-                feeds.setdefault(n, []).append(names[origin])
-    return feeds
-
-
-def _layer_decision(node: Node, name: str, res: Propagation, state: PlannerState, param_names, param_fqns, ws: int, feeds) -> LayerDecision:
-    note = res.layers.get(node) or state.demoted.get(node.name) or LayerNote("replicate", "inputs replicated")
-    partners = ", ".join(feeds.get(node, []))
-    if note.style == "colwise" and node.name in state.heads:
-        also = f"; its shard also feeds {partners}" if partners else ""
-        note = dataclasses.replace(note, reason="output head: its logits are all_gathered at the model output" + also)
-    if note.style == "colwise" and partners:
-        note = dataclasses.replace(note, reason=note.reason.replace("a rowwise layer", partners))
-    elif note.style == "rowwise" and partners:
-        note = dataclasses.replace(note, reason=f"input sharded by {partners}; " + note.reason)
-    weight = _weight(node, param_names)
-    piece = param_root(weight, param_names) if isinstance(weight, Node) else None
-    if piece is not None and piece.transposed:
-        weight = piece.placeholder  # show the parameter as stored, not its transpose
-    wshape = shape_of(weight)
-    local = list(wshape)
-    wp = res.placements.get(weight)
-    if isinstance(wp, Shard):
-        local[wp.dim] = wp.local_size(ws, 0)  # rank 0's: the largest of an uneven shard (NOTE: [uneven shards])
-    return LayerDecision(
-        name=name,
-        node=node.name,
-        module=module_of(node),
-        op=str(node.target.__name__).split(".")[0],
-        weight=param_fqns[piece.placeholder.name] if piece is not None else weight.name,
-        weight_shape=wshape,
-        style=note.style,
-        local_weight_shape=tuple(local),
-        reason=note.reason,
-        code=note.code,
-        fix=note.fix.replace("{layer}", name) if note.fix else None,
-        culprit=note.node,
-        culprit_module=note.module,
-        output_head=note.style == "colwise" and node.name in state.heads,
-    )
-
-
-def _check_forced(decisions: tuple[LayerDecision, ...], state: PlannerState, names) -> None:
-    by_node = {d.node: d for d in decisions}
-    for node_name, style in state.forced.items():
-        d = by_node[node_name]
-        if d.style != style:
-            raise FxtpPlanError(f"plan asks {d.name} to be {style}, but it can only be {d.style}: {d.reason}; drop the entry")

@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 from torch.fx import Graph, Node
 
-from fxtp.placement import REPLICATE, Partial, Placement, Replicate, Shard, is_sharded
+from fxtp.core.placement import REPLICATE, Partial, Placement, Replicate, Shard, is_sharded
 from passes.registry import Conflict, Decision, LayerNote, LayerState, RuleContext, is_tensor_node, takes_uneven
 from passes.rules._common import norm_dim, tensor_inputs
 from passes.rules.matmul import layer_weight

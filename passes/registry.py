@@ -25,7 +25,7 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from fxtp.placement import REPLICATE, Placement
+from fxtp.core.placement import REPLICATE, Placement
 
 __all__ = [
     "Conflict",
@@ -79,10 +79,10 @@ class ShardStart:
 @dataclass(frozen=True)
 class LocalSize:
     """In ``Decision.local_args`` (also inside a size list): this rank's size of ``shard``'s
-    sharded dim, where it differs between ranks (NOTE: [uneven shards] in ``fxtp/placement.py``);
+    sharded dim, where it differs between ranks (NOTE: [uneven shards] in ``fxtp/core/placement.py``);
     the rewrite puts the number in. Rules write it through ``rules._common.local_size``."""
 
-    shard: Any  # a fxtp.placement.Shard
+    shard: Any  # a fxtp.core.placement.Shard
 
 
 @dataclass(frozen=True)
@@ -226,7 +226,7 @@ def register_rule(*ops: OpKey) -> Callable[[Rule], Rule]:
 
 
 def uneven_ok(fn: Rule) -> Rule:
-    """Mark ``fn`` as handling uneven shards (NOTE: [uneven shards] in ``fxtp/placement.py``):
+    """Mark ``fn`` as handling uneven shards (NOTE: [uneven shards] in ``fxtp/core/placement.py``):
     its output shard keeps the input's unit and rank-dependent sizes go in as ``LocalSize``.
     The planner refuses an uneven input to any other rule (``not-divisible``)."""
     fn.fxtp_uneven = True  # type: ignore[attr-defined]

@@ -10,7 +10,7 @@ For each node, in order:
 * inputs get the edge's local work: ``f`` for a replicated float value entering sharded
   computation (one per producer), a local slice, or a gather;
 * a random op on a sharded value (a train-mode dropout, ``bernoulli``, an attention's
-  ``dropout_p``) draws this rank's slice of one global mask (``fxtp.rng.sharded_call``,
+  ``dropout_p``) draws this rank's slice of one global mask (``fxtp.core.rng.sharded_call``,
   NOTE: [dropout across ranks]);
 * a ``Partial`` output gets ``g`` (all_reduce) right after it and the bias added after that
   (under sequence parallelism a reduce_scatter, NOTE: [sequence parallelism])::
@@ -18,7 +18,7 @@ For each node, in order:
       linear = aten.linear.default(reshape, p_wo_weight, p_wo_bias)
   becomes
       linear = aten.linear.default(reshape, p_wo_weight)
-      reduce_from_tp = fxtp.collectives.reduce_from_tp(linear, '0')
+      reduce_from_tp = fxtp.core.collectives.reduce_from_tp(linear, '0')
       add = aten.add.Tensor(reduce_from_tp, p_wo_bias)
 """
 
@@ -30,8 +30,8 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
-from fxtp import collectives, rng
-from fxtp.placement import Shard, local_ranges
+from fxtp.core import collectives, rng
+from fxtp.core.placement import Shard, local_ranges
 from passes.plan import ShardingPlan
 from passes.propagate import EdgeAction
 from passes.registry import GroupName, LocalSize, ShardStart
@@ -139,13 +139,13 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
                 node.replace_input_with(inp, materialize(inp, action))
         local = (rng.sharded_call(node.target, node.args, node.kwargs, shard, rank, ws, tokens=name in plan.tokens)
                  if isinstance(shard, Shard) else None)
-        if local is not None:  # NOTE: [dropout across ranks] in fxtp/rng.py
+        if local is not None:  # NOTE: [dropout across ranks] in fxtp/core/rng.py
             node.target, node.args, node.kwargs = local
         elif random_on_shard and name in plan.local_targets:
             # A rule's local op wraps a random op that rng cannot draw as one global mask: the report
             # promised "dropout-on-shard", so an independent per-rank draw would be silently wrong.
             raise AssertionError(f"fxtp internal error: {plan.local_targets[name]} at {name} wraps a random op; "
-                                 "teach fxtp.rng.sharded_call its global-mask form")
+                                 "teach fxtp.core.rng.sharded_call its global-mask form")
         if name in plan.scatters and name not in plan.reduces:  # a replicated value starts a token-sharded region
             with graph.inserting_after(node):
                 sliced = graph.call_function(collectives.scatter_to_sp, (node, plan.scatters[name].dim, rank, ws, group_name))

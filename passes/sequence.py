@@ -24,7 +24,7 @@ on 1/world_size of the tokens instead:
   consumer (it replaces that consumer's ``f``: same bytes), or keeps this rank's slice of the
   gradient of a replicated consumer;
 * a layer that saves its all_gathered input for backward saves the shard instead and gathers
-  it again in backward (NOTE: [regathered activations] in fxtp/activations.py).
+  it again in backward (NOTE: [regathered activations] in fxtp/core/activations.py).
 
 Layer styles are those of the tensor-parallel plan; this pass changes only where values are
 sharded and how they are reduced and gathered. A GPT-2 ``Conv1D`` computes on ``(B*T, H)``
@@ -44,8 +44,8 @@ from typing import Any, Mapping, Optional
 import torch
 from torch.fx import Graph, Node
 
-from fxtp.errors import FxtpPlanError
-from fxtp.placement import REPLICATE, Partial, Replicate, Shard, is_sharded
+from fxtp.core.errors import FxtpPlanError
+from fxtp.core.placement import REPLICATE, Partial, Replicate, Shard, is_sharded
 from passes.plan import ShardingPlan
 from passes.propagate import EdgeAction, param_root
 from passes.registry import Conflict, Decision, LayerState, RuleContext, is_tensor_node, module_of, shape_of

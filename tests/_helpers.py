@@ -18,8 +18,8 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxtp
-from fxtp.report import megatron_floor  # noqa: F401 - re-exported for the tests
-from fxtp.placement import shard_tensor
+from fxtp.explain.report import megatron_floor  # noqa: F401 - re-exported for the tests
+from fxtp.core.placement import shard_tensor
 
 __all__ = [
     "CollectiveCounter",
@@ -64,7 +64,7 @@ def loss_of(out: Any) -> torch.Tensor:
 def count_graph_collectives(pm: fxtp.ParallelModule) -> collections.Counter[str]:
     """Collective call sites in the emitted graph, by function name."""
     return collections.Counter(
-        n.target.__name__ for n in pm.graph_module.graph.nodes if n.op == "call_function" and n.target.__module__ == "fxtp.collectives"
+        n.target.__name__ for n in pm.graph_module.graph.nodes if n.op == "call_function" and n.target.__module__ == "fxtp.core.collectives"
     )
 
 

@@ -27,7 +27,7 @@ from _helpers import CollectiveCounter, loss_of
 from fuzz_models import Spec, build
 
 import fxtp
-from fxtp.placement import Shard, shard_tensor
+from fxtp.core.placement import Shard, shard_tensor
 
 __all__ = ["Outcome", "differential", "check_outcomes"]
 

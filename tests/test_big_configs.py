@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fxtp
-from fxtp import examples
+from fxtp.explain import examples
 
 pytest.importorskip("transformers")
 

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 import fxtp
-from fxtp.layout import LocalChunks
+from fxtp.runtime.layout import LocalChunks
 
 
 def _tied_lm():

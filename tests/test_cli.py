@@ -1,4 +1,4 @@
-"""The ``fxtp`` command line, in process (``fxtp.cli.main``) but for one ``python -m fxtp`` run.
+"""The ``fxtp`` command line, in process (``fxtp.explain.cli.main``) but for one ``python -m fxtp`` run.
 
 Exit status: 0 ok, 1 fxtp error (message only unless --verbose), 2 bad usage.
 """
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from _helpers import shell_calls
-from fxtp.cli import get_args_parser, main
-from fxtp.examples import EXAMPLES
-from fxtp.inspection import InputSpec
-from fxtp.verify import VerifyResult
+from fxtp.explain.cli import get_args_parser, main
+from fxtp.explain.examples import EXAMPLES
+from fxtp.explain.inspection import InputSpec
+from fxtp.explain.verify import VerifyResult
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).parent / "golden"
@@ -81,7 +81,7 @@ def test_help_shows_examples(capsys):
     assert code == 0
     for text in ("2x16:int64[0,128)", "llama-7b", "file.py:callable", "--format dot --out mlp.svg", "2 bad usage"):
         assert text in out, text
-    from fxtp.examples import EXAMPLES
+    from fxtp.explain.examples import EXAMPLES
 
     model_section = out.split("MODEL:")[1].split("path/to/config.json")[0]
     listed = {word.strip(",;()") for word in model_section.split()}
@@ -275,9 +275,9 @@ def test_input_specs():
 
 
 def test_verify_over_tolerance_exits_1(capsys, monkeypatch):
-    import fxtp.verify
+    import fxtp.explain.verify
 
-    monkeypatch.setattr(fxtp.verify, "verify", lambda *a, **k: VerifyResult(2, 1e-7, 3e-2, 4, 1e-4))
+    monkeypatch.setattr(fxtp.explain.verify, "verify", lambda *a, **k: VerifyResult(2, 1e-7, 3e-2, 4, 1e-4))
     code, out, _ = run(capsys, "inspect", "mlp", "-n", "2", "--verify")
     assert code == 1 and "gradients: max abs error 3.00e-02" in out and "FAIL: over tolerance" in out
 
@@ -294,7 +294,7 @@ def test_verify_failure_on_the_ranks_is_one_line(capsys, user_file):
 
 
 def test_verify_failure_message():
-    from fxtp.verify import _failure_message
+    from fxtp.explain.verify import _failure_message
 
     errors = [(1, "IndexError: index out of range", "Traceback 1"), (0, "IndexError: index out of range", "Traceback 0"), (2, "x", "T2")]
     assert _failure_message(errors, verbose=False) == "verify failed on rank(s) 0, 1: IndexError: index out of range\nverify failed on rank(s) 2: x"

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fxtp.collectives import gather_from_tp
-from fxtp.placement import Shard, shard_tensor
+from fxtp.core.collectives import gather_from_tp
+from fxtp.core.placement import Shard, shard_tensor
 
 SHARDS = {
     "even": Shard(1, (8,)),

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxtp
-from fxtp.placement import Shard, shard_tensor
+from fxtp.core.placement import Shard, shard_tensor
 
 
 @pytest.fixture(scope="module")

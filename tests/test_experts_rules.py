@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxtp.api import _analyze
-from fxtp.placement import Partial, Shard
+from fxtp.core.placement import Partial, Shard
 
 aten = torch.ops.aten
 E, H, I, S = 4, 16, 8, 12  # experts, hidden, intermediate, (token, expert) pairs

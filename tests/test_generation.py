@@ -1,4 +1,4 @@
-"""``pm.generate`` (fxtp/generation.py, NOTE: [generation]) and state written in place stored
+"""``pm.generate`` (fxtp/runtime/generation.py, NOTE: [generation]) and state written in place stored
 sharded (NOTE: [sharded state]), on real gloo process groups against the single device.
 
 Greedy decoding must be token-identical to Hugging Face's ``model.generate`` (which runs its
@@ -14,8 +14,9 @@ import torch.distributed as dist
 from torch import nn
 
 import fxtp
-from fxtp import examples, generation
-from fxtp.errors import FxtpInputError
+from fxtp.explain import examples
+from fxtp.runtime import generation
+from fxtp.core.errors import FxtpInputError
 
 pytest.importorskip("transformers")
 
@@ -179,8 +180,8 @@ def test_kept_kv_heads_attend_as_the_whole_cache(heads, kv_heads, ws):
     """NOTE: [kv heads kept by the ranks that need them]: each rank writes the kv heads its query
     heads need (``local_ops.kv_head_range``, even or uneven query shards) and attends with them
     as the single device's ``enable_gqa`` attention does with the whole cache."""
-    from fxtp import local_ops
-    from fxtp.placement import Shard, local_ranges
+    from fxtp.core import local_ops
+    from fxtp.core.placement import Shard, local_ranges
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, heads, 3, 8), torch.randn(2, kv_heads, 3, 8), torch.randn(2, kv_heads, 3, 8)

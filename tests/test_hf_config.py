@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from fxtp.cli import main
-from fxtp.hf_config import DEFAULT_SEQ, load_config_model
-from fxtp.report import megatron_floor
+from fxtp.explain.cli import main
+from fxtp.explain.hf_config import DEFAULT_SEQ, load_config_model
+from fxtp.explain.report import megatron_floor
 
 transformers = pytest.importorskip("transformers")
 

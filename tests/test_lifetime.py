@@ -16,8 +16,8 @@ from cases import build_case
 from torch import nn
 
 import fxtp
-from fxtp import examples
-from fxtp.placement import shard_tensor
+from fxtp.explain import examples
+from fxtp.core.placement import shard_tensor
 
 
 def _ids(batch: int, seq: int, vocab: int, seed: int) -> tuple[torch.Tensor]:

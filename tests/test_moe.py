@@ -3,7 +3,7 @@ downloaded): routed experts stored as 3-D parameters and run by ``grouped_mm`` a
 inside each expert (``passes/rules/experts.py``), on real gloo process groups at world sizes 2
 and 4, against the single-device model (outputs, every gradient, 3 SGD steps).
 
-Tiny configs (fxtp/examples.py): 2 layers, hidden 64, 4 heads (2 kv heads), 4 experts of
+Tiny configs (fxtp/explain/examples.py): 2 layers, hidden 64, 4 heads (2 kv heads), 4 experts of
 intermediate 128, top-2, vocab 128, seq 16.
 """
 
@@ -17,8 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from _helpers import compare_training
 
 import fxtp
-from fxtp import examples
-from fxtp.placement import Shard
+from fxtp.explain import examples
+from fxtp.core.placement import Shard
 
 pytest.importorskip("transformers")
 

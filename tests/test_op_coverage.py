@@ -24,7 +24,7 @@ from torch.fx import Graph, Node
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fxtp.placement import REPLICATE, Partial, Placement, Replicate, Shard, local_ranges, shard_tensor
+from fxtp.core.placement import REPLICATE, Partial, Placement, Replicate, Shard, local_ranges, shard_tensor
 from passes.registry import Conflict, Decision, LayerState, RuleContext, ShardStart, get_rule
 from passes.rules.dtensor_fallback import dtensor_ops
 from passes.rules.variants import functional_variant, rule_for

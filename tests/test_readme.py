@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from _helpers import shell_calls
-from fxtp.cli import main
+from fxtp.explain.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -78,7 +78,7 @@ def workdir(tmp_path_factory):
 
 @pytest.mark.parametrize("command", _commands())
 def test_command_runs_as_pasted(command, workdir, capsys, monkeypatch):
-    """Each call runs in this process (``fxtp ARGS`` is ``fxtp.cli.main(ARGS)``, ``python -c
+    """Each call runs in this process (``fxtp ARGS`` is ``fxtp.explain.cli.main(ARGS)``, ``python -c
     CODE`` is ``exec(CODE)``): exit 0, or, after ``||``, one fxtp error line and exit 1."""
     if NEEDS_DOT in command and shutil.which("dot") is None:
         pytest.skip("Graphviz's dot is not installed")

@@ -14,9 +14,10 @@ import torch.distributed as dist
 from _helpers import CollectiveCounter, compare_training, loss_of
 
 import fxtp
-from fxtp import activations, examples
-from fxtp.errors import FxtpInputError
-from fxtp.placement import shard_tensor
+from fxtp.core import activations
+from fxtp.explain import examples
+from fxtp.core.errors import FxtpInputError
+from fxtp.core.placement import shard_tensor
 
 
 def _reference(seed: int = 0, dim: int = 32, seq: int = 16, batch: int = 2, layers: int = 2, dropout: float = 0.0):

@@ -19,8 +19,8 @@ from cases import build_case
 from torch import nn
 
 import fxtp
-from fxtp.examples import GPTConfig, TinyGPT
-from fxtp.placement import Shard, shard_tensor
+from fxtp.explain.examples import GPTConfig, TinyGPT
+from fxtp.core.placement import Shard, shard_tensor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -46,7 +46,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
-from tabulate import tabulate
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -54,93 +53,19 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fxtp  # noqa: E402
-from fxtp import examples  # noqa: E402
-from fxtp.report import megatron_floor  # noqa: E402
+from fxtp.explain import examples  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_activations  # noqa: E402
+from bench_models import Settings, builtins, dtensor_hand_plan, generation_model, megatron_collectives, reference_transformer  # noqa: E402
+from bench_report import goals, plot, tables  # noqa: E402
 
 __all__ = ["Settings", "get_args_parser", "main"]
 
 _KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
 
 
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """What one run measures. ``quick()`` is the CI smoke setting."""
-
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
-    seq: int = 64
-    batch: int = 8
-    vocab: int = 512
-    warmup: int = 3
-    steps: int = 20
-    compile_layers: tuple[int, ...] = (2, 8, 32)
-    compile_repeats: int = 3
-    world_sizes: tuple[int, ...] = (2, 4, 8)
-    full_size: bool = True  # the full-size meta configs (GPT-2 124M ... Qwen2-MoE) in the memory table
-    new_tokens: int = 32  # generate: tokens per call
-
-    @classmethod
-    def quick(cls) -> "Settings":
-        return cls(dim=64, n_layers=2, n_heads=4, seq=16, batch=2, vocab=128, warmup=1, steps=3,
-                   compile_layers=(2,), compile_repeats=1, world_sizes=(2,), full_size=False, new_tokens=4)
-
-
 # --- models ---------------------------------------------------------------------------------
-
-
-def reference_transformer(s: Settings, seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """torch's TP reference Transformer (no weight tying, no dropout) and (batch, seq) token ids."""
-    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
-
-    torch.manual_seed(seed)
-    args = ModelArgs(n_layers=s.n_layers, vocab_size=s.vocab, max_seq_len=s.seq, dim=s.dim, n_heads=s.n_heads,
-                     dropout_p=0.0, weight_tying=False)
-    ids = torch.randint(0, s.vocab, (s.batch, s.seq), generator=torch.Generator().manual_seed(seed + 1))
-    return Transformer(args), (ids,)
-
-
-def dtensor_hand_plan(model: nn.Module, mesh: Any) -> nn.Module:
-    """torch's hand plan (as ``Transformer.parallelize`` with ``local_output_for_attn=True``, its
-    fastest form): wq/wk/wv/w1 colwise, wo/w2 rowwise, the output colwise with a replicated
-    (all_gathered) output; attention works on local heads."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    plan = {"output": ColwiseParallel(output_layouts=Replicate())}
-    for i, layer in enumerate(model.layers):
-        for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1"):
-            plan[f"layers.{i}.{name}"] = ColwiseParallel()
-        for name in ("attention.wo", "feed_forward.w2"):
-            plan[f"layers.{i}.{name}"] = RowwiseParallel()
-        layer.attention.n_heads //= mesh.size()
-    return parallelize_module(model, mesh, plan)
-
-
-def _builtins(s: Settings) -> dict[str, tuple[Callable[[], tuple[nn.Module, tuple]], int, bool]]:
-    """name -> (builder, transformer blocks, whether the first block's input needs a gradient).
-    ``mlp`` counts as one block of one region: 1 all_reduce forward, none backward (its input
-    is a plain tensor)."""
-    return {
-        "tiny_gpt": (examples.tiny_gpt, examples.GPTConfig().n_layers, True),
-        "mlp": (examples.mlp, 1, False),
-        "gpt2": (examples.gpt2, 2, True),
-        "llama": (examples.llama, 2, True),
-        "bert": (examples.bert, 2, True),
-        "reference_transformer": (lambda: reference_transformer(s), s.n_layers, True),
-    }
-
-
-def _floor(name: str, blocks: int, input_grad: bool, report: dict) -> dict[str, dict[str, int]]:
-    """Megatron-LM's own collectives for this plan (``fxtp.report.megatron_floor``); the lone
-    MLP is one region: 1 all_reduce forward."""
-    if name == "mlp":
-        return {"forward": {"all_reduce": 1}, "backward": {}}
-    forward, backward = megatron_floor(report, blocks, input_grad)
-    return {"forward": forward, "backward": backward}
 
 
 # --- measuring ------------------------------------------------------------------------------
@@ -240,7 +165,7 @@ def _collectives_of(model: nn.Module, inputs: tuple) -> tuple[dict, dict]:
 def _rank_collectives(s: Settings, ws: int) -> dict[str, Any]:
     """Runtime collectives of fxtp on every built-in model (and DTensor on the reference)."""
     results: dict[str, Any] = {}
-    for name, (build, blocks, input_grad) in _builtins(s).items():
+    for name, (build, blocks, input_grad) in builtins(s).items():
         try:
             model, inputs = build()
             pm = fxtp.compile(model, ws, inputs)
@@ -248,7 +173,7 @@ def _rank_collectives(s: Settings, ws: int) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - a failing model is reported, not fatal
             results[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
             continue
-        floor = _floor(name, blocks, input_grad, pm.report.to_dict())
+        floor = megatron_collectives(name, blocks, input_grad, pm.report.to_dict())
         results[name] = {
             "forward": fwd["counts"], "backward": bwd["counts"],
             "bytes": {"forward": fwd["bytes"], "backward": bwd["bytes"]},
@@ -267,16 +192,6 @@ def _rank_collectives(s: Settings, ws: int) -> dict[str, Any]:
         "bytes": {"forward": fwd["bytes"], "backward": bwd["bytes"]}, "floor_ok": None,
     }
     return results
-
-
-def generation_model(s: Settings, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
-    """A Llama of the bench's size (half as many kv heads as heads) and a (1, seq) prompt."""
-    torch.manual_seed(seed)
-    model, _ = examples.llama(seed, hidden_size=s.dim, intermediate_size=4 * s.dim, num_hidden_layers=s.n_layers,
-                              num_attention_heads=s.n_heads, num_key_value_heads=max(1, s.n_heads // 2),
-                              vocab_size=s.vocab, max_position_embeddings=s.seq + s.new_tokens)
-    prompt = torch.randint(1, s.vocab, (1, s.seq), generator=torch.Generator().manual_seed(seed))
-    return model, prompt
 
 
 def _generation(generate: Callable[..., torch.Tensor], prompt: torch.Tensor, s: Settings, barrier: Callable[[], None]) -> dict[str, Any]:
@@ -300,7 +215,7 @@ def _generation(generate: Callable[..., torch.Tensor], prompt: torch.Tensor, s: 
 
 def _fxtp_generation(model: nn.Module, prompt: torch.Tensor, s: Settings, ws: int, barrier: Callable[[], None]) -> dict[str, Any]:
     """:func:`_generation` of ``pm.generate`` at ``ws``, and the KV cache bytes this rank holds."""
-    from fxtp import generation
+    from fxtp.runtime import generation
 
     pm = fxtp.compile(model, ws, (prompt,))
     return _generation(pm.generate, prompt, s, barrier) | {"cache_bytes_per_rank": generation.cache_bytes(pm)}
@@ -391,7 +306,7 @@ def bench_compile(s: Settings) -> dict[str, Any]:
 
 def bench_memory(s: Settings) -> dict[str, Any]:
     """Per-rank parameter bytes over the whole, from ``fxtp.analyze``."""
-    builders: dict[str, Callable[[], tuple[nn.Module, tuple]]] = {k: b for k, (b, _, _) in _builtins(s).items()}
+    builders: dict[str, Callable[[], tuple[nn.Module, tuple]]] = {k: b for k, (b, _, _) in builtins(s).items()}
     if s.full_size:
         builders |= {name: getattr(examples, name) for name in ("gpt2_124m", "llama_7b", "llama3_8b", "mixtral_8x7b", "qwen2_moe_a2_7b")}
     results: dict[str, Any] = {}
@@ -409,136 +324,6 @@ def bench_memory(s: Settings) -> dict[str, Any]:
 
 
 # --- reporting ------------------------------------------------------------------------------
-
-
-def _kinds(counts: dict[str, int], nbytes: dict[str, int]) -> str:
-    return ", ".join(f"{n} {k} ({nbytes.get(k, 0) / 1024:.1f} KiB)" for k, n in sorted(counts.items())) or "none"
-
-
-def _floor_text(floor: dict[str, int]) -> str:
-    return ", ".join(f"{n} {k}" for k, n in floor.items()) or "none"
-
-
-def tables(result: dict[str, Any]) -> str:
-    """The printed tables for a result dict (as written by ``--json``)."""
-    parts = []
-    ms = result["step_ms"]
-    rows = [
-        ("fxtp, world_size 2", f"{ms['fxtp']:.2f}", "; ".join(f"{r['step_ms']['fxtp']:.2f}" for r in result["ranks"])),
-        ("DTensor parallelize_module, world_size 2", f"{ms['dtensor']:.2f}", "; ".join(f"{r['step_ms']['dtensor']:.2f}" for r in result["ranks"])),
-        ("fxtp, world_size 1", f"{ms['fxtp_ws1']:.2f}", "-"),
-        ("plain model", f"{ms['single']:.2f}", "-"),
-    ]
-    parts.append("Step time (forward + backward + SGD), median ms\n" + tabulate(rows, headers=("", "ms (slowest rank)", "per rank"), tablefmt="github"))
-    parts.append(
-        f"fxtp / DTensor: {result['ratio_fxtp_dtensor']:.3f} (goal <= 0.75)   "
-        f"fxtp ws1 / plain: {result['ratio_ws1_overhead']:.3f} (goal <= 1.05)"
-    )
-    parts.append(
-        f"New shape {tuple(result['new_shape'])} (compiled at ({result['settings']['batch']}, {result['settings']['seq']})): "
-        f"first step {result['new_shape_ms']:.2f} ms, steady {result['new_shape_steady_ms']:.2f} ms, "
-        f"recaptures {result['recaptures']}"
-    )
-    g = result["generation"]
-    rate = g["decode_tokens_per_s"]
-    rows = [(k, f"{g['prefill_ms'][k]:.2f}", "-" if rate[k] is None else f"{rate[k]:.1f}", g["cache_bytes_per_rank"].get(k, "-"))
-            for k in g["prefill_ms"]]
-    parts.append(
-        f"generate (greedy, prompt (1, {result['settings']['seq']}), +{result['settings']['new_tokens']} tokens; token-identical: "
-        f"{'yes' if g['token_identical'] else 'NO'})\n"
-        + tabulate(rows, headers=("", "prefill ms", "decode tokens/s", "KV cache bytes per rank"), tablefmt="github")
-    )
-    rows = []
-    for name, c in result["collectives"].items():
-        if "error" in c:
-            rows.append((name, "error", c["error"][:80], "", ""))
-            continue
-        floor = c.get("floor")
-        rows.append((
-            name,
-            _kinds(c["forward"], c["bytes"]["forward"]),
-            _kinds(c["backward"], c["bytes"]["backward"]),
-            f"{_floor_text(floor['forward'])} / {_floor_text(floor['backward'])}" if floor else "-",
-            {True: "yes", False: "NO", None: "-"}[c["floor_ok"]],
-        ))
-    parts.append("Collectives per step at world_size 2 (runtime counts)\n" + tabulate(rows, headers=("model", "forward", "backward", "floor fwd / bwd", "at floor"), tablefmt="github"))
-    rows = []
-    for layers, t in result["compile"].items():
-        frac = t["passes_s"] / t["capture_s"]
-        rows.append((layers, f"{t['capture_s']:.2f}", f"{t['passes_s']:.3f}", f"{frac:.1%}", f"{t.get('rewrite_s', float('nan')):.3f}"))
-    parts.append("Compile time, Llama shapes on meta, world_size 2 (s)\n" + tabulate(rows, headers=("layers", "capture", "passes", "passes / capture", "rewrite"), tablefmt="github"))
-    wss = sorted({ws for m in result["param_fraction"].values() for ws in m if ws.isdigit()}, key=int)
-    rows = []
-    for name, m in result["param_fraction"].items():
-        if "error" in m:
-            rows.append((name, m["error"][:60], *[""] * len(wss)))
-        else:
-            rows.append((name, f"{m['total_bytes'] / 2**20:.1f}", *[f"{m[ws]:.1%}" for ws in wss]))
-    parts.append("Parameter bytes per rank / whole model\n" + tabulate(rows, headers=("model", "MiB", *[f"ws {ws}" for ws in wss]), tablefmt="github"))
-    a = result["activations"]
-    saved, peaks = a["saved_activation_bytes"], a["logits_peak_bytes"]
-    rows = [("single device", saved["single"], "1.000"), ("fxtp tensor parallel", saved["tp"], f"{a['saved_fraction']['tp']:.3f}"),
-            ("fxtp tensor + sequence parallel", saved["tp_sp"], f"{a['saved_fraction']['tp_sp']:.3f}")]
-    parts.append(f"Activations saved for backward, rank 0 of {a['world_size']} (reference Transformer, "
-                 f"batch {result['settings']['batch']}, seq {result['settings']['seq']})\n"
-                 + tabulate(rows, headers=("", "bytes", "of single device"), tablefmt="github"))
-    parts.append(f"Loss step peak, rank 0 (fp32 logits {a['logits_bytes']} bytes): logits all_gathered {peaks['gathered']} bytes, "
-                 f"loss parallel {peaks['loss_parallel']} bytes (head {a['head_with_loss']})")
-    parts.append("Goals\n" + tabulate([(g, v, "met" if ok else "MISSED") for g, v, ok in result["goals"]], headers=("goal", "value", ""), tablefmt="github"))
-    return "\n\n".join(parts)
-
-
-def goals(result: dict[str, Any]) -> list[tuple[str, str, bool]]:
-    out = [
-        ("no recapture at a new shape", str(result["recaptures"]), result["recaptures"] == 0),
-        ("fxtp / DTensor step time <= 0.75", f"{result['ratio_fxtp_dtensor']:.3f}", result["ratio_fxtp_dtensor"] <= 0.75),
-        ("fxtp ws1 / plain step time <= 1.05", f"{result['ratio_ws1_overhead']:.3f}", result["ratio_ws1_overhead"] <= 1.05),
-    ]
-    for name, c in result["collectives"].items():
-        if c.get("floor_ok") is not None:
-            out.append((f"{name}: collectives at the Megatron floor", "yes" if c["floor_ok"] else "no", c["floor_ok"]))
-        elif "error" in c:
-            out.append((f"{name}: collectives at the Megatron floor", "error", False))
-    a = result["activations"]
-    frac, ws = a["saved_fraction"]["tp_sp"], a["world_size"]
-    out.append((f"saved activations with sequence parallelism <= 1/{ws} + 0.05", f"{frac:.3f}", frac <= 1 / ws + 0.05))
-    peaks = a["logits_peak_bytes"]
-    out.append(("loss parallel peak < logits-gathered peak", f"{peaks['loss_parallel']} < {peaks['gathered']}",
-                peaks["loss_parallel"] < peaks["gathered"]))
-    comp = result["compile"]
-    for layers, t in comp.items():
-        out.append((f"{layers} layers: passes <= 20% of capture", f"{t['passes_s'] / t['capture_s']:.1%}", t["passes_s"] <= 0.2 * t["capture_s"]))
-    if "32" in comp:
-        out.append(("32 layers: passes <= 1 s", f"{comp['32']['passes_s']:.3f} s", comp["32"]["passes_s"] <= 1.0))
-    if "32" in comp and "8" in comp:
-        r = comp["32"]["passes_s"] / comp["8"]["passes_s"]
-        out.append(("passes(32 layers) <= 4.5 x passes(8 layers)", f"{r:.2f}x", r <= 4.5))
-    return out
-
-
-def plot(compile_result: dict[str, Any], path: str) -> bool:
-    """Pass time against layers as a PNG; False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    layers = sorted(int(k) for k in compile_result)
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for key, label in (("passes_s", "fxtp passes (normalize, plan, report)"), ("rewrite_s", "fxtp rewrite (one rank)")):
-        ax.plot(layers, [compile_result[str(n)][key] for n in layers], marker="o", label=label)
-    ax.set_xlabel("layers (Llama shapes: hidden 4096, 32 heads, vocab 32000)")
-    ax.set_ylabel("seconds")
-    ax.set_title("fxtp pass time, world_size 2, meta device")
-    ax.set_xticks(layers)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
 
 
 def get_args_parser() -> argparse.ArgumentParser:

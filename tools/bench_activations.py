@@ -2,7 +2,7 @@
 
 Run on the bench's gloo ranks (``measure(settings, world_size)``), rank 0's figures reported:
 
-* **Saved activations** (``fxtp.activations.measure``: the bytes a forward keeps for backward,
+* **Saved activations** (``fxtp.core.activations.measure``: the bytes a forward keeps for backward,
   parameters excluded, a storage once): the single device, fxtp tensor parallel, and fxtp
   tensor + sequence parallel (``sequence_parallel=True``), on torch's reference Transformer.
   Korthikanti et al. 2022 predict ``(10 + 24/t)/34`` of the single device for tensor
@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxtp
-from fxtp import activations
+from fxtp.core import activations
 
 __all__ = ["LiveBytes", "measure", "plot"]
 

@@ -7,7 +7,7 @@ from typing import Any
 from torch.fx import Node
 from torch.fx.node import map_aggregate
 
-from fxtp.placement import REPLICATE, Shard
+from fxtp.core.placement import REPLICATE, Shard
 from passes.registry import LocalSize, RuleContext, is_tensor_node, shape_of
 
 __all__ = ["tensor_inputs", "activation_placement", "norm_dim", "local_sizes", "local_size", "ndim"]

@@ -11,7 +11,7 @@ with kv head ``h // (Hq / Hkv)`` (``repeat_interleave`` semantics). When both he
 sharded in the same number of segments with the same ratio, every rank's local call pairs its
 query heads with its own kv heads. When ``Hkv`` does not divide by world_size, k and v stay
 whole (replicated) and each rank gathers the kv heads its query heads use
-(``fxtp.local_ops.grouped_query_attention``): at 8 query heads, 2 kv heads and world_size 4,
+(``fxtp.core.local_ops.grouped_query_attention``): at 8 query heads, 2 kv heads and world_size 4,
 ranks 0 and 1 use kv head 0, ranks 2 and 3 kv head 1, as the ``expand`` form of GQA does by
 slicing the repeated heads.
 """
@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from fxtp import local_ops
-from fxtp.placement import Shard
+from fxtp.core import local_ops
+from fxtp.core.placement import Shard
 from passes.registry import Conflict, Decision, RuleContext, ShardStart, register_rule, shape_of, uneven_ok
 from passes.rules._common import ndim
 

@@ -23,7 +23,7 @@ would replace it). Inputs that are parameters are offered as replicated: a param
 because an activation it meets is, as in the pointwise rule.
 
 DTensor's ``Shard(d)`` is one contiguous block per rank; fxtp's ``Shard`` may have several
-segments (NOTE: [segments] in ``fxtp/placement.py``). A multi-segment input is offered as
+segments (NOTE: [segments] in ``fxtp/core/placement.py``). A multi-segment input is offered as
 ``Shard(d)`` and accepted only where DTensor's output shard is on a dim of the same size: an op
 that is correct on a block of every size for every world size maps each index of that dim to
 the same index of the output, so it is correct on any union of blocks too.
@@ -40,7 +40,7 @@ import torch
 from torch.fx import Node
 from torch.utils import _pytree as pytree
 
-from fxtp.placement import REPLICATE, Partial, Placement, Shard
+from fxtp.core.placement import REPLICATE, Partial, Placement, Shard
 from passes.registry import Conflict, Decision, RuleContext, is_tensor_node, shape_of
 from passes.rules._common import activation_placement
 

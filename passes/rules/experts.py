@@ -39,7 +39,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch.fx import Node
 
-from fxtp.placement import REPLICATE, Partial, Shard
+from fxtp.core.placement import REPLICATE, Partial, Shard
 from passes.registry import Conflict, Decision, LayerNote, RuleContext, register_rule, shape_of
 from passes.rules._common import ndim
 

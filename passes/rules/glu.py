@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from fxtp.placement import REPLICATE, Shard
+from fxtp.core.placement import REPLICATE, Shard
 from passes.registry import Conflict, Decision, RuleContext, register_rule, shape_of
 from passes.rules._common import ndim, norm_dim
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from fxtp.placement import REPLICATE, Replicate, Shard
+from fxtp.core.placement import REPLICATE, Replicate, Shard
 from passes.registry import Conflict, Decision, RuleContext, register_rule, uneven_ok
 from passes.rules._common import ndim, norm_dim
 

@@ -22,8 +22,8 @@ from typing import Callable, Optional
 import torch
 from torch.fx import Node
 
-from fxtp import local_ops
-from fxtp.placement import REPLICATE, Partial, Shard
+from fxtp.core import local_ops
+from fxtp.core.placement import REPLICATE, Partial, Shard
 from passes.registry import Conflict, Decision, LayerNote, RuleContext, ShardStart, module_of, register_rule, shape_of, uneven_ok
 from passes.rules._common import activation_placement, ndim
 from passes.rules.experts import grouped_operands

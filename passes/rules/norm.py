@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from fxtp import local_ops
-from fxtp.placement import REPLICATE, Shard
+from fxtp.core import local_ops
+from fxtp.core.placement import REPLICATE, Shard
 from passes.registry import Conflict, Decision, GroupName, RuleContext, ShardStart, module_of, register_rule, shape_of, uneven_ok
 from passes.rules._common import ndim, norm_dim
 
@@ -85,7 +85,7 @@ def full_reduction_rule(ctx: RuleContext) -> Decision:
 def cross_entropy_rule(ctx: RuleContext) -> Decision:
     """``cross_entropy(logits (N, C), target (N,))`` on logits sharded on the class dim (a colwise
     head's) is Megatron's vocab-parallel cross entropy: three all_reduce of (N,) instead of a
-    gather of the logits (NOTE: [vocab-parallel cross entropy] in ``fxtp/local_ops.py``).
+    gather of the logits (NOTE: [vocab-parallel cross entropy] in ``fxtp/core/local_ops.py``).
     Class weights, label smoothing and extra dims are refused on a sharded input."""
     logits, target = ctx.node.args[:2]
     p = ctx.placement(logits)

@@ -11,7 +11,7 @@ import operator
 
 import torch
 
-from fxtp.placement import REPLICATE, Placement, Shard
+from fxtp.core.placement import REPLICATE, Placement, Shard
 from passes.registry import Conflict, Decision, RuleContext, register_rule, shape_of, uneven_ok
 from passes.rules._common import activation_placement, ndim, tensor_inputs
 

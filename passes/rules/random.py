@@ -1,6 +1,6 @@
 """Elementwise random ops (``bernoulli``, ``rand_like``, ...): the output keeps the input's
 placement. The rewrite draws a sharded one as this rank's slice of one global mask
-(``fxtp.rng.sharded_call``, NOTE: [dropout across ranks]); the dropouts' rules are in
+(``fxtp.core.rng.sharded_call``, NOTE: [dropout across ranks]); the dropouts' rules are in
 ``pointwise`` (``dropout``, ``feature_dropout``, ``alpha_dropout``, ``native_dropout``).
 """
 

@@ -4,15 +4,15 @@ Grouped-query attention broadcasts its kv heads this way (``k.repeat_interleave(
 neuronx-nemo-megatron, tpu-inference). Input index ``i`` becomes outputs ``[i*n, (i+1)*n)``, so
 a rank's block of the input dim becomes its block of the output dim: a segment ``s`` becomes a
 segment ``s*n`` (NOTE: [segments]) and the op runs locally; a global ``output_size`` is
-dropped (``fxtp.local_ops.repeat_interleave``). A shard on another dim flows through. Tensor ``repeats`` (``self_Tensor``) are not handled here.
+dropped (``fxtp.core.local_ops.repeat_interleave``). A shard on another dim flows through. Tensor ``repeats`` (``self_Tensor``) are not handled here.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fxtp import local_ops
-from fxtp.placement import REPLICATE, Shard
+from fxtp.core import local_ops
+from fxtp.core.placement import REPLICATE, Shard
 from passes.registry import Conflict, Decision, RuleContext, register_rule
 from passes.rules._common import ndim, norm_dim
 

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from fxtp.placement import REPLICATE, Shard
+from fxtp.core.placement import REPLICATE, Shard
 from passes.registry import Conflict, Decision, LocalSize, RuleContext, register_rule, shape_of, uneven_ok
 from passes.rules._common import activation_placement, local_size, local_sizes, ndim, norm_dim
 
@@ -112,7 +112,7 @@ def view_placement(shard: Shard, in_shape: tuple[int, ...], out_shape: tuple[int
 
 
 # NOTE: [uneven views]
-# An uneven shard (NOTE: [uneven shards] in fxtp/placement.py) of one segment goes through the
+# An uneven shard (NOTE: [uneven shards] in fxtp/core/placement.py) of one segment goes through the
 # views attention needs, and no others: a 1:1 pass (above), a split of the sharded dim into
 # (heads, head_dim, ...) whose inner span I divides the unit (``(B, T, 96)`` in units of 16 ->
 # ``(B, T, 6, 16)`` sharded on the 6 heads in units of 1), and the merge back (the sharded dim

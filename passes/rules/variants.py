@@ -32,8 +32,9 @@ from dataclasses import replace
 from typing import Any, Optional
 
 import torch
+from torch.fx import Node
 
-from fxtp.placement import Replicate, Shard
+from fxtp.core.placement import Replicate, Shard
 from passes.registry import Conflict, Decision, Rule, RuleContext, get_rule, is_tensor_node, takes_uneven, uneven_ok
 from passes.rules.dtensor_fallback import dtensor_rule
 

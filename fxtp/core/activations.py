@@ -7,7 +7,7 @@ its weight gradient: kept as is, every layer would hold a whole ``(B, T, H)`` ac
 and sequence parallelism would save little. Megatron-LM's sequence-parallel linear saves its
 input shard and all_gathers it again in backward (Korthikanti et al. 2022, section 4.2.2); fxtp
 does the same with autograd's saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``):
-while :func:`saved_tensors` is active, every value ``fxtp.collectives.gather_from_sp`` returns is
+while :func:`saved_tensors` is active, every value ``fxtp.core.collectives.gather_from_sp`` returns is
 registered with its shard and a function gathering it; a saved tensor that is (a view of) such a
 value is stored as a token holding the shard, and the first unpack in backward gathers the value
 once more, shared by all the layers that saved it (q, k and v save one input). Each rank runs
@@ -133,7 +133,7 @@ def measure(result: Optional[SavedBytes] = None) -> Iterator[SavedBytes]:
     """Count the bytes saved for backward by the forwards run in the block (a plain model's, or
     a ``ParallelModule``'s with its regathered values as shards)::
 
-        with fxtp.activations.measure() as saved:
+        with fxtp.core.activations.measure() as saved:
             loss = model(x).sum()
         print(saved.total)
     """

@@ -24,7 +24,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils._sympy.numbers import int_oo
 
-from fxtp.errors import FxtpInputError
+from fxtp.core.errors import FxtpInputError
 
 __all__ = ["DimSpec", "InputSpec", "input_specs", "check_inputs", "describe_dims", "specialized_shapes"]
 

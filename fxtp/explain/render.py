@@ -37,7 +37,7 @@ _DTYPES = {
 _RELEASE = re.compile(r";  (?:\w+ = )+None$")
 _ASSIGN = re.compile(r"^    (\w+) = ")
 
-# Megatron-LM's operators (fxtp.collectives), as the DOT labels and the legend name them.
+# Megatron-LM's operators (fxtp.core.collectives), as the DOT labels and the legend name them.
 _COLLECTIVES = {
     "copy_to_tp": "f: all_reduce bwd",
     "reduce_from_tp": "g: all_reduce fwd",
@@ -80,7 +80,7 @@ def _annotation(node: Node) -> str:
 
 def _collective(node: Node) -> Optional[str]:
     target = node.target
-    if node.op == "call_function" and getattr(target, "__module__", None) == "fxtp.collectives":
+    if node.op == "call_function" and getattr(target, "__module__", None) == "fxtp.core.collectives":
         return getattr(target, "__name__", str(target))
     return None
 

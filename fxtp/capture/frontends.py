@@ -39,7 +39,7 @@ from torch.export import Dim, ShapesCollection
 from torch.export.graph_signature import InputKind
 from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
 
-from fxtp.errors import FxtpCaptureError, FxtpInputError
+from fxtp.core.errors import FxtpCaptureError, FxtpInputError
 
 __all__ = ["Captured", "capture", "auto_dynamic_shapes", "written_state", "FRONTENDS"]
 

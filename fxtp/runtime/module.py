@@ -19,12 +19,13 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import GraphModule
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
-from fxtp import activations, checkpoint, collectives, generation, layout, rng
-from fxtp.capture import written_state
-from fxtp.errors import FxtpInputError, FxtpRuntimeError
-from fxtp.placement import REPLICATE, Placement, shard_tensor
-from fxtp.report import Report, parameter_placements
-from fxtp.shapes import InputSpec, check_inputs, input_specs
+from fxtp.core import activations, collectives, rng
+from fxtp.runtime import checkpoint, generation, layout
+from fxtp.capture.frontends import written_state
+from fxtp.core.errors import FxtpInputError, FxtpRuntimeError
+from fxtp.core.placement import REPLICATE, Placement, shard_tensor
+from fxtp.explain.report import Report, parameter_placements
+from fxtp.capture.shapes import InputSpec, check_inputs, input_specs
 from passes.plan import ShardingPlan
 
 __all__ = ["ParallelModule", "ModeGraph"]
@@ -64,7 +65,7 @@ class ModeGraph:
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
     outputs: list[tuple[OutputKind, Optional[str]]]
-    specs: tuple[InputSpec, ...]  # the user inputs it runs on (fxtp.shapes)
+    specs: tuple[InputSpec, ...]  # the user inputs it runs on (fxtp.capture.shapes)
     inputs: list[tuple[str, str]]  # (kind, key) per placeholder
     slots: Optional[list[tuple[Optional[nn.Module], str]]] = None
     draws_random: bool = False  # checks the generators before each call (NOTE: [dropout across ranks])
@@ -87,11 +88,11 @@ class ParallelModule(nn.Module):
         report: why each layer got its style (:class:`fxtp.Report`).
         plan: ``{layer: style}``, valid as ``fxtp.compile(..., plan=)``.
         placements: ``{parameter FQN: Placement}``; a ``Shard`` parameter holds this rank's
-            slice (``fxtp.placement.shard_tensor`` of the full one).
+            slice (``fxtp.core.placement.shard_tensor`` of the full one).
 
-    Checkpoints (``fxtp.checkpoint``): :meth:`full_state_dict`, :meth:`load_full_state_dict`,
+    Checkpoints (``fxtp.runtime.checkpoint``): :meth:`full_state_dict`, :meth:`load_full_state_dict`,
     :meth:`load_safetensors`. ``state_dict()`` values carry their global layout for
-    ``torch.distributed.checkpoint`` and ``load_state_dict`` checks it (``fxtp.layout``, NOTE:
+    ``torch.distributed.checkpoint`` and ``load_state_dict`` checks it (``fxtp.runtime.layout``, NOTE:
     [checkpoint layouts]); :meth:`register_optimizer` does the same for an optimizer's state.
     """
 
@@ -117,7 +118,7 @@ class ParallelModule(nn.Module):
         self._state_placements = dict(sharding.params)  # placeholder -> Shard, NOTE: [sharded state]
         self._kv_heads = dict(sharding.kv_heads)  # placeholder -> KvHeads (passes/kv_heads.py)
         self.written_state: set[str] = set()  # buffers and constants the graphs write in place (a KV cache)
-        self._generation = None  # set by fxtp.compile for a Hugging Face causal LM (fxtp.generation)
+        self._generation = None  # set by fxtp.compile for a Hugging Face causal LM (fxtp.runtime.generation)
         self._fxtp_constants = nn.Module()
         self._constant_targets: dict[str, str] = {}  # fxtp's name of a constant -> the model's
         self._shared: dict[tuple[int, str], nn.Parameter] = {}  # tied parameters stay one Parameter
@@ -258,7 +259,7 @@ class ParallelModule(nn.Module):
                 ``fxtp.compile`` ran.
             FxtpInputError: inputs whose structure differs from the example inputs, or a tensor
                 of another rank or dtype, or a size outside what the capture allows
-                (``fxtp.shapes.check_inputs``); an index out of range (token id, position), as
+                (``fxtp.capture.shapes.check_inputs``); an index out of range (token id, position), as
                 the single-device model would raise ``IndexError``.
         """
         if self._world_size > 1 and self._group_name is None:
@@ -305,14 +306,14 @@ class ParallelModule(nn.Module):
                 "draws random numbers (dropout): each rank would draw another mask for values that must be identical "
                 "on every rank, a silently wrong result. fxtp.compile put them in step; something seeded or drew on "
                 "some ranks only since. fix: seed every rank of the group alike (torch.manual_seed(seed), not seed + "
-                "rank), or call fxtp.rng.sync_generators(group) after reseeding"
+                "rank), or call fxtp.core.rng.sync_generators(group) after reseeding"
             )
 
-    # --- generation (fxtp.generation) -----------------------------------------------------------
+    # --- generation (fxtp.runtime.generation) -----------------------------------------------------------
 
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int = 20, **kwargs: Any) -> torch.Tensor:
         """Greedy or sampled decoding with a KV cache sharded by kv heads, as Hugging Face's
-        ``model.generate`` (NOTE: [generation] in fxtp/generation.py). A collective: every rank of
+        ``model.generate`` (NOTE: [generation] in fxtp/runtime/generation.py). A collective: every rank of
         the group calls it with the same arguments.
 
         Args:
@@ -335,13 +336,13 @@ class ParallelModule(nn.Module):
         """
         return generation.generate(self, input_ids, max_new_tokens=max_new_tokens, **kwargs)
 
-    # --- checkpoints (fxtp.checkpoint) ---------------------------------------------------------
+    # --- checkpoints (fxtp.runtime.checkpoint) ---------------------------------------------------------
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The original model's state dict (same keys, full tensors), gathered from the shards.
 
         A collective: every rank of the tensor-parallel group calls it and gets the full dict.
-        See :func:`fxtp.checkpoint.full_state_dict`.
+        See :func:`fxtp.runtime.checkpoint.full_state_dict`.
         """
         return checkpoint.full_state_dict(self)
 
@@ -351,7 +352,7 @@ class ParallelModule(nn.Module):
         """Slice a full state dict of the original model into this rank's tensors (no communication).
 
         Raises ``FxtpInputError`` on missing/unexpected keys or wrong shapes. See
-        :func:`fxtp.checkpoint.load_full_state_dict`.
+        :func:`fxtp.runtime.checkpoint.load_full_state_dict`.
         """
         checkpoint.load_full_state_dict(self, state_dict, strict=strict, device=device)
 
@@ -363,7 +364,7 @@ class ParallelModule(nn.Module):
         extra: Optional[Mapping[str, torch.Tensor]] = None,
     ) -> checkpoint.LoadStats:
         """Read only this rank's slices from a full-model ``.safetensors`` file (materializes a
-        model compiled on ``meta``); returns the bytes read. See :func:`fxtp.checkpoint.load_safetensors`.
+        model compiled on ``meta``); returns the bytes read. See :func:`fxtp.runtime.checkpoint.load_safetensors`.
         """
         return checkpoint.load_safetensors(self, path, device=device, extra=extra)
 
@@ -371,6 +372,6 @@ class ParallelModule(nn.Module):
         """Make ``optimizer.state_dict()`` (and so ``get_optimizer_state_dict``) carry the layouts
         of this module's parameters, and its ``load_state_dict`` take them back, so
         ``torch.distributed.checkpoint`` reshards the optimizer state too. Call it once per
-        optimizer of ``self.parameters()``. See :func:`fxtp.layout.register_optimizer`.
+        optimizer of ``self.parameters()``. See :func:`fxtp.runtime.layout.register_optimizer`.
         """
         layout.register_optimizer(self, optimizer)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fxtp.errors import FxtpInputError
+from fxtp.core.errors import FxtpInputError
 
 __all__ = [
     "vocab_parallel_embedding",
@@ -202,7 +202,7 @@ def repeat_interleave(x: torch.Tensor, repeats: int, dim: int, output_size: "int
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, start: int, group_name: str) -> torch.Tensor:  # type: ignore[override]
-        from fxtp.collectives import all_reduce
+        from fxtp.core.collectives import all_reduce
 
         logits = logits.float()
         row_max = all_reduce(logits.detach().amax(dim=-1), group_name, "max")

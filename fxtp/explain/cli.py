@@ -92,7 +92,7 @@ def _checked(fn: Callable[[str], Any], what: str) -> Callable[[str], Any]:
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    from fxtp.inspection import FORMATS, InputSpec, check_model_arg
+    from fxtp.explain.inspection import FORMATS, InputSpec, check_model_arg
 
     parser = argparse.ArgumentParser(
         prog="fxtp",
@@ -144,9 +144,16 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from fxtp.examples import EXAMPLES
-    from fxtp.inspection import (
-        RENDERED, UsageError, check_inputs, example_name, inspect_text, load_model, resolve_inputs, write_output,
+    from fxtp.explain.examples import EXAMPLES
+    from fxtp.explain.inspection import (
+        RENDERED,
+        UsageError,
+        check_inputs,
+        example_name,
+        inspect_text,
+        load_model,
+        resolve_inputs,
+        write_output,
     )
 
     if not 0 <= args.rank < args.world_size:
@@ -166,7 +173,7 @@ def _inspect(args: argparse.Namespace) -> int:
     write_output(text, args.out, args.format)
     if not args.verify:
         return 0
-    from fxtp.verify import verify
+    from fxtp.explain.verify import verify
 
     sys.stdout.flush()
     result = verify(args.model, loaded.model, inputs, args.world_size, tolerance=args.tolerance, verbose=args.verbose,
@@ -180,12 +187,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = get_args_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from fxtp.demo import run_demo
+        from fxtp.explain.demo import run_demo
 
         run_demo(args.world_size)
         return 0
-    from fxtp.errors import FxtpError
-    from fxtp.inspection import UsageError
+    from fxtp.core.errors import FxtpError
+    from fxtp.explain.inspection import UsageError
 
     try:
         return _inspect(args)

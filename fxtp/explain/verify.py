@@ -21,9 +21,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.utils._pytree as pytree
 
-from fxtp.demo import _free_port
-from fxtp.errors import FxtpError, FxtpRuntimeError
-from fxtp.placement import shard_tensor
+from fxtp.core.errors import FxtpError, FxtpRuntimeError
+from fxtp.core.placement import shard_tensor
+from fxtp.explain.demo import _free_port
 
 __all__ = ["VerifyResult", "verify"]
 
@@ -96,7 +96,7 @@ def _rank_main(
     rank: int, world_size: int, port: int, timeout_s: int, model_text: str, state: dict, inputs: tuple, results: Any,
     sequence_parallel: bool = False,
 ) -> None:
-    from fxtp.inspection import load_model
+    from fxtp.explain.inspection import load_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxtp.errors import FxtpConfigError, FxtpError, FxtpInputError
+from fxtp.core.errors import FxtpConfigError, FxtpError, FxtpInputError
 
 __all__ = ["DEFAULT_BATCH", "DEFAULT_SEQ", "example_inputs", "is_config_path", "load_config_model"]
 
@@ -83,7 +83,7 @@ def load_config_model(text: str) -> tuple[nn.Module, tuple[torch.Tensor, ...], d
 
     Returns:
         ``(model, args, kwargs)``: the model in eval mode with ``use_cache=False`` (a KV cache
-        is not a tensor output, as in :mod:`fxtp.examples`), weights on ``meta`` in the config's
+        is not a tensor output, as in :mod:`fxtp.explain.examples`), weights on ``meta`` in the config's
         ``dtype``; the inputs of :func:`example_inputs`.
 
     Raises:

@@ -1,7 +1,7 @@
-"""Full checkpoints for a :class:`~fxtp.runtime.ParallelModule`: gather, load, and safetensors.
+"""Full checkpoints for a :class:`~fxtp.runtime.module.ParallelModule`: gather, load, and safetensors.
 
 A tensor-parallel rank holds *local* tensors: a ``Shard`` parameter is this rank's slice
-(``fxtp.placement.shard_tensor`` of the full one), everything else is a full copy. A *full* state
+(``fxtp.core.placement.shard_tensor`` of the full one), everything else is a full copy. A *full* state
 dict is the original model's: the same keys (tied parameters under every FQN, persistent
 buffers included), full tensors. This module converts between the two:
 
@@ -14,9 +14,9 @@ buffers included), full tensors. This module converts between the two:
   ``meta`` device, so no rank ever holds a full copy of a sharded weight.
 
 ``pm`` is a ``ParallelModule``; this module reads its ``placements``, ``_rank``,
-``_world_size``, ``_group_name`` and ``_state_keys`` (it does not import ``fxtp.runtime``:
+``_world_size``, ``_group_name`` and ``_state_keys`` (it does not import ``fxtp.runtime.module``:
 ``runtime`` imports it). Sharded checkpoints for ``torch.distributed.checkpoint`` are
-``fxtp.layout``'s.
+``fxtp.runtime.layout``'s.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fxtp.collectives import all_gather
-from fxtp.errors import FxtpInputError, FxtpRuntimeError
-from fxtp.layout import local_form
-from fxtp.placement import REPLICATE, Placement, Shard, local_ranges, shard_tensor
+from fxtp.core.collectives import all_gather
+from fxtp.core.errors import FxtpInputError, FxtpRuntimeError
+from fxtp.runtime.layout import local_form
+from fxtp.core.placement import REPLICATE, Placement, Shard, local_ranges, shard_tensor
 
 __all__ = ["LoadStats", "bind_state_keys", "full_state_dict", "load_full_state_dict", "load_safetensors"]
 

@@ -1,6 +1,6 @@
 """State-dict values that carry their global layout, for ``torch.distributed.checkpoint`` (DCP).
 
-A :class:`~fxtp.runtime.ParallelModule` holds local tensors; its ``state_dict()`` values say where
+A :class:`~fxtp.runtime.module.ParallelModule` holds local tensors; its ``state_dict()`` values say where
 each local tensor sits in the full one, so DCP saves every rank's part once and loads it back at
 any world size (see NOTE: [checkpoint layouts]). The hooks here are registered by
 ``ParallelModule`` on itself (``state_dict`` / ``load_state_dict``) and, through
@@ -48,8 +48,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 
-from fxtp.errors import FxtpInputError, FxtpRuntimeError
-from fxtp.placement import REPLICATE, Placement, Shard, local_ranges, shard_tensor
+from fxtp.core.errors import FxtpInputError, FxtpRuntimeError
+from fxtp.core.placement import REPLICATE, Placement, Shard, local_ranges, shard_tensor
 
 __all__ = ["Chunk", "LocalChunks", "to_checkpoint", "from_checkpoint", "local_form", "state_dict_hook", "load_state_dict_hook",
            "register_optimizer", "tp_group"]

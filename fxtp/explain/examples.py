@@ -128,7 +128,10 @@ def mlp(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 def transformer(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """torch's own tensor-parallel reference model (``common_dtensor.Transformer``: 2 layers, dim 32,
     4 heads, vocab 64, seq 16, dropout 0, weight tying on) and (2, 16) token ids."""
-    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+    from torch.testing._internal.distributed._tensor.common_dtensor import (
+        ModelArgs,
+        Transformer,
+    )
 
     torch.manual_seed(seed)
     args = ModelArgs(n_layers=2, vocab_size=64, max_seq_len=16, dim=32, n_heads=4, dropout_p=0.0)

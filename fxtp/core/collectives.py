@@ -34,9 +34,9 @@ from __future__ import annotations
 import torch
 from torch.autograd import Function
 
-from fxtp import activations
-from fxtp.errors import FxtpInputError
-from fxtp.placement import Shard, local_ranges
+from fxtp.core import activations
+from fxtp.core.errors import FxtpInputError
+from fxtp.core.placement import Shard, local_ranges
 
 __all__ = [
     "copy_to_tp",
@@ -204,7 +204,7 @@ def gather_from_sp(
     """Sequence parallelism's ``f``: all_gather of every rank's block along ``dim``; backward
     reduce_scatters the gradient when it is a partial sum (``sum_grad``: a sharded op consumes
     the value), else keeps this rank's block of it. ``regather``: a layer that saves the result
-    for backward saves ``x`` instead (NOTE: [regathered activations] in fxtp/activations.py)."""
+    for backward saves ``x`` instead (NOTE: [regathered activations] in fxtp/core/activations.py)."""
     return _GatherFromSP.apply(x, dim, rank, world_size, group_name, sum_grad, regather)
 
 

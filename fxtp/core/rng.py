@@ -45,8 +45,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from fxtp import local_ops
-from fxtp.placement import Shard, local_ranges
+from fxtp.core import local_ops
+from fxtp.core.placement import Shard, local_ranges
 
 __all__ = [
     "ELEMENTWISE", "draws_random", "generators_in_step", "is_random", "sharded_attention", "sharded_call", "sharded_random",

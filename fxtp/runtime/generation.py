@@ -40,8 +40,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.export import Dim
 
-from fxtp.errors import FxtpInputError, FxtpPlanError
-from fxtp.layout import tp_group
+from fxtp.core.errors import FxtpInputError, FxtpPlanError
+from fxtp.runtime.layout import tp_group
 
 __all__ = ["Generation", "generation_for", "CACHE_ROUNDING"]
 
@@ -88,7 +88,7 @@ def generate(
     attention_mask: Optional[torch.Tensor] = None,
     max_cache_len: Optional[int] = None,
 ) -> torch.Tensor:
-    """See :meth:`fxtp.runtime.ParallelModule.generate` and NOTE: [generation]."""
+    """See :meth:`fxtp.runtime.module.ParallelModule.generate` and NOTE: [generation]."""
     gen: Optional[Generation] = pm._generation
     if gen is None:
         raise FxtpInputError(
