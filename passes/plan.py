@@ -138,6 +138,14 @@ def _resolve(
     changed = _slice_inputs(res, state, ws, param_names, terminal)
     if not res.conflicts:
         changed |= _replicate_cheaper_side(res, state, param_names)
+    changed |= _act_on_conflicts(res, state, ws, param_names, terminal)
+    changed |= _place_parameters(res, state, param_names, names, param_fqns)
+    return changed
+
+
+def _act_on_conflicts(res: Propagation, state: PlannerState, ws: int, param_names: frozenset[str], terminal: frozenset[Node]) -> bool:
+    """For each untainted rejection: refine the producing layers' layout, gather, or demote them."""
+    changed = False
     refined_now: set[Node] = set()  # one new layout per layer per round
     for rej in res.conflicts:
         if rej.tainted:
@@ -157,23 +165,7 @@ def _resolve(
                     state.unit_hints.setdefault(n.name, (state.segments.get(n.name), c.unit))
             if refined_now & set(demotable):
                 continue
-            refined = {n: _next_segments(n, state, c.refine, ws) for n in demotable}
-            if any(seg is not None for seg in refined.values()):
-                refined_now.update(demotable)
-                for n, seg in refined.items():
-                    if seg is not None:
-                        state.segments[n.name] = seg
-                changed = True
-                continue
-            hinted = [n for n in demotable if n.name in state.unit_hints and n.name not in state.units]
-            if hinted:  # no even layout left: whole heads, split unevenly (NOTE: [uneven shards])
-                refined_now.update(hinted)
-                for n in hinted:
-                    segments, state.units[n.name] = state.unit_hints[n.name]
-                    if segments is None:
-                        state.segments.pop(n.name, None)
-                    else:
-                        state.segments[n.name] = segments
+            if _refine_layout(demotable, c.refine, state, ws, refined_now):
                 changed = True
                 continue
         heads = c.code == "needs-gather" and rej.node.op == "output" and demotable
@@ -195,6 +187,36 @@ def _resolve(
             else:
                 state.demoted[n.name] = state.first.get(n.name, note) if c.code in _LAYOUT_CODES else note
             changed = True
+    return changed
+
+
+def _refine_layout(demotable: list[Node], hint: Any, state: PlannerState, ws: int, refined_now: set[Node]) -> bool:
+    """Give the layers the next segment layout to try, or, with none left, whole heads split
+    unevenly (NOTE: [uneven shards]); whether a layer got a new layout."""
+    refined = {n: _next_segments(n, state, hint, ws) for n in demotable}
+    if any(seg is not None for seg in refined.values()):
+        refined_now.update(demotable)
+        for n, seg in refined.items():
+            if seg is not None:
+                state.segments[n.name] = seg
+        return True
+    hinted = [n for n in demotable if n.name in state.unit_hints and n.name not in state.units]
+    for n in hinted:
+        refined_now.add(n)
+        segments, state.units[n.name] = state.unit_hints[n.name]
+        if segments is None:
+            state.segments.pop(n.name, None)
+        else:
+            state.segments[n.name] = segments
+    return bool(hinted)
+
+
+def _place_parameters(
+    res: Propagation, state: PlannerState, param_names: frozenset[str], names: Mapping[str, str], param_fqns: Mapping[str, str]
+) -> bool:
+    """One placement per parameter from its consumers' wants; a want that cannot be met
+    replicates the layers that asked (a tied weight first tries keeping its input whole)."""
+    changed = False
     params: dict[str, Placement] = {}
     owners: dict[str, frozenset[str]] = {}
     for placeholder, requests in res.requests.items():
