@@ -7,6 +7,16 @@ from typing import Callable
 import pytest
 from _dist import RankPool
 
+# `python -m pytest -m quick`: a first check of a few minutes (the README's), the per-op rules,
+# the package structure and the API in one process, no ranks.
+QUICK_MODULES = ("test_rules.py", "test_rules_graphs.py", "test_rules_graphs_more.py", "test_structure.py", "test_api.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in QUICK_MODULES:
+            item.add_marker(pytest.mark.quick)
+
 
 @pytest.fixture(scope="session")
 def rank_pools() -> Callable[[int], RankPool]:

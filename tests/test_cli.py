@@ -96,8 +96,8 @@ def _help_examples(capsys) -> list[str]:
 
 # --help examples not run here, and why (each still parses, in bash and in argparse).
 _HELP_NOT_RUN = {
-    "--verify": "spawns ranks: the README's tiny-gpt --verify runs in test_readme.py, mlp's below",
-    "demo --world-size 4": "4 ranks: the README's `fxtp demo` (2 ranks) runs in test_readme.py",
+    "--verify": "spawns ranks: docs/inspecting.md's tiny-gpt --verify runs in test_docs.py, mlp's below",
+    "demo --world-size 4": "4 ranks: the README's `fxtp demo` (2 ranks) runs in test_docs.py",
     "llama-7b": "32 layers, ~10 s: tests/test_big_configs.py plans the same model",
     "path/to/": "a placeholder for the user's file (test_hf_config.py runs config.json files)",
     "mypkg.": "a placeholder for the user's module",
