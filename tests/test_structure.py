@@ -124,3 +124,11 @@ def test_packages_stay_small():
             if n > MAX_MODULES_PER_PACKAGE + 3:  # "about 10"
                 big[str(folder.relative_to(ROOT))] = n
     assert not big, f"packages with too many modules: {big}"
+
+
+def test_package_names_that_were_modules_keep_their_names():
+    code = (
+        "import fxtp; from fxtp.runtime import ParallelModule; from fxtp.capture import capture, FRONTENDS; "
+        "assert ParallelModule is fxtp.ParallelModule"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)

@@ -1,2 +1,16 @@
 """Runtime: the rank's ``ParallelModule`` (``module``), parameter and checkpoint layouts
 (``layout``, ``checkpoint``) and KV-cache generation (``generation``)."""
+
+from typing import Any
+
+__all__ = ["ParallelModule"]
+
+
+def __getattr__(name: str) -> Any:
+    # `from fxtp.runtime import ParallelModule` worked when fxtp.runtime was one module; loaded
+    # on first use so that importing a sibling (layout, checkpoint) does not load the module.
+    if name == "ParallelModule":
+        from fxtp.runtime.module import ParallelModule
+
+        return ParallelModule
+    raise AttributeError(f"module 'fxtp.runtime' has no attribute {name!r}")
