@@ -21,6 +21,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from fxtp.core import activations, collectives, rng
 from fxtp.runtime import checkpoint, generation, layout
+from fxtp.runtime.variants import SizeGraphs, differs_in_zero_one
 from fxtp.capture.frontends import written_state
 from fxtp.core.errors import FxtpInputError, FxtpRuntimeError
 from fxtp.core.placement import REPLICATE, Placement, shard_tensor
@@ -119,6 +120,7 @@ class ParallelModule(nn.Module):
         self._kv_heads = dict(sharding.kv_heads)  # placeholder -> KvHeads (passes/kv_heads.py)
         self.written_state: set[str] = set()  # buffers and constants the graphs write in place (a KV cache)
         self._generation = None  # set by fxtp.compile for a Hugging Face causal LM (fxtp.runtime.generation)
+        self._size_graphs: Optional[SizeGraphs] = None  # set by fxtp.compile (NOTE: [size-1 graphs])
         self._fxtp_constants = nn.Module()
         self._constant_targets: dict[str, str] = {}  # fxtp's name of a constant -> the model's
         self._shared: dict[tuple[int, str], nn.Parameter] = {}  # tied parameters stay one Parameter
@@ -137,10 +139,14 @@ class ParallelModule(nn.Module):
         self.register_state_dict_post_hook(layout.state_dict_hook)  # NOTE: [checkpoint layouts]
         self.register_load_state_dict_pre_hook(layout.load_state_dict_hook)
 
-    def _bind(self, program: ExportedProgram, placements: Optional[Mapping[str, Placement]] = None) -> list[tuple[str, str]]:
+    def _bind(self, program: ExportedProgram, placements: Optional[Mapping[str, Placement]] = None, *,
+              share_constants: bool = False) -> list[tuple[str, str]]:
         """Register ``program``'s parameters, buffers and constants (those not registered yet;
-        parameters only with ``placements``); return ``(kind, key)`` per graph placeholder."""
+        parameters only with ``placements``); return ``(kind, key)`` per graph placeholder.
+        ``share_constants``: a constant of a model attribute already registered is that one (a
+        graph captured from the model's meta copy, NOTE: [size-1 graphs] in fxtp/runtime/variants.py)."""
         inputs: list[tuple[str, str]] = []
+        known = {target: key for key, target in self._constant_targets.items()} if share_constants else {}
         written = written_state(program)
         for spec in program.graph_signature.input_specs:
             if spec.kind == InputKind.PARAMETER:
@@ -164,6 +170,8 @@ class ParallelModule(nn.Module):
                 if spec.arg.name in written:
                     self.written_state.add(spec.target)
                 inputs.append(("buffer", spec.target))
+            elif spec.kind == InputKind.CONSTANT_TENSOR and spec.target in known:
+                inputs.append(("buffer", known[spec.target]))
             elif spec.kind == InputKind.CONSTANT_TENSOR:
                 key = f"c{len(self._fxtp_constants._buffers)}"
                 self._fxtp_constants.register_buffer(key, self._local_state(spec.arg.name, program.constants[spec.target]), persistent=False)
@@ -231,8 +239,19 @@ class ParallelModule(nn.Module):
                 f"inputs do not match the call the module was compiled for: {_describe(graph.in_spec)} expected, "
                 f"got {_describe(spec)}; call it like the example inputs"
             )
-        check_inputs(flat, graph.specs)
         return flat
+
+    def _graph_for(self, graph: "ModeGraph", flat: list[Any]) -> "ModeGraph":
+        """``graph`` if it takes ``flat``'s sizes, else the graph captured for sizes 0 and 1
+        (NOTE: [size-1 graphs] in fxtp/runtime/variants.py)."""
+        try:
+            check_inputs(flat, graph.specs)
+        except FxtpInputError as exc:
+            if self._size_graphs is None or not differs_in_zero_one(flat, graph.specs):
+                raise
+            bind = lambda program, gm: ModeGraph.of(program, gm, self._bind(program, None, share_constants=True))  # noqa: E731
+            return self._size_graphs.graph_for(self.report, self._mode, graph, flat, exc, bind)
+        return graph
 
     def _input_slots(self, graph: "ModeGraph") -> list[tuple[Optional[nn.Module], str]]:
         """Per graph placeholder, the submodule and attribute holding its tensor (``None`` for a
@@ -269,7 +288,9 @@ class ParallelModule(nn.Module):
                 "torch.distributed.init_process_group(...) (or pass group=) before fxtp.compile, on every rank"
             )
         graph = self._graphs[self._mode]
-        user = iter(self._flatten(graph, args, kwargs))
+        flat = self._flatten(graph, args, kwargs)
+        graph = self._graph_for(graph, flat)
+        user = iter(flat)
         inputs = [getattr(owner, leaf) if owner is not None else next(user) for owner, leaf in self._input_slots(graph)]
         if graph.draws_random and self._world_size > 1 and not torch.compiler.is_compiling():
             self._check_generators(inputs)
