@@ -60,7 +60,8 @@ def meta_copy(model: nn.Module) -> Optional[nn.Module]:
 def differs_in_zero_one(flat: list[Any], specs: tuple[InputSpec, ...]) -> bool:
     """Whether ``flat`` misses ``specs`` in a size torch.export specializes (NOTE: [size-1
     graphs]): some tensor has a 0 or 1 in a dynamic dim whose range starts above it, or another
-    size in a dim the example fixed at 0 or 1; ranks and dtypes agree."""
+    size in a dim the example fixed at 0 or 1, and nothing else misses (ranks, dtypes, the
+    other static sizes and ranges' upper ends agree)."""
     found = False
     for value, spec in zip(flat, specs):
         if not spec.is_tensor:
@@ -68,10 +69,10 @@ def differs_in_zero_one(flat: list[Any], specs: tuple[InputSpec, ...]) -> bool:
         if not isinstance(value, torch.Tensor) or value.dim() != len(spec.dims) or value.dtype != spec.dtype:
             return False
         for size, dim in zip(value.shape, spec.dims):
-            if dim.dynamic and size < dim.lo and size in (0, 1):
+            if dim.dynamic and size < dim.lo and size in (0, 1) or not dim.dynamic and dim.size in (0, 1) and size != dim.size:
                 found = True
-            elif not dim.dynamic and dim.size in (0, 1) and size != dim.size:
-                found = True
+            elif not dim.dynamic and size != dim.size or dim.dynamic and dim.hi is not None and size > dim.hi:
+                return False  # another misfit: check_inputs says which
     return found
 
 
