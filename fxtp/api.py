@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.export.graph_signature import InputKind
 
+from fxtp.capture.hf_defaults import call_defaults, spec_with_defaults
 from fxtp.capture.frontends import FRONTENDS, Captured, auto_dynamic_shapes, capture, written_state
 from fxtp.runtime.checkpoint import bind_state_keys
 from fxtp.core.errors import FxtpConfigError, FxtpInputError, FxtpPlanError
@@ -108,10 +109,13 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
     cache the kv heads each rank needs (``kv_heads``, passes/kv_heads.py)."""
     ws = _check_world_size(world_size)
     args, kwargs = _check_inputs(model, example_inputs, example_kwargs)
+    defaults, left_out = call_defaults(model, kwargs)  # NOTE: [Hugging Face call defaults]
+    kwargs |= defaults
     group_name, rank = _resolve_group(ws, rank, group)
-    shapes = _shapes_spec(args, kwargs, dynamic, dynamic_shapes)
+    shapes = _shapes_spec(args, kwargs, dynamic, spec_with_defaults(dynamic_shapes, defaults))
     captured, sharding, report = _analyze(model, ws, args, kwargs, capture, plan, rank, shapes, sequence=sequence,
                                           kv_heads=kv_heads)
+    report.left_out = left_out
     program = captured.program
     start = time.perf_counter()
     gm = _rewrite(program, sharding, ws, rank, group_name)
@@ -134,6 +138,7 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
     pm = ParallelModule(
         program, gm, sharding, report, rank=rank, world_size=ws, group_name=group_name, graphs=graphs, mode=compiled
     )
+    pm._call_defaults = defaults
     bind_state_keys(pm, model)
     if not kv_heads and (dynamic_shapes is not None or dynamic):  # NOTE: [size-1 graphs] in fxtp/runtime/variants.py
         pm._size_graphs = _size_graphs(model, ws, captured.frontend, plan, rank, group_name,
@@ -256,9 +261,13 @@ def analyze(
     """
     ws = _check_world_size(world_size)
     args, kwargs = _check_inputs(model, example_inputs, example_kwargs)
-    shapes = _shapes_spec(args, kwargs, dynamic, dynamic_shapes)
-    return _analyze(model, ws, args, kwargs, capture, plan, rank, shapes,
-                    sequence=_check_flag("sequence_parallel", sequence_parallel))[2]
+    defaults, left_out = call_defaults(model, kwargs)  # NOTE: [Hugging Face call defaults]
+    kwargs |= defaults
+    shapes = _shapes_spec(args, kwargs, dynamic, spec_with_defaults(dynamic_shapes, defaults))
+    report = _analyze(model, ws, args, kwargs, capture, plan, rank, shapes,
+                      sequence=_check_flag("sequence_parallel", sequence_parallel))[2]
+    report.left_out = left_out
+    return report
 
 
 def _analyze(model, ws, args, kwargs, how, plan, rank, shapes=None, report: bool = True,

@@ -93,3 +93,55 @@ def test_a_size_the_model_refuses_is_still_an_input_error():
     static = fxtp.compile(model, 1, (x,), dynamic=False)
     with pytest.raises(fxtp.FxtpInputError, match=r"dim 0 is 1 but the module was compiled with it static at 8"):
         static(torch.randn(1, 64))
+
+
+def _hf_default(name: str):
+    """A tiny Hugging Face model from its config class with every default it has, ``use_cache=True``
+    included: outputs equal the model's, and a ``use_cache=True`` call is refused with why."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if name == "llama":
+        config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+        model = LlamaForCausalLM(config)
+    else:
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=4))
+    model.eval()
+    assert model.config.use_cache
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    pm = fxtp.compile(model, dist.get_world_size(), example_inputs=(ids,))
+    out, ref = pm(ids), model(ids)
+    assert type(out) is type(ref) and set(out.keys()) == {"logits"} and ref.cache is not None
+    torch.testing.assert_close(out.logits, ref.logits)
+    torch.testing.assert_close(pm(ids, use_cache=False).logits, ref.logits)
+    one = ids[:1, :1]  # the first call of a chat: batch 1, one token
+    torch.testing.assert_close(pm(one).logits, model(one).logits)
+    with pytest.raises(fxtp.FxtpInputError, match=r"use_cache=True: the module was captured with use_cache=False"):
+        pm(ids, use_cache=True)
+    return pm.report.frontend, [f for f, _ in pm.report.attempts], pm.report.left_out, pm.report.summary()
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_hugging_face_default_config_compiles(rank_pools, name):
+    """``use_cache=True`` (the config default) is applied by fxtp before any capture: export
+    captures at the first try after fx (which never traces Hugging Face models), and the report
+    says in one line that the cache is left out."""
+    for frontend, failed, left_out, summary in rank_pools(2).run(_hf_default, name):
+        assert frontend == "export" and failed == ["fx"], (frontend, failed)
+        assert len(left_out) == 1 and "use_cache=False" in left_out[0] and "pm.generate" in left_out[0]
+        assert f"outputs: {left_out[0]}" in summary
+
+
+def test_compile_of_a_plain_module_imports_nothing_optional():
+    """``fxtp.compile`` and a call on an ``nn.Module`` load neither transformers, safetensors
+    nor the CLI (NOTE: [Hugging Face call defaults] reads the class's MRO, imports nothing)."""
+    code = (
+        "import sys, torch, fxtp; from torch import nn; torch.manual_seed(0); "
+        "m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)); x = torch.randn(4, 8); "
+        "pm = fxtp.compile(m, 1, (x,)); torch.testing.assert_close(pm(x), m(x)); pm(x[:1]); "
+        "heavy = [n for n in sys.modules if n.split('.')[0] in ('transformers', 'safetensors') "
+        "or n.startswith(('fxtp.explain.cli', 'fxtp.explain.inspection', 'fxtp.explain.examples'))]; "
+        "print(heavy); assert not heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=300)

@@ -121,6 +121,7 @@ class ParallelModule(nn.Module):
         self.written_state: set[str] = set()  # buffers and constants the graphs write in place (a KV cache)
         self._generation = None  # set by fxtp.compile for a Hugging Face causal LM (fxtp.runtime.generation)
         self._size_graphs: Optional[SizeGraphs] = None  # set by fxtp.compile (NOTE: [size-1 graphs])
+        self._call_defaults: dict[str, Any] = {}  # keywords a call gets unless it gives them (NOTE: [Hugging Face call defaults])
         self._fxtp_constants = nn.Module()
         self._constant_targets: dict[str, str] = {}  # fxtp's name of a constant -> the model's
         self._shared: dict[tuple[int, str], nn.Parameter] = {}  # tied parameters stay one Parameter
@@ -229,6 +230,14 @@ class ParallelModule(nn.Module):
             owner.register_buffer(leaf, value, persistent=persistent)
 
     def _flatten(self, graph: "ModeGraph", args: tuple, kwargs: dict) -> list[Any]:
+        if self._call_defaults:  # NOTE: [Hugging Face call defaults] in fxtp/capture/hf_defaults.py
+            for key, value in self._call_defaults.items():
+                if kwargs.get(key, value) != value:
+                    raise FxtpInputError(
+                        f"{key}={kwargs[key]!r}: the module was captured with {key}={value!r} ({self.report.left_out[0]}). "
+                        f"fix: drop {key}=, or use pm.generate for cached decoding"
+                    )
+            kwargs = self._call_defaults | kwargs
         if graph.in_spec.num_children == 2 and kwargs:
             order = graph.in_spec.child(1).context or []
             if set(order) == set(kwargs):
