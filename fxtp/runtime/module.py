@@ -347,12 +347,15 @@ class ParallelModule(nn.Module):
         the group calls it with the same arguments.
 
         Args:
-            input_ids: (batch, length) int64 prompts of one length.
+            input_ids: (batch, length) int64 prompts.
             max_new_tokens: tokens to add, >= 1.
             do_sample, temperature, top_k, top_p: as ``model.generate`` (defaults from the
                 model's ``generation_config``); the token is drawn on rank 0 and broadcast.
             eos_token_id, pad_token_id: stop and pad as ``model.generate`` does.
-            attention_mask: all ones or ``None`` (no padded prompts).
+            attention_mask: ``None``, or (batch, length) 0/1 with prompts of different lengths
+                padded on the left, as Hugging Face's tokenizers give them (NOTE: [padded
+                prompts]); right padding raises ``FxtpInputError``.
+            num_beams: 1 (or ``None`` with a ``generation_config`` of 1); beam search raises.
             max_cache_len: the static cache's length (default: the needed length rounded up
                 to 256, capped at the model's positions); one decoder is compiled per
                 (batch, max_cache_len) and kept.
