@@ -63,7 +63,6 @@ examples:
   fxtp inspect mlp -n 2 --format dot --out mlp.svg     # needs Graphviz's dot
   fxtp inspect llama-7b -n 8
   fxtp inspect path/to/config.json -n 8
-  fxtp inspect qwen25 -n 8                             # qwen25/config.json
   fxtp inspect tiny-gpt -n 2 --input '4x16:int64[0,128)' --verify
   fxtp inspect my_models.py:build -n 2 --input '2x16:int64[0,1000)' --verify
   python -m fxtp inspect mypkg.models:tiny_model -n 2 --format graph
