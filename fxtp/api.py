@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.export.graph_signature import InputKind
 
+from fxtp.capture.hf_defaults import call_defaults, spec_with_defaults
 from fxtp.capture.frontends import FRONTENDS, Captured, auto_dynamic_shapes, capture, written_state
 from fxtp.runtime.checkpoint import bind_state_keys
 from fxtp.core.errors import FxtpConfigError, FxtpInputError, FxtpPlanError
@@ -21,6 +22,7 @@ from fxtp.runtime.generation import generation_for
 from fxtp.explain.report import Report, build_report, parameter_placements
 from fxtp.core.rng import draws_random, sync_generators
 from fxtp.runtime.module import ParallelModule
+from fxtp.runtime.variants import SizeGraphs, meta_copy
 from fxtp.capture.shapes import input_specs, specialized_shapes
 from passes.dynamic import plan_symbols
 from passes.kv_heads import keep_needed_kv_heads
@@ -107,10 +109,13 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
     cache the kv heads each rank needs (``kv_heads``, passes/kv_heads.py)."""
     ws = _check_world_size(world_size)
     args, kwargs = _check_inputs(model, example_inputs, example_kwargs)
+    defaults, left_out = call_defaults(model, kwargs)  # NOTE: [Hugging Face call defaults]
+    kwargs |= defaults
     group_name, rank = _resolve_group(ws, rank, group)
-    shapes = _shapes_spec(args, kwargs, dynamic, dynamic_shapes)
+    shapes = _shapes_spec(args, kwargs, dynamic, spec_with_defaults(dynamic_shapes, defaults))
     captured, sharding, report = _analyze(model, ws, args, kwargs, capture, plan, rank, shapes, sequence=sequence,
                                           kv_heads=kv_heads)
+    report.left_out = left_out
     program = captured.program
     start = time.perf_counter()
     gm = _rewrite(program, sharding, ws, rank, group_name)
@@ -133,7 +138,11 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
     pm = ParallelModule(
         program, gm, sharding, report, rank=rank, world_size=ws, group_name=group_name, graphs=graphs, mode=compiled
     )
+    pm._call_defaults = defaults
     bind_state_keys(pm, model)
+    if not kv_heads and (dynamic_shapes is not None or dynamic):  # NOTE: [size-1 graphs] in fxtp/runtime/variants.py
+        pm._size_graphs = _size_graphs(model, ws, captured.frontend, plan, rank, group_name,
+                                       parameter_placements(program, sharding), sequence)
     pm._generation = generation_for(model, _compile_decoder)  # NOTE: [generation]
     return pm
 
@@ -183,15 +192,38 @@ def _other_mode(
     the compiled mode's plan (NOTE: [modes])."""
     with _in_mode(model, mode == "train"):
         captured, other, _ = _analyze(model, ws, args, kwargs, first.frontend, plan, rank, shapes, report=False, sequence=sequence)
-    want = parameter_placements(program, sharding)
-    for fqn, placement in parameter_placements(captured.program, other).items():
+    _check_same_shards(parameter_placements(program, sharding), captured.program, other, f"in {mode} mode",
+                       "compile in the other mode")
+    return captured.program, _rewrite(captured.program, other, ws, rank, group_name)
+
+
+def _check_same_shards(want: Mapping[str, Any], program, sharding: ShardingPlan, where: str, alternative: str) -> None:
+    """Refuse a graph whose plan shards a parameter otherwise than ``want`` (the compiled
+    graph's ``{fqn: placement}``): every graph of a module runs on one set of shards."""
+    for fqn, placement in parameter_placements(program, sharding).items():
         if fqn in want and want[fqn] != placement:
             raise FxtpPlanError(
-                f"in {mode} mode the plan would shard {fqn} as {placement}, but in the mode it was compiled in as "
-                f"{want[fqn]}: one set of shards cannot serve both. fix: pass plan= to force the layer's style, or "
-                "compile in the other mode"
+                f"{where} the plan would shard {fqn} as {placement}, but the compiled graph's plan as {want[fqn]}: "
+                f"one set of shards cannot serve both. fix: pass plan= to force the layer's style, or {alternative}"
             )
-    return captured.program, _rewrite(captured.program, other, ws, rank, group_name)
+
+
+def _size_graphs(model, ws, how, plan, rank, group_name, want, sequence) -> Optional[SizeGraphs]:
+    """What makes the graphs for sizes 0 and 1 on first use (NOTE: [size-1 graphs] in
+    fxtp/runtime/variants.py): the pipeline above on the model's ``meta`` copy."""
+    copied = meta_copy(model)
+    if copied is None:
+        return None
+
+    def build(meta_model: nn.Module, args: tuple, kwargs: dict, mode: str):
+        flags = contextlib.nullcontext() if mode == "mixed" else _in_mode(meta_model, mode == "train")
+        with flags:
+            captured, sharding, _ = _analyze(meta_model, ws, args, kwargs, how, plan, rank, auto_dynamic_shapes(args, kwargs),
+                                             report=False, sequence=sequence)
+        _check_same_shards(want, captured.program, sharding, "for these input sizes", "call with the compiled sizes")
+        return captured.program, _rewrite(captured.program, sharding, ws, rank, group_name)
+
+    return SizeGraphs(copied, build)
 
 
 def _rewrite(program, sharding: ShardingPlan, ws: int, rank: int, group_name: Optional[str]) -> torch.fx.GraphModule:
@@ -229,9 +261,13 @@ def analyze(
     """
     ws = _check_world_size(world_size)
     args, kwargs = _check_inputs(model, example_inputs, example_kwargs)
-    shapes = _shapes_spec(args, kwargs, dynamic, dynamic_shapes)
-    return _analyze(model, ws, args, kwargs, capture, plan, rank, shapes,
-                    sequence=_check_flag("sequence_parallel", sequence_parallel))[2]
+    defaults, left_out = call_defaults(model, kwargs)  # NOTE: [Hugging Face call defaults]
+    kwargs |= defaults
+    shapes = _shapes_spec(args, kwargs, dynamic, spec_with_defaults(dynamic_shapes, defaults))
+    report = _analyze(model, ws, args, kwargs, capture, plan, rank, shapes,
+                      sequence=_check_flag("sequence_parallel", sequence_parallel))[2]
+    report.left_out = left_out
+    return report
 
 
 def _analyze(model, ws, args, kwargs, how, plan, rank, shapes=None, report: bool = True,

@@ -252,8 +252,12 @@ def test_generate_refuses_what_it_cannot_do():
     pm = fxtp.compile(model, 1, (ids,))
     with pytest.raises(FxtpInputError, match="exceeds the model's 16 positions"):
         pm.generate(ids[:, :10], max_new_tokens=7)
-    with pytest.raises(FxtpInputError, match="attention_mask with zeros"):
-        pm.generate(ids[:, :4], max_new_tokens=2, attention_mask=torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
+    with pytest.raises(FxtpInputError, match="pads some prompt on the right"):
+        pm.generate(ids[:, :4], max_new_tokens=2, attention_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]))
+    with pytest.raises(FxtpInputError, match="shaped like input_ids"):
+        pm.generate(ids[:, :4], max_new_tokens=2, attention_mask=torch.ones(2, 5))
+    with pytest.raises(FxtpInputError, match=r"num_beams=3 \(beam search\) is not supported.*model.generate"):
+        pm.generate(ids[:, :4], max_new_tokens=2, num_beams=3)
     gpt2, (ids2,) = examples.gpt2()
     with pytest.raises(FxtpInputError, match="holds the pad token 5"):  # pad != eos: HF would mask it
         fxtp.compile(gpt2, 1, (ids2,)).generate(torch.tensor([[3, 5, 7]]), max_new_tokens=2, pad_token_id=5)
@@ -262,3 +266,45 @@ def test_generate_refuses_what_it_cannot_do():
     mlp, inputs = examples.mlp()
     with pytest.raises(FxtpInputError, match="Hugging Face causal LM"):
         fxtp.compile(mlp, 1, inputs).generate(torch.zeros(1, 2, dtype=torch.long))
+
+
+def _left_padded(batch: int, lengths: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of ``lengths`` tokens, left-padded with 0 to ``length``, and their mask, as a
+    tokenizer with ``padding_side='left'`` makes them."""
+    ids = _ids(batch, length)
+    mask = torch.zeros(batch, length, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        mask[row, length - n:] = 1
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def _padded(name: str) -> dict:
+    model = _model(name)
+    pm = fxtp.compile(model, dist.get_world_size(), (_ids(2, 16),))
+    out = {}
+    for batch, lengths, new in [(3, [3, 6, 1], 7), (2, [4, 2], 5), (3, [6, 6, 6], 4)]:
+        prompt, mask = _left_padded(batch, lengths, max(lengths))
+        want = model.generate(prompt, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+        got = pm.generate(prompt, attention_mask=mask, max_new_tokens=new)
+        out[str(lengths)] = (torch.equal(got, want), got.tolist(), want.tolist())
+    prompt, mask = _left_padded(2, [2, 5], 5)
+    torch.manual_seed(7 + dist.get_rank())  # rank 0 draws
+    got = pm.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=20)
+    torch.manual_seed(7)
+    want = model.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=20,
+                          pad_token_id=0)
+    out["sampled"] = (torch.equal(got, want), got.tolist(), want.tolist())
+    out["decoders"] = (sorted(pm._generation.decoders), sorted(pm._generation.padded))
+    return out
+
+
+@pytest.mark.parametrize("ws,name", [(2, "llama"), (2, "gpt2"), (4, "llama")])
+def test_left_padded_prompts_of_different_lengths(rank_pools, ws, name):
+    """Hugging Face's padded batches (``attention_mask``, left padding, a prompt of one token
+    beside one of six) decode token-identically to ``model.generate``, greedy and sampled with a
+    seed; an unpadded batch keeps the unpadded decoder; one padded decoder per batch size."""
+    for r in rank_pools(ws).run(_padded, name):
+        decoders = r.pop("decoders")
+        for key, (equal, got, want) in r.items():
+            assert equal, f"{name} ws{ws} {key}: {got} != {want}"
+        assert decoders == ([(3, 16)], [(2, 16), (3, 16)]), decoders

@@ -154,3 +154,28 @@ def test_without_transformers_names_the_extra(capsys, tmp_path, monkeypatch):
         f"fxtp: error: fxtp inspect {tmp_path / 'config.json'} needs transformers, which is not installed: "
         "pip install 'fxtp[examples]' (in a clone: pip install -e '.[examples]')\n"
     )
+
+
+def test_checkpoint_directory_is_its_config_json(capsys, tmp_path, monkeypatch):
+    """``fxtp inspect qwen25 -n 8`` where ``qwen25/config.json`` exists (a checkpoint directory,
+    as ``from_pretrained`` takes it) plans that config; ``--help`` says so; a directory without
+    one is a usage error that says what it lacks."""
+    checkpoint = tmp_path / "qwen25"
+    transformers.Qwen2Config(**_SMALL, architectures=["Qwen2ForCausalLM"]).save_pretrained(checkpoint)
+    monkeypatch.chdir(tmp_path)
+    by_dir = _inspect_json(capsys, "qwen25", world_size=2)
+    by_file = _inspect_json(capsys, checkpoint / "config.json", world_size=2)
+    assert by_dir["layers"] == by_file["layers"] and by_dir["layers"][1]["style"] == "colwise"
+    assert main(["inspect", "qwen25", "-n", "8"]) == 0
+    assert "model.layers.0.self_attn.q_proj" in capsys.readouterr().out
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["inspect", "--help"])
+    assert exit_.value.code == 0
+    assert "a directory holding a config.json" in capsys.readouterr().out
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as exit_:
+        main(["inspect", "empty", "-n", "2"])
+    assert exit_.value.code == 2
+    assert "'empty' is a directory without a config.json" in capsys.readouterr().err

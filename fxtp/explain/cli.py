@@ -7,6 +7,7 @@ Examples::
     fxtp inspect mlp -n 2 --format graph        # rank 0's emitted code with placements
     fxtp inspect mlp -n 2 --format dot --out mlp.svg
     fxtp inspect path/to/config.json -n 8      # a Hugging Face config, on the meta device
+    fxtp inspect path/to/checkpoint -n 8       # the config.json in a checkpoint directory
     fxtp inspect my_models.py:build -n 4 --input '2x16:int64[0,1000)' --verify
 
 Exit status: 0 on success, 1 on an fxtp error (one message; ``--verbose`` adds the traceback),
@@ -41,6 +42,9 @@ MODEL:
   path/to/config.json  a Hugging Face config (its architectures / model_type), built on the
                        meta device: no weights, no download; example input: token ids (1, 128)
                        (shorter if its positions are fewer); needs fxtp[examples]
+  path/to/checkpoint   a directory holding a config.json (a checkpoint's, as from_pretrained
+                       takes it): that config, as above; a built-in name wins over a directory
+                       of the same name (write ./NAME)
   package.module:callable, path/to/file.py:callable
                        the callable takes no arguments and returns an nn.Module or
                        (nn.Module, example_inputs); it runs after torch.manual_seed(0)

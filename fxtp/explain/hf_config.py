@@ -1,7 +1,7 @@
 """A Hugging Face ``config.json`` as a model on the ``meta`` device, for ``fxtp inspect``.
 
-``fxtp inspect path/to/config.json -n 8`` plans a checkpoint's architecture before anything is
-downloaded: the config is parsed by ``transformers.AutoConfig.for_model`` (its ``model_type``),
+``fxtp inspect path/to/config.json -n 8`` (or ``fxtp inspect path/to/checkpoint -n 8``, a directory
+holding a ``config.json``) plans a checkpoint's architecture before anything is downloaded: the config is parsed by ``transformers.AutoConfig.for_model`` (its ``model_type``),
 the class its ``architectures`` names (else the ``AutoModelForCausalLM`` / ``AutoModel`` one for
 that ``model_type``) is built under ``torch.device("meta")`` in the config's ``dtype``, so no
 weight is allocated, nothing is read from disk beyond the config and nothing from the network.
@@ -27,8 +27,15 @@ DEFAULT_BATCH, DEFAULT_SEQ = 1, 128
 
 
 def is_config_path(text: str) -> bool:
-    """Whether MODEL ``text`` names a ``config.json`` file (by its ``.json`` suffix)."""
-    return text.lower().endswith(".json")
+    """Whether MODEL ``text`` names a ``config.json`` file (by its ``.json`` suffix) or a
+    directory (a checkpoint's, as ``from_pretrained`` takes it) that holds one."""
+    return text.lower().endswith(".json") or (Path(text).is_dir() and (Path(text) / "config.json").is_file())
+
+
+def _config_file(text: str) -> Path:
+    """The ``config.json`` MODEL ``text`` names: the file itself, or the one in the directory."""
+    path = Path(text)
+    return path / "config.json" if path.is_dir() else path
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -93,7 +100,7 @@ def load_config_model(text: str) -> tuple[nn.Module, tuple[torch.Tensor, ...], d
     """
     from transformers import AutoConfig
 
-    path = Path(text)
+    path = _config_file(text)
     data = _read(path)
     model_type = data.pop("model_type")
     try:

@@ -73,6 +73,7 @@ class Report:
         self.inputs: tuple[InputSpec, ...] = ()  # the user inputs and their dims (fxtp.capture.shapes)
         self.shape_notes: tuple[str, ...] = ()  # dims specialized by fxtp or a fallback, and why
         self.modes: dict[str, str] = {}  # mode -> how its graph was captured (NOTE: [modes])
+        self.left_out: tuple[str, ...] = ()  # outputs of the model a call leaves out, and why (NOTE: [Hugging Face call defaults])
         self.generator_check = False  # a graph draws random numbers: the runtime checks the generators per call
         # layer node -> its communication where sequence parallelism changed it (NOTE: [sequence parallelism])
         self.layer_comms: dict[str, str] = {}
@@ -107,6 +108,7 @@ class Report:
             "inputs": [_input_dict(spec) for spec in self.inputs],
             "shape_notes": list(self.shape_notes),
             "modes": dict(self.modes),
+            "left_out": list(self.left_out),
             "generator_check": self.generator_check,
             "sequence_parallel": self.sequence_parallel,
         }
@@ -156,6 +158,7 @@ class Report:
                 "dynamic=False or a note below fixes it): " + "; ".join(map(describe_dims, tensors))
             )
         lines += [f"  {note}" for note in self.shape_notes]
+        lines += [f"outputs: {line}" for line in self.left_out]
         for phase in ("forward", "backward"):
             stats = [c for c in self.collectives if c.phase == phase and c.count]
             text = ", ".join(f"{c.count} {c.kind} ({fmt_bytes(c.bytes)})" for c in stats) or "none"

@@ -24,7 +24,14 @@ NOTE: [generation]
 * Every rank computes the same logits (the head's all_gather); the next token is chosen on the
   group's rank 0 and broadcast, so every rank appends the same token, sampling included.
 
-Prompts of one batch have one length (no padding: an ``attention_mask`` with zeros is refused).
+* Padded prompts (NOTE: [padded prompts]): a batch of prompts of different lengths comes
+  left-padded with an ``attention_mask`` (0 on padding), as Hugging Face's tokenizers make it
+  for decoder-only models. Such a batch runs a second decoder per (batch, max_cache_len) that
+  takes the mask and the positions too: ``position_ids`` as ``model.generate`` derives them
+  (``attention_mask.cumsum(-1) - 1``, 1 on padding, then one more per new token), and the mask
+  over the whole cache (the prompt's, then ones: the causal mask hides what is not written
+  yet), one static tensor for every step. Right padding is refused (``model.generate`` warns
+  that it gives wrong results for decoder-only models); beam search (``num_beams > 1``) too.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ class Generation:
     generation_config: Any
     compile: Callable[..., nn.Module]  # fxtp.compile, passed in by fxtp.api (no import cycle)
     decoders: dict[tuple[int, int], nn.Module] = field(default_factory=dict)
+    padded: dict[tuple[int, int], nn.Module] = field(default_factory=dict)  # NOTE: [padded prompts]
 
     def __deepcopy__(self, memo):  # a deepcopy of pm recompiles its decoders on first use
         return Generation(self.model_class, copy.deepcopy(self.config, memo), copy.deepcopy(self.generation_config, memo),
@@ -87,6 +95,7 @@ def generate(
     pad_token_id: Optional[int] = None,
     attention_mask: Optional[torch.Tensor] = None,
     max_cache_len: Optional[int] = None,
+    num_beams: Optional[int] = None,
 ) -> torch.Tensor:
     """See :meth:`fxtp.runtime.module.ParallelModule.generate` and NOTE: [generation]."""
     gen: Optional[Generation] = pm._generation
@@ -97,6 +106,14 @@ def generate(
             "cache buffer written in place (README 'Inference') and loop over it yourself"
         )
     batch, length = _check_prompt(input_ids, attention_mask, max_new_tokens)
+    beams = num_beams if num_beams is not None else getattr(gen.generation_config, "num_beams", 1) or 1
+    if beams != 1:
+        raise FxtpInputError(
+            f"generate: num_beams={beams} (beam search{'' if num_beams is not None else ', from the generation_config'}) "
+            "is not supported: fxtp decodes greedily or by sampling. fix: pass num_beams=1 (with do_sample=True to "
+            "sample), or run beam search with model.generate"
+        )
+    padded = attention_mask is not None and not bool((attention_mask == 1).all())
     needed = length + max_new_tokens
     field_name = next((f for f in ("max_position_embeddings", "n_positions") if getattr(gen.config, f, None)), None)
     limit = getattr(gen.config, field_name) if field_name else None
@@ -120,15 +137,22 @@ def generate(
             "tokens are real, or generate unpadded prompts"
         )
     pick = _picker(cfg, do_sample, temperature, top_k, top_p)
-    decoder = _decoder(pm, gen, batch, needed, max_cache_len, limit)  # compiled on first use, then kept
+    decoder, cache_len = _decoder(pm, gen, batch, needed, max_cache_len, limit, padded)  # compiled on first use, then kept
     group = tp_group(pm)
     for key in decoder.written_state:  # a fresh cache (and its length counters)
         decoder.get_buffer(key).zero_()
     ids = input_ids
     unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
     eos_t = torch.tensor(eos, device=input_ids.device) if eos else None
+    extra: dict[str, torch.Tensor] = {}
+    if padded:  # NOTE: [padded prompts]
+        mask = attention_mask.to(torch.long)
+        whole = torch.ones(batch, cache_len, dtype=torch.long, device=input_ids.device)
+        whole[:, :length] = mask
+        extra = {"attention_mask": whole, "position_ids": (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)}
+        next_position = mask.sum(-1, keepdim=True)
     with torch.no_grad():
-        logits = decoder(input_ids=input_ids, cache_position=torch.arange(length, device=input_ids.device))
+        logits = decoder(input_ids=input_ids, cache_position=torch.arange(length, device=input_ids.device), **extra)
         for step in range(max_new_tokens):
             token = pick(ids, logits[:, -1, :].float())
             if group is not None:
@@ -140,7 +164,9 @@ def generate(
             if not bool(unfinished.any()) or step == max_new_tokens - 1:
                 break
             position = torch.tensor([length + step], device=input_ids.device)
-            logits = decoder(input_ids=token[:, None], cache_position=position)
+            if padded:
+                extra["position_ids"] = next_position + step
+            logits = decoder(input_ids=token[:, None], cache_position=position, **extra)
     return ids
 
 
@@ -149,7 +175,8 @@ def cache_bytes(pm: nn.Module) -> int:
     gen: Optional[Generation] = pm._generation
     if gen is None:
         return 0
-    return sum(d.get_buffer(key).nbytes for d in gen.decoders.values() for key in d.written_state)
+    decoders = [*gen.decoders.values(), *gen.padded.values()]
+    return sum(d.get_buffer(key).nbytes for d in decoders for key in d.written_state)
 
 
 def _check_prompt(input_ids: Any, attention_mask: Any, max_new_tokens: Any) -> tuple[int, int]:
@@ -158,11 +185,18 @@ def _check_prompt(input_ids: Any, attention_mask: Any, max_new_tokens: Any) -> t
         raise FxtpInputError(f"generate: input_ids must be a (batch, length) int64 tensor, got {got}")
     if input_ids.shape[1] < 1:
         raise FxtpInputError("generate: an empty prompt; give at least one token")
-    if attention_mask is not None and not bool((attention_mask == 1).all()):
-        raise FxtpInputError(
-            "generate: an attention_mask with zeros (padded prompts) is not supported: the static cache has one "
-            "length per batch. fix: generate prompts of different lengths in separate calls"
-        )
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+            raise FxtpInputError(f"generate: attention_mask must be shaped like input_ids {tuple(input_ids.shape)}, got {got}")
+        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise FxtpInputError("generate: attention_mask must hold 0 (padding) and 1 (a token) only")
+        if bool((attention_mask[:, 1:] < attention_mask[:, :-1]).any()) or not bool(attention_mask[:, -1].all()):
+            raise FxtpInputError(
+                "generate: the attention_mask pads some prompt on the right (or a prompt is all padding): a "
+                "decoder-only model continues the last token, so prompts must be padded on the left. fix: "
+                "tokenizer.padding_side = 'left' (NOTE: [padded prompts])"
+            )
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise FxtpInputError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     return int(input_ids.shape[0]), int(input_ids.shape[1])
@@ -216,23 +250,41 @@ def _setting(given: Any, cfg: Any, name: str) -> Any:
     return _HF_DEFAULTS[name] if value is None else value
 
 
-def _decoder(pm: nn.Module, gen: Generation, batch: int, needed: int, max_cache_len: Optional[int], limit: Optional[int]) -> nn.Module:
-    """A compiled static-cache decoder for ``batch`` prompts of up to ``needed`` positions: one
-    already compiled for this batch if its cache is long enough, else a new one."""
+def _decoder(pm: nn.Module, gen: Generation, batch: int, needed: int, max_cache_len: Optional[int], limit: Optional[int],
+             padded: bool) -> tuple[nn.Module, int]:
+    """A compiled static-cache decoder for ``batch`` prompts of up to ``needed`` positions (one
+    that takes a mask with ``padded``) and its cache length: one already compiled for this batch
+    if its cache is long enough, else a new one."""
+    decoders = gen.padded if padded else gen.decoders
     if max_cache_len is None:
-        for (b, length), decoder in gen.decoders.items():
+        for (b, length), decoder in decoders.items():
             if b == batch and length >= needed:
-                return decoder
+                return decoder, length
         max_cache_len = CACHE_ROUNDING * math.ceil(needed / CACHE_ROUNDING)
         if limit is not None:
             max_cache_len = min(max_cache_len, limit)
     key = (batch, max_cache_len)
-    if key not in gen.decoders:
-        gen.decoders[key] = _compile_decoder(pm, gen, batch, max_cache_len)
-    return gen.decoders[key]
+    if key not in decoders:
+        decoders[key] = _compile_decoder(pm, gen, batch, max_cache_len, padded)
+    return decoders[key], max_cache_len
 
 
-def _compile_decoder(pm: nn.Module, gen: Generation, batch: int, max_cache_len: int) -> nn.Module:
+def _with_mask(base: type) -> type:
+    """transformers' static-cache export wrapper, taking an attention mask and positions too
+    (NOTE: [padded prompts]); its ``forward`` is the wrapper's own but for passing those on."""
+
+    class MaskedStaticCacheDecoder(base):  # type: ignore[misc, valid-type]
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                    cache_position: torch.Tensor) -> torch.Tensor:
+            for layer in self.static_cache.layers:
+                layer.cumulative_length.copy_(cache_position[0])
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              cache=self.static_cache, use_cache=True).logits
+
+    return MaskedStaticCacheDecoder
+
+
+def _compile_decoder(pm: nn.Module, gen: Generation, batch: int, max_cache_len: int, padded: bool = False) -> nn.Module:
     from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
     param = next(pm.parameters())
@@ -244,19 +296,27 @@ def _compile_decoder(pm: nn.Module, gen: Generation, batch: int, max_cache_len: 
     model.generation_config = copy.deepcopy(gen.generation_config)
     model.generation_config.use_cache = True
     model.generation_config.cache_implementation = "static"
-    wrapper = TorchExportableModuleWithStaticCache(model, batch_size=batch, max_cache_len=max_cache_len, device="meta")
+    cls = _with_mask(TorchExportableModuleWithStaticCache) if padded else TorchExportableModuleWithStaticCache
+    wrapper = cls(model, batch_size=batch, max_cache_len=max_cache_len, device="meta")
     # The graph reads and writes the cache through the StaticCache object, which export lifts as
     # constants (those fxtp stores sharded); the wrapper's registrations of the same tensors would
     # be extra graph inputs no op uses, each a whole cache to allocate.
     wrapper._buffers.clear()
     seq = Dim("seq", min=1, max=max_cache_len)
+    # The mask meets the meta model's values in elementwise ops, which want one device: a padded
+    # decoder is traced on meta inputs (its graph runs on any device, passes/normalize.py).
+    device = "meta" if padded else param.device
     example = {
-        "input_ids": torch.zeros(batch, 2, dtype=torch.long, device=param.device),
-        "cache_position": torch.arange(2, device=param.device),
+        "input_ids": torch.zeros(batch, 2, dtype=torch.long, device=device),
+        "cache_position": torch.arange(2, device=device),
     }
+    shapes: dict[str, Any] = {"input_ids": {1: seq}, "cache_position": {0: seq}}
+    if padded:
+        example["attention_mask"] = torch.ones(batch, max_cache_len, dtype=torch.long, device=device)
+        example["position_ids"] = torch.zeros(batch, 2, dtype=torch.long, device=device)
+        shapes |= {"attention_mask": None, "position_ids": {1: seq}}
     decoder = gen.compile(
-        wrapper, pm._world_size, (), example_kwargs=example, rank=pm._rank, group=tp_group(pm),
-        dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}},
+        wrapper, pm._world_size, (), example_kwargs=example, rank=pm._rank, group=tp_group(pm), dynamic_shapes=shapes,
         # What pm keeps whole the decoder keeps whole (its graph may shard more: another GQA path);
         # the rest its planner lays out as pm's did, which _share_weights checks.
         plan={f"model.{layer}": "replicate" for layer, style in pm.report.plan.items() if style == "replicate"},

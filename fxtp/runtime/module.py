@@ -21,6 +21,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from fxtp.core import activations, collectives, rng
 from fxtp.runtime import checkpoint, generation, layout
+from fxtp.runtime.variants import SizeGraphs, differs_in_zero_one
 from fxtp.capture.frontends import written_state
 from fxtp.core.errors import FxtpInputError, FxtpRuntimeError
 from fxtp.core.placement import REPLICATE, Placement, shard_tensor
@@ -119,6 +120,8 @@ class ParallelModule(nn.Module):
         self._kv_heads = dict(sharding.kv_heads)  # placeholder -> KvHeads (passes/kv_heads.py)
         self.written_state: set[str] = set()  # buffers and constants the graphs write in place (a KV cache)
         self._generation = None  # set by fxtp.compile for a Hugging Face causal LM (fxtp.runtime.generation)
+        self._size_graphs: Optional[SizeGraphs] = None  # set by fxtp.compile (NOTE: [size-1 graphs])
+        self._call_defaults: dict[str, Any] = {}  # keywords a call gets unless it gives them (NOTE: [Hugging Face call defaults])
         self._fxtp_constants = nn.Module()
         self._constant_targets: dict[str, str] = {}  # fxtp's name of a constant -> the model's
         self._shared: dict[tuple[int, str], nn.Parameter] = {}  # tied parameters stay one Parameter
@@ -137,10 +140,14 @@ class ParallelModule(nn.Module):
         self.register_state_dict_post_hook(layout.state_dict_hook)  # NOTE: [checkpoint layouts]
         self.register_load_state_dict_pre_hook(layout.load_state_dict_hook)
 
-    def _bind(self, program: ExportedProgram, placements: Optional[Mapping[str, Placement]] = None) -> list[tuple[str, str]]:
+    def _bind(self, program: ExportedProgram, placements: Optional[Mapping[str, Placement]] = None, *,
+              share_constants: bool = False) -> list[tuple[str, str]]:
         """Register ``program``'s parameters, buffers and constants (those not registered yet;
-        parameters only with ``placements``); return ``(kind, key)`` per graph placeholder."""
+        parameters only with ``placements``); return ``(kind, key)`` per graph placeholder.
+        ``share_constants``: a constant of a model attribute already registered is that one (a
+        graph captured from the model's meta copy, NOTE: [size-1 graphs] in fxtp/runtime/variants.py)."""
         inputs: list[tuple[str, str]] = []
+        known = {target: key for key, target in self._constant_targets.items()} if share_constants else {}
         written = written_state(program)
         for spec in program.graph_signature.input_specs:
             if spec.kind == InputKind.PARAMETER:
@@ -164,6 +171,8 @@ class ParallelModule(nn.Module):
                 if spec.arg.name in written:
                     self.written_state.add(spec.target)
                 inputs.append(("buffer", spec.target))
+            elif spec.kind == InputKind.CONSTANT_TENSOR and spec.target in known:
+                inputs.append(("buffer", known[spec.target]))
             elif spec.kind == InputKind.CONSTANT_TENSOR:
                 key = f"c{len(self._fxtp_constants._buffers)}"
                 self._fxtp_constants.register_buffer(key, self._local_state(spec.arg.name, program.constants[spec.target]), persistent=False)
@@ -221,6 +230,14 @@ class ParallelModule(nn.Module):
             owner.register_buffer(leaf, value, persistent=persistent)
 
     def _flatten(self, graph: "ModeGraph", args: tuple, kwargs: dict) -> list[Any]:
+        if self._call_defaults:  # NOTE: [Hugging Face call defaults] in fxtp/capture/hf_defaults.py
+            for key, value in self._call_defaults.items():
+                if kwargs.get(key, value) != value:
+                    raise FxtpInputError(
+                        f"{key}={kwargs[key]!r}: the module was captured with {key}={value!r} ({self.report.left_out[0]}). "
+                        f"fix: drop {key}=, or use pm.generate for cached decoding"
+                    )
+            kwargs = self._call_defaults | kwargs
         if graph.in_spec.num_children == 2 and kwargs:
             order = graph.in_spec.child(1).context or []
             if set(order) == set(kwargs):
@@ -231,8 +248,19 @@ class ParallelModule(nn.Module):
                 f"inputs do not match the call the module was compiled for: {_describe(graph.in_spec)} expected, "
                 f"got {_describe(spec)}; call it like the example inputs"
             )
-        check_inputs(flat, graph.specs)
         return flat
+
+    def _graph_for(self, graph: "ModeGraph", flat: list[Any]) -> "ModeGraph":
+        """``graph`` if it takes ``flat``'s sizes, else the graph captured for sizes 0 and 1
+        (NOTE: [size-1 graphs] in fxtp/runtime/variants.py)."""
+        try:
+            check_inputs(flat, graph.specs)
+        except FxtpInputError as exc:
+            if self._size_graphs is None or not differs_in_zero_one(flat, graph.specs):
+                raise
+            bind = lambda program, gm: ModeGraph.of(program, gm, self._bind(program, None, share_constants=True))  # noqa: E731
+            return self._size_graphs.graph_for(self.report, self._mode, graph, flat, exc, bind)
+        return graph
 
     def _input_slots(self, graph: "ModeGraph") -> list[tuple[Optional[nn.Module], str]]:
         """Per graph placeholder, the submodule and attribute holding its tensor (``None`` for a
@@ -269,7 +297,9 @@ class ParallelModule(nn.Module):
                 "torch.distributed.init_process_group(...) (or pass group=) before fxtp.compile, on every rank"
             )
         graph = self._graphs[self._mode]
-        user = iter(self._flatten(graph, args, kwargs))
+        flat = self._flatten(graph, args, kwargs)
+        graph = self._graph_for(graph, flat)
+        user = iter(flat)
         inputs = [getattr(owner, leaf) if owner is not None else next(user) for owner, leaf in self._input_slots(graph)]
         if graph.draws_random and self._world_size > 1 and not torch.compiler.is_compiling():
             self._check_generators(inputs)
@@ -317,12 +347,15 @@ class ParallelModule(nn.Module):
         the group calls it with the same arguments.
 
         Args:
-            input_ids: (batch, length) int64 prompts of one length.
+            input_ids: (batch, length) int64 prompts.
             max_new_tokens: tokens to add, >= 1.
             do_sample, temperature, top_k, top_p: as ``model.generate`` (defaults from the
                 model's ``generation_config``); the token is drawn on rank 0 and broadcast.
             eos_token_id, pad_token_id: stop and pad as ``model.generate`` does.
-            attention_mask: all ones or ``None`` (no padded prompts).
+            attention_mask: ``None``, or (batch, length) 0/1 with prompts of different lengths
+                padded on the left, as Hugging Face's tokenizers give them (NOTE: [padded
+                prompts]); right padding raises ``FxtpInputError``.
+            num_beams: 1 (or ``None`` with a ``generation_config`` of 1); beam search raises.
             max_cache_len: the static cache's length (default: the needed length rounded up
                 to 256, capped at the model's positions); one decoder is compiled per
                 (batch, max_cache_len) and kept.

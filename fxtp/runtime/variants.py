@@ -1,0 +1,142 @@
+"""Graphs for the input sizes torch.export specializes, captured on first use.
+
+NOTE: [size-1 graphs]
+torch.export specializes sizes 0 and 1 (Ansel et al. 2024, "0/1 specialization"): a dim the
+example has at size 2 or more becomes a symbol whose range starts at 2, and a dim the example
+has at 0 or 1 becomes that constant. The model's Python may also branch on a size being 1
+(Hugging Face's attention takes ``is_causal`` from ``query.shape[2] > 1`` and guards on
+``batch != 1``), so a graph traced at size 2 is not, in general, the model at size 1: running it
+there would be right only by luck. torch's ``backed_size_oblivious`` capture does not help: it
+keeps such a branch's guard and still refuses 1 for these models.
+
+So a call whose sizes differ from what the compiled graph takes only in a 0 or 1 (a batch or
+sequence of 1 where the range starts at 2, or a size of 2 or more where the example fixed 1)
+gets a graph of its own, captured at that call from a copy of the model with its parameters
+and buffers on the ``meta`` device (taken at compile: no weights, and the user's model is not
+held or touched) and inputs on ``meta`` shaped like the call, with every other dim dynamic as
+at compile. It is planned, checked to shard every parameter as the compiled graph does (one
+set of shards), rewritten for the rank, bound to the module's own parameters and buffers, kept
+per (mode, which dims are 0, 1 or more) and noted in ``report.shape_notes``. Every rank of the
+group captures the same graph at the same call (the ranks get the same shapes); no collective
+runs meanwhile. Later calls of that kind cost one more ``check_inputs``.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.export import ExportedProgram
+from torch.fx import GraphModule
+
+from fxtp.capture.shapes import InputSpec, check_inputs
+from fxtp.core.errors import FxtpError, FxtpInputError
+
+__all__ = ["SizeGraphs", "meta_copy", "differs_in_zero_one"]
+
+# fxtp.api's pipeline for one more graph: (meta model, args, kwargs, mode) -> (program, rank graph)
+Build = Callable[[nn.Module, tuple, dict, str], tuple[ExportedProgram, GraphModule]]
+
+
+def meta_copy(model: nn.Module) -> Optional[nn.Module]:
+    """A deep copy of ``model`` whose parameters and buffers are on ``meta`` (ties kept, nothing
+    copied but the structure and small non-tensor state), or ``None`` where the model cannot be
+    deep-copied."""
+    memo: dict[int, Any] = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        meta = tensor.detach().to("meta")
+        memo[id(tensor)] = nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception:  # noqa: BLE001 - a model that refuses deepcopy just gets no size-1 graphs
+        return None
+
+
+def differs_in_zero_one(flat: list[Any], specs: tuple[InputSpec, ...]) -> bool:
+    """Whether ``flat`` misses ``specs`` in a size torch.export specializes (NOTE: [size-1
+    graphs]): some tensor has a 0 or 1 in a dynamic dim whose range starts above it, or another
+    size in a dim the example fixed at 0 or 1, and nothing else misses (ranks, dtypes, the
+    other static sizes and ranges' upper ends agree)."""
+    found = False
+    for value, spec in zip(flat, specs):
+        if not spec.is_tensor:
+            continue
+        if not isinstance(value, torch.Tensor) or value.dim() != len(spec.dims) or value.dtype != spec.dtype:
+            return False
+        for size, dim in zip(value.shape, spec.dims):
+            if dim.dynamic and size < dim.lo and size in (0, 1) or not dim.dynamic and dim.size in (0, 1) and size != dim.size:
+                found = True
+            elif not dim.dynamic and size != dim.size or dim.dynamic and dim.hi is not None and size > dim.hi:
+                return False  # another misfit: check_inputs says which
+    return found
+
+
+def _size_class(flat: list[Any]) -> tuple:
+    """Per tensor input, each dim as 0, 1 or 2 (meaning 2 or more): the key of a graph."""
+    return tuple(tuple(min(int(s), 2) for s in v.shape) if isinstance(v, torch.Tensor) else None for v in flat)
+
+
+def _describe(flat: list[Any], specs: tuple[InputSpec, ...]) -> str:
+    """``input 'ids' dim 0 at 1, dim 1 at 2 or more``: the dims whose size class is new."""
+    parts = []
+    for value, spec in zip(flat, specs):
+        if not spec.is_tensor:
+            continue
+        dims = [
+            f"dim {d} at {size if size < 2 else '2 or more'}"
+            for d, (size, dim) in enumerate(zip(value.shape, spec.dims))
+            if (dim.dynamic and size < dim.lo) or (not dim.dynamic and dim.size in (0, 1) and size != dim.size)
+        ]
+        if dims:
+            parts.append(f"input {spec.name!r} {', '.join(dims)}")
+    return "; ".join(parts)
+
+
+@dataclass(eq=False)
+class SizeGraphs:
+    """The module's graphs for sizes 0 and 1 (NOTE: [size-1 graphs]): the model's ``meta`` copy,
+    the pipeline that makes one more graph, and the graphs (or the error) made so far."""
+
+    model: nn.Module
+    build: Build
+    graphs: dict[tuple, Union[Any, FxtpError]] = field(default_factory=dict)  # (mode, size class) -> ModeGraph
+
+    def graph_for(self, report: Any, mode: str, compiled: Any, flat: list[Any], refused: FxtpInputError,
+                  bind: Callable[[ExportedProgram, GraphModule], Any]) -> Any:
+        """The graph for a call ``check_inputs`` refused with ``refused`` on the ``compiled``
+        graph (a ``ModeGraph``): one kept for its size class, else one captured now, made a
+        ``ModeGraph`` by ``bind`` and noted in ``report``.
+
+        Raises:
+            FxtpInputError: ``refused``, with why no graph could be captured for these sizes;
+                or what the new graph's own ``check_inputs`` says.
+        """
+        key = (mode, _size_class(flat))
+        if key not in self.graphs:
+            args, kwargs = pytree.tree_unflatten(
+                [torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v for v in flat],
+                compiled.in_spec,
+            )
+            try:
+                program, gm = self.build(self.model, args, kwargs, mode)
+            except FxtpError as exc:
+                self.graphs[key] = exc
+            else:
+                self.graphs[key] = bind(program, gm)
+                report.shape_notes += (
+                    f"{_describe(flat, compiled.specs)} ({mode} mode): a graph of its own, captured at the first such "
+                    "call and kept (torch.export specializes sizes 0 and 1)",
+                )
+        graph = self.graphs[key]
+        if isinstance(graph, FxtpError):
+            raise FxtpInputError(f"{refused}; fxtp could not capture a graph for these sizes: {graph}") from graph
+        check_inputs(flat, graph.specs)
+        return graph
+
+    def __deepcopy__(self, memo: dict) -> "SizeGraphs":  # the copy's graphs bind the copy's tensors: made again
+        return SizeGraphs(copy.deepcopy(self.model, memo), self.build)
