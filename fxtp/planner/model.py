@@ -9,8 +9,9 @@ activations of ``e`` bytes (2: bf16 autocast or an FSDP2 ``param_dtype=bf16``):
 
 - each of the 2 norms saves its input and its output (the next linears' input): ``4 sbh e``;
   Korthikanti's LayerNorm terms, RMSNorm saves the same.
-- attention: q ``sbh e``, k and v ``2 sbh e g/a`` (GQA), the attention's output (SDPA saves it
-  for backward) and the output projection's input (a contiguous copy of it): ``2 sbh e``.
+- attention: q ``sbh e``, k and v ``2 sbh e g/a`` (GQA), the output projection's input
+  ``sbh e`` and, with SDPA, the attention's output (SDPA saves it for backward; the projection
+  reads a contiguous copy) ``sbh e``.
   Korthikanti's ``5as/h`` term (the ``s x s`` scores, softmax and dropout) is not stored by
   SDPA's flash/memory-efficient kernels (Dao et al. 2022, FlashAttention, section 3.1), which
   keep a logsumexp of ``4 abs`` bytes instead; ``attn_implementation="eager"`` keeps the
@@ -32,7 +33,7 @@ Activation checkpointing: ``"blocks"`` (each block under ``torch.utils.checkpoin
 block's input only (``sbh e``, ``/tp`` with sequence parallelism) and holds one block's full
 activations while that block is recomputed (Korthikanti's "full recomputation");
 ``"selective"`` recomputes the attention op (Korthikanti's selective recomputation): it keeps
-q, k, v and drops the attention's saved output (and the eager softmax).
+q, k, v and drops what the op itself saves (SDPA's output and logsumexp, or the eager softmax).
 
 NOTE: [FLOPs]
 Model FLOPs per token, forward and backward: ``6 N + 12 L h s`` (Chowdhery et al. 2022, PaLM,
@@ -134,12 +135,13 @@ class TransformerShape:
             return sbh // tp if sp else sbh
         kv = self.kv_heads / tp if self.kv_heads % tp == 0 else self.kv_heads
         q_k_v = sbh * (1 + 2 * kv * tp / self.heads)  # kv / tp of the heads per rank, as q's
-        attn_out = 0 if ac == "selective" else 2 * sbh
-        scores = 0 if self.flash or ac == "selective" else e * self.heads * batch * seq * seq
-        lse = 4 * self.heads * batch * seq if self.flash else 0
+        core = ac != "selective"  # the attention op's own saved tensors, unless it is recomputed
+        out = sbh + (sbh if self.flash and core else 0)  # the output projection's input (+ SDPA's output)
+        scores = e * self.heads * batch * seq * seq if not self.flash and core else 0
+        lse = 4 * self.heads * batch * seq if self.flash and core else 0
         mlp = (4 if self.gated_mlp else 2) * batch * seq * self.intermediate * e
         norms = 4 * sbh
-        return int((norms / tp if sp else norms) + (q_k_v + attn_out + scores + lse + mlp) / tp)
+        return int((norms / tp if sp else norms) + (q_k_v + out + scores + lse + mlp) / tp)
 
     def other_activations(self, batch: int, seq: int, tp: int, *, e: int = 2) -> int:
         """Bytes saved outside the blocks: the head's input and the loss (NOTE: [activation bytes])."""
