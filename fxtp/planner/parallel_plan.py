@@ -10,7 +10,7 @@ from tabulate import tabulate
 from fxtp.planner.costs import Choice, Estimate
 from fxtp.planner.hardware import GiB, Hardware
 
-__all__ = ["ParallelPlan", "Alternative"]
+__all__ = ["ParallelPlan", "Alternative", "fmt_size", "fmt_time"]
 
 _MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "kv_cache", "fsdp_buffers", "total")
 
@@ -28,6 +28,22 @@ class Alternative:
 
     def to_dict(self, budget: int) -> dict[str, Any]:
         return {**_figures(self.estimate, budget), "reason": self.reason}
+
+
+def fmt_size(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the figure >= 1 (GiB at most)."""
+    for unit, scale in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def fmt_time(seconds: float) -> str:
+    if seconds >= 1 or seconds == 0:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} us"
 
 
 def _ac_name(ac: Optional[str]) -> str:
@@ -135,13 +151,13 @@ class ParallelPlan:
             f"{self.batch} x {self.seq} tokens per {what}" + (f", {self.optimizer}" if self.training else ""),
             f"chosen: tp {c.tp} x dp {c.dp}{sp}, activation checkpointing: {_ac_name(c.activation_checkpointing)}, {micro}",
             self._verdict(),
-            "memory per device: " + " + ".join(f"{k.replace('_', ' ')} {m[k] / GiB:.1f}" for k in _MEMORY_KEYS[:-1] if m[k])
-            + f" = {m['total'] / GiB:.1f} GiB",
-            f"step: {s['total']:.2f} s = compute {s['compute']:.2f} s (recompute {s['recompute']:.2f}) + tp comm "
-            f"{s['tp_comm']:.2f} s + fsdp comm not hidden {s['fsdp_exposed']:.2f} s (of {s['fsdp_comm']:.2f})",
+            "memory per device: " + " + ".join(f"{k.replace('_', ' ')} {fmt_size(m[k])}" for k in _MEMORY_KEYS[:-1] if m[k])
+            + f" = {fmt_size(m['total'])}",
+            f"step: {fmt_time(s['total'])} = compute {fmt_time(s['compute'])} (recompute {fmt_time(s['recompute'])}) + tp comm "
+            f"{fmt_time(s['tp_comm'])} + fsdp comm not hidden {fmt_time(s['fsdp_exposed'])} (of {fmt_time(s['fsdp_comm'])})",
             self._params_line(),
             "",
-            tabulate(self._rows(), headers=["tp", "dp", "sp", "checkpointing", "micro-batch", "GiB", "step s", ""],
+            tabulate(self._rows(), headers=["tp", "dp", "sp", "checkpointing", "micro-batch", "memory", "step", ""],
                      colalign=("right", "right", "left", "left", "left", "right", "right", "left")),
         ]
         lines += [f"skipped tp {x['tp']}: {x['reason']}" for x in self.skipped]
@@ -163,27 +179,27 @@ class ParallelPlan:
         return dict(sorted(out.items()))
 
     def _verdict(self) -> str:
-        budget, peak = self.device_memory / GiB, self.chosen.peak / GiB
+        budget, peak = self.device_memory, self.chosen.peak
         if self.fits:
-            head = f"fits {budget:.1f} GiB with {budget - peak:.1f} GiB spare"
+            head = f"fits {fmt_size(budget)} with {fmt_size(budget - peak)} spare"
         else:
-            head = f"does not fit {budget:.1f} GiB: the smallest configuration needs {peak:.1f} GiB per device"
+            head = f"does not fit {fmt_size(budget)}: the smallest configuration needs {fmt_size(peak)} per device"
         others = []
         for tp, a in self._per_tp().items():
             e = a.estimate
             if tp > self.devices_per_node:
                 others.append(f"tp {tp} crosses nodes")
             elif e.peak > self.device_memory:
-                others.append(f"tp {tp} needs {e.peak / GiB:.1f} GiB")
+                others.append(f"tp {tp} needs {fmt_size(e.peak)}")
             else:
-                others.append(f"tp {tp} takes {e.step['total']:.2f} s")
+                others.append(f"tp {tp} takes {fmt_time(e.step['total'])}")
         return head + ("; " + "; ".join(others) if others else "")
 
     def _params_line(self) -> str:
         how = (f"{self.analyzed_blocks} of {self.n_blocks} blocks analyzed, the rest counted as block 1"
                if self.analyzed_blocks and self.analyzed_blocks < self.n_blocks else "the whole model analyzed")
         return f"parameters per tp rank ({how}): " + ", ".join(
-            f"tp {tp} {b / GiB:.2f} GiB" for tp, b in sorted(self.tp_param_bytes.items())
+            f"tp {tp} {fmt_size(b)}" for tp, b in sorted(self.tp_param_bytes.items())
         ) + " (model dtype; FSDP2 keeps them in fp32 over dp)"
 
     def _rows(self) -> list[list[Any]]:
@@ -191,6 +207,6 @@ class ParallelPlan:
         def row(e: Estimate, verdict: str) -> list[Any]:
             c = e.choice
             return [c.tp, c.dp, "yes" if c.sequence_parallel else "no", _ac_name(c.activation_checkpointing),
-                    f"{c.micro_batch} x {c.accumulation}", f"{e.peak / GiB:.1f}", f"{e.step['total']:.2f}", verdict]
+                    f"{c.micro_batch} x {c.accumulation}", fmt_size(e.peak), fmt_time(e.step["total"]), verdict]
 
         return [row(self.chosen, "<- chosen" if self.fits else "<- chosen: the smallest")] + [row(a.estimate, a.reason) for a in self._per_tp().values()]

@@ -20,9 +20,9 @@ from torch import nn
 
 from fxtp.core.errors import FxtpConfigError, FxtpInputError
 from fxtp.planner.costs import OPTIMIZER_BYTES, Choice, Estimate, Workload, estimate
-from fxtp.planner.hardware import GiB, Hardware, resolve_hardware
+from fxtp.planner.hardware import Hardware, resolve_hardware
 from fxtp.planner.model import AC_POLICIES, TransformerShape
-from fxtp.planner.parallel_plan import Alternative, ParallelPlan
+from fxtp.planner.parallel_plan import Alternative, ParallelPlan, fmt_size, fmt_time
 from fxtp.planner.params import parameter_shapes, repeated_blocks
 
 __all__ = ["plan"]
@@ -142,10 +142,10 @@ def _why(e: Estimate, best: Estimate, budget: int, per_node: int) -> str:
     if c.tp > per_node:
         return f"tp {c.tp} crosses nodes ({per_node} devices per node)"
     if e.peak > budget:
-        return f"needs {e.peak / GiB:.1f} GiB"
+        return f"needs {fmt_size(e.peak)}"
     if e.step["total"] > best.step["total"]:
-        return f"slower: {e.step['total']:.2f} s vs {best.step['total']:.2f} s"
-    return f"as fast, but {e.peak / GiB:.1f} GiB vs {best.peak / GiB:.1f} GiB"
+        return f"slower: {fmt_time(e.step['total'])} vs {fmt_time(best.step['total'])}"
+    return f"as fast, but {fmt_size(e.peak)} vs {fmt_size(best.peak)}"
 
 
 def _best_micro_batch(tp, dp, sp, ac, shape, params, hw, work: Workload, budget: int) -> Estimate:
