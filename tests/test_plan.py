@@ -193,3 +193,13 @@ def test_inference_prices_a_kv_cache_and_no_optimizer():
     m = plan.memory_per_device
     assert m["grads"] == m["optimizer"] == 0 and plan.chosen.memory["kv_cache"] > 0
     assert plan.activation_checkpointing is None
+
+
+def test_a_caching_config_plans_without_example_inputs():
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    assert config.use_cache  # the default: the planner analyzes with use_cache=False, the model is untouched
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    plan = fxtp.plan(model, 2, device_memory=GiB, batch=4, seq=32)
+    assert plan.fits and plan.analyzed_blocks == 2 and model.config.use_cache

@@ -37,8 +37,9 @@ _INSPECT_EPILOG = """\
 MODEL:
   a built-in example:  mlp, tiny-gpt, transformer (torch's TP reference model), gpt2, llama,
                        bert, mixtral, qwen2-moe (tiny configs, random weights, real inputs);
-                       gpt2-124m, llama-7b, llama-3-8b, mixtral-8x7b, qwen2-moe-a2.7b (full
-                       size on the meta device: tables and graphs, no --verify);
+                       gpt2-124m, llama-7b, llama-3-8b, llama-3.1-70b, llama-3.1-405b,
+                       mixtral-8x7b, qwen2-moe-a2.7b (full size on the meta device: tables
+                       and graphs, no --verify);
                        all but mlp and tiny-gpt need: pip install 'fxtp[examples]'
   path/to/config.json  a Hugging Face config (its architectures / model_type), built on the
                        meta device: no weights, no download; example input: token ids (1, 128)
@@ -172,6 +173,7 @@ The figures are predictions: see docs/plan_command.md for the cost model and its
 examples:
   fxtp plan path/to/config.json --devices 64 --device-memory 80GiB --batch 64 --seq 8192
   fxtp plan llama-3-8b --devices 8 --device-memory 80GiB --batch 16 --seq 8192 --format json
+  fxtp plan llama-3.1-405b --devices 512 --device-memory 80GiB --batch 512 --seq 8192
   fxtp plan path/to/config.json --devices 16 --device-memory 141GiB --hardware h200 --batch 32 --seq 4096
 """
 

@@ -164,13 +164,21 @@ def _positive(name: str, value: Any) -> int:
 
 
 def _inputs(model: nn.Module, args: Any, kwargs: Any) -> tuple[tuple, dict]:
+    """The example inputs, by default a Hugging Face model's token ids (on its device); with
+    ``use_cache=False`` when the config caches (a KV cache is not a tensor output: the
+    analysis prices the training graph, the cache is priced by formula)."""
     if args is None and not kwargs:
         from fxtp.explain.hf_config import example_inputs
 
         args, kwargs = example_inputs(model)
         device = next(model.parameters()).device  # the example's are on meta
-        return tuple(torch.zeros_like(a, device=device) for a in args), {k: torch.zeros_like(v, device=device) for k, v in kwargs.items()}
-    return (args,) if not isinstance(args, (tuple, list)) else tuple(args), dict(kwargs or {})
+        args = tuple(torch.zeros_like(a, device=device) for a in args)
+        kwargs = {k: torch.zeros_like(v, device=device) for k, v in kwargs.items()}
+    args = (args,) if not isinstance(args, (tuple, list)) else tuple(args)
+    kwargs = dict(kwargs or {})
+    if getattr(getattr(model, "config", None), "use_cache", False) and "use_cache" not in kwargs:
+        kwargs["use_cache"] = False
+    return args, kwargs
 
 
 def _workload_sizes(args: tuple, kwargs: dict, batch: Optional[int], seq: Optional[int]) -> tuple[int, int]:
