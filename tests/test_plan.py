@@ -203,3 +203,22 @@ def test_a_caching_config_plans_without_example_inputs():
         model = transformers.LlamaForCausalLM(config)
     plan = fxtp.plan(model, 2, device_memory=GiB, batch=4, seq=32)
     assert plan.fits and plan.analyzed_blocks == 2 and model.config.use_cache
+
+
+def test_predicted_tensor_parallel_bytes_are_the_plans_collectives():
+    # The cost model's all_reduces per block and outside (NOTE: [cost model]) against what fxtp's
+    # plan inserts for the same input (the report's counts, which tests/test_bench.py checks
+    # against a run's); fp32 model, so 4-byte activations. The logits' all_gather is not priced:
+    # the planner assumes the loss runs on the head's shards.
+    from fxtp.planner.costs import Choice, Workload, estimate
+    from fxtp.planner.params import repeated_blocks
+
+    model, tp, (b, s) = tiny("llama"), 2, IDS.shape
+    report = fxtp.analyze(model, tp, (IDS,))
+    reduced = sum(c.bytes for c in report.collectives if c.kind == "all_reduce")
+    shape = TransformerShape.of(model, repeated_blocks(model).fqn)
+    params = parameter_shapes(model, (tp,), (IDS,), {})[tp]  # the 2-block analysis, 4 blocks counted
+    assert reduced == (4 * shape.layers + params.outside_reduces()) * b * s * shape.hidden * 4
+    work = Workload(b, s, True, "adamw", 8, activation_bytes=4)
+    predicted = estimate(Choice(tp, 1, False, None, b, 1), shape, params, HARDWARE["h100"], work)
+    assert predicted.comm_bytes["tp"] == reduced * 2 * (tp - 1) // tp

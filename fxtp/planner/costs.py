@@ -33,7 +33,9 @@ not hide.
   parallelism's all_gather + reduce_scatter pairs move the same bytes, Korthikanti et al.
   2022, section 4.2.2), 1 more under sequence parallelism (the backward's 2 all_gathers of
   saved shards, NOTE: [regathered activations]), 2 more when a recomputed forward runs them
-  again (``"blocks"``); 2 outside the blocks (the embedding's and the head's). Not overlapped:
+  again (``"blocks"``); outside the blocks, the all_reduces fxtp's plan of the analyzed graph
+  inserts there (e.g. a vocab-sharded embedding's forward and a colwise head's backward; a
+  replicated one has none). Not overlapped:
   Megatron's tensor-parallel collectives sit between dependent matmuls (Narayanan et al.
   2021, section 3.3).
 - FSDP2: per micro-batch (gradient accumulation does not skip its reduce_scatter by default)
@@ -97,6 +99,7 @@ class Workload:
     training: bool
     optimizer: str
     devices_per_node: int
+    activation_bytes: int = 2  # bf16 (NOTE: [mixed precision]); 4 prices an fp32 model
 
 
 def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: Hardware, work: Workload) -> Estimate:
@@ -114,8 +117,9 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
     else:
         compute = (shape.matmul_params * 2 + 4 * shape.layers * shape.hidden * work.seq) * tokens / rate
         recompute, per_block = 0.0, 2
-    payload = b * work.seq * shape.hidden * _COMPUTE
-    tp_bytes = int(choice.accumulation * (shape.layers * per_block + 2) * 2 * (tp - 1) / tp * payload)
+    payload = b * work.seq * shape.hidden * work.activation_bytes
+    outside = params.outside_reduces() // (1 if work.training else 2)  # forward's half in inference
+    tp_bytes = int(choice.accumulation * (shape.layers * per_block + outside) * 2 * (tp - 1) / tp * payload)
     tp_bw = hw.intra_node_bw if tp <= work.devices_per_node else hw.inter_node_bw
     fsdp_bytes = 0
     if work.training and dp > 1:
@@ -136,19 +140,19 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
 
 
 def _memory(choice: Choice, shape: TransformerShape, params: ParamShapes, work: Workload) -> dict[str, int]:
-    tp, dp, b = choice.tp, choice.dp, choice.micro_batch
+    tp, dp, b, e = choice.tp, choice.dp, choice.micro_batch, work.activation_bytes
     sp, ac = choice.sequence_parallel, choice.activation_checkpointing
     if not work.training:
-        kv = shape.kv_cache(b, work.seq, tp)
-        acts = shape.block_activations(b, work.seq, tp, sp=sp, ac=None) + 4 * b * work.seq * shape.vocab // tp
+        kv = shape.kv_cache(b, work.seq, tp, e=e)
+        acts = shape.block_activations(b, work.seq, tp, sp=sp, ac=None, e=e) + 4 * b * work.seq * shape.vocab // tp
         out = {"params": _COMPUTE * params.elements(), "grads": 0, "optimizer": 0, "activations": acts, "kv_cache": kv,
                "fsdp_buffers": 0}
     else:
         elements = params.elements(dp)
-        acts = shape.layers * shape.block_activations(b, work.seq, tp, sp=sp, ac=ac)
+        acts = shape.layers * shape.block_activations(b, work.seq, tp, sp=sp, ac=ac, e=e)
         if ac == "blocks":  # the block being recomputed holds its full activations
-            acts += shape.block_activations(b, work.seq, tp, sp=sp, ac=None)
-        acts += shape.other_activations(b, work.seq, tp)
+            acts += shape.block_activations(b, work.seq, tp, sp=sp, ac=None, e=e)
+        acts += shape.other_activations(b, work.seq, tp, e=e)
         out = {
             "params": _MASTER * elements,
             "grads": _GRAD * elements,

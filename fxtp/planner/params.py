@@ -46,6 +46,13 @@ class ParamShapes:
     block: tuple[Piece, ...]
     n_blocks: int
     analyzed_blocks: int  # the depth fxtp analyzed (2 when extrapolated)
+    all_reduces: int = 0  # the analyzed graph's, forward + backward, as the plan inserts them
+
+    def outside_reduces(self) -> int:
+        """All_reduces outside the blocks per forward and backward: the analyzed graph's less
+        Megatron's 4 per analyzed block (NOTE: [cost model]; a block above that floor would be
+        counted here once per analyzed block, not per block)."""
+        return max(0, self.all_reduces - 4 * self.analyzed_blocks)
 
     def bytes(self) -> int:
         """Rank 0's parameter bytes in the model's own dtypes (what ``Report.param_bytes_per_rank`` says)."""
@@ -146,10 +153,13 @@ def parameter_shapes(
 def _collect(program: Any, plans: dict[int, Any], blocks: Optional[Blocks], depth: int) -> Optional[dict[int, ParamShapes]]:
     """Rank 0's pieces per degree, blocks grouped; None where ``depth`` is short of the model's
     and its blocks 0 and 1 got different shards (extrapolating would be wrong)."""
+    from fxtp.explain.counts import collectives, grad_inputs
     from fxtp.explain.report import parameter_placements
 
+    nodes, needs_grad = {n.name: n for n in program.graph.nodes}, grad_inputs(program)
     out = {}
     for tp, plan in plans.items():
+        reduces = sum(c.count for c in collectives(program, plan, nodes, needs_grad) if c.kind == "all_reduce")
         seen: set[int] = set()
         other: list[Piece] = []
         per_block: dict[int, list[Piece]] = {}
@@ -165,14 +175,14 @@ def _collect(program: Any, plans: dict[int, Any], blocks: Optional[Blocks], dept
             index = _block_index(fqn, blocks.fqn) if blocks is not None and depth else None
             (other if index is None else per_block.setdefault(index, [])).append(piece)
         if blocks is None or not depth:
-            out[tp] = ParamShapes(tp, tuple(other), (), 0, 0)
+            out[tp] = ParamShapes(tp, tuple(other), (), 0, 0, reduces)
         elif depth < blocks.count:
             first, counted = (tuple(per_block.get(i, ())) for i in (0, 1))
             if first != counted:
                 return None
-            out[tp] = ParamShapes(tp, tuple(other), counted, blocks.count, depth)
+            out[tp] = ParamShapes(tp, tuple(other), counted, blocks.count, depth, reduces)
         else:
-            out[tp] = ParamShapes(tp, tuple(other + [p for i in sorted(per_block) for p in per_block[i]]), (), 0, depth)
+            out[tp] = ParamShapes(tp, tuple(other + [p for i in sorted(per_block) for p in per_block[i]]), (), 0, depth, reduces)
     return out
 
 
