@@ -28,6 +28,7 @@ __all__ = [
     "llama_7b",
     "llama3_8b",
     "llama31",
+    "LLAMA31",
     "mixtral",
     "qwen2_moe",
     "mixtral_8x7b",
@@ -279,7 +280,7 @@ def llama3_8b(n_layers: int = 32) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 # Llama-3.1's published configs (meta-llama/Llama-3.1-{70B,405B}/config.json): hidden, layers,
 # heads, kv heads, MLP width; vocab 128256, bf16. For ``fxtp plan`` (and inspect, which at full
 # depth takes minutes for 405B).
-_LLAMA31 = {
+LLAMA31 = {
     "70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672),
     "405b": dict(hidden_size=16384, num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
                  intermediate_size=53248),
@@ -292,7 +293,7 @@ def llama31(size: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     from transformers import LlamaForCausalLM
 
     cfg = llama_config(vocab_size=128256, max_position_embeddings=131072,
-                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, **_LLAMA31[size])
+                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, **LLAMA31[size])
     with torch.device("meta"):
         model = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16).eval()
     return model, (torch.zeros(1, 8192, dtype=torch.long, device="meta"),)
