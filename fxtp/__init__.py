@@ -14,6 +14,7 @@ The package is grouped by stage, and imports run one way (``tests/test_structure
 - ``fxtp.runtime``: the ``ParallelModule``, its parameter layouts, checkpoints, generation.
 - ``fxtp.explain``: the report, rendering, the CLI and its built-in examples.
 - ``fxtp.api``: the pipeline, ``compile`` and ``analyze``.
+- ``fxtp.planner``: ``plan``, the mesh and policies by predicted step time under a memory budget.
 
 ``import fxtp`` loads only the errors and placements; everything else loads on first use.
 """
@@ -39,6 +40,8 @@ from fxtp.core.placement import Partial, Replicate, Shard
 __all__ = [
     "compile",
     "analyze",
+    "plan",
+    "ParallelPlan",
     "ParallelModule",
     "Report",
     "Replicate",
@@ -58,6 +61,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "compile": "fxtp.api",
     "analyze": "fxtp.api",
+    "plan": "fxtp.planner",
+    "ParallelPlan": "fxtp.planner",
     "ParallelModule": "fxtp.runtime.module",
     "Report": "fxtp.explain.report",
 }

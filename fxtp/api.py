@@ -15,7 +15,8 @@ from torch import nn
 from torch.export.graph_signature import InputKind
 
 from fxtp.capture.hf_defaults import call_defaults, spec_with_defaults
-from fxtp.capture.frontends import FRONTENDS, Captured, auto_dynamic_shapes, capture, written_state
+# `_capture`: the frontend where an argument named `capture` (the user's choice) shadows it
+from fxtp.capture.frontends import FRONTENDS, Captured, auto_dynamic_shapes, capture, capture as _capture, written_state
 from fxtp.runtime.checkpoint import bind_state_keys
 from fxtp.core.errors import FxtpConfigError, FxtpInputError, FxtpPlanError
 from fxtp.runtime.generation import generation_for
@@ -32,7 +33,7 @@ from passes.plan import STYLES, ShardingPlan, plan_sharding
 from passes.rewrite import rewrite
 from passes.sequence import sequence_parallel
 
-__all__ = ["compile", "analyze"]
+__all__ = ["compile", "analyze", "plan_world_sizes"]
 
 Group = Union["dist.ProcessGroup", "torch.distributed.device_mesh.DeviceMesh", None]
 
@@ -308,19 +309,53 @@ def _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes, sequence:
     captured = capture(model, args, kwargs, how, dynamic_shapes=shapes)
     capture_s = time.perf_counter() - start
     program = captured.program
+    param_fqns, written = _normalized(program)
+    sharding = _plan(program, param_fqns, written, ws, overrides, sequence, kv_heads)
+    return captured, sharding, capture_s
+
+
+def _normalized(program: torch.export.ExportedProgram) -> tuple[dict[str, str], dict[str, str]]:
+    """Normalize the captured graph in place (fxtp's own copy); ``({placeholder: FQN} of the
+    parameters and written state, the written state's)``."""
     normalize(program.graph_module.graph)
     program.graph_module.recompile()
     param_fqns = {
         spec.arg.name: spec.target for spec in program.graph_signature.input_specs if spec.kind == InputKind.PARAMETER
     }
     written = written_state(program)
-    param_fqns |= written  # NOTE: [sharded state] in passes/rules/variants.py
+    return param_fqns | written, written  # NOTE: [sharded state] in passes/rules/variants.py
+
+
+def _plan(program, param_fqns, written, ws: int, overrides, sequence: bool, kv_heads: bool) -> ShardingPlan:
+    """The plan of a normalized program at ``ws`` (it does not modify the graph)."""
     sharding = defer_reductions(program.graph, plan_sharding(program.graph, param_fqns, ws, overrides))
     if kv_heads:  # NOTE: [kv heads kept by the ranks that need them] in passes/kv_heads.py
         sharding = keep_needed_kv_heads(program.graph, sharding, written)
     if sequence:  # NOTE: [sequence parallelism] in passes/sequence.py
         sharding = sequence_parallel(program.graph, sharding, frozenset(param_fqns))
-    return captured, sharding, capture_s
+    return sharding
+
+
+def plan_world_sizes(
+    model: nn.Module,
+    world_sizes: tuple[int, ...],
+    example_inputs: Optional[tuple[Any, ...]] = None,
+    *,
+    example_kwargs: Optional[dict[str, Any]] = None,
+    capture: str = "auto",
+) -> tuple[torch.export.ExportedProgram, dict[int, ShardingPlan]]:
+    """The captured program and its plan at each of ``world_sizes``, from one capture with
+    static shapes: ``fxtp.plan`` compares tensor-parallel degrees, and the passes are cheap
+    next to a capture. Arguments and errors as in :func:`analyze`; the program's parameters
+    are the model's own tensors (on ``meta`` for a meta model): read them, never write them.
+    """
+    sizes = tuple(_check_world_size(ws) for ws in world_sizes)
+    args, kwargs = _check_inputs(model, example_inputs, example_kwargs)
+    if capture not in (*FRONTENDS, "auto"):
+        raise FxtpConfigError(f"capture must be one of {', '.join(repr(f) for f in (*FRONTENDS, 'auto'))}, not {capture!r}")
+    program = _capture(model, args, kwargs, capture, dynamic_shapes=None).program
+    param_fqns, written = _normalized(program)
+    return program, {ws: _plan(program, param_fqns, written, ws, {}, False, False) for ws in sizes}
 
 
 def _check_flag(name: str, value: Any) -> bool:

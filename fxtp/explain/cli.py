@@ -9,6 +9,7 @@ Examples::
     fxtp inspect path/to/config.json -n 8      # a Hugging Face config, on the meta device
     fxtp inspect path/to/checkpoint -n 8       # the config.json in a checkpoint directory
     fxtp inspect my_models.py:build -n 4 --input '2x16:int64[0,1000)' --verify
+    fxtp plan path/to/config.json --devices 64 --device-memory 80GiB --batch 64 --seq 8192
 
 Exit status: 0 on success, 1 on an fxtp error (one message; ``--verbose`` adds the traceback),
 2 on bad usage (a malformed argument or an impossible combination of them).
@@ -28,6 +29,7 @@ examples:
   fxtp demo --world-size 4
   fxtp inspect llama --world-size 2
   fxtp inspect --help
+  fxtp plan path/to/config.json --devices 64 --device-memory 80GiB --batch 64 --seq 8192
 
 exit status: 0 ok, 1 fxtp error (--verbose for the traceback), 2 bad usage
 """
@@ -36,8 +38,9 @@ _INSPECT_EPILOG = """\
 MODEL:
   a built-in example:  mlp, tiny-gpt, transformer (torch's TP reference model), gpt2, llama,
                        bert, mixtral, qwen2-moe (tiny configs, random weights, real inputs);
-                       gpt2-124m, llama-7b, llama-3-8b, mixtral-8x7b, qwen2-moe-a2.7b (full
-                       size on the meta device: tables and graphs, no --verify);
+                       gpt2-124m, llama-7b, llama-3-8b, llama-3.1-70b, llama-3.1-405b,
+                       mixtral-8x7b, qwen2-moe-a2.7b (full size on the meta device: tables
+                       and graphs, no --verify);
                        all but mlp and tiny-gpt need: pip install 'fxtp[examples]'
   path/to/config.json  a Hugging Face config (its architectures / model_type), built on the
                        meta device: no weights, no download; example input: token ids (1, 128)
@@ -82,6 +85,20 @@ def _world_size(text: str) -> int:
     return value
 
 
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def _memory(text: str) -> int:
+    """Bytes from ``80GiB``, ``80GB`` (decimal), ``1.5TiB`` or a plain number of bytes."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)?\s*", text.lower())
+    if match is None or float(match.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"invalid memory {text!r}: a size such as 80GiB, 80GB or 85899345920 (bytes)")
+    return int(float(match.group(1)) * _UNITS[match.group(2) or "b"])
+
+
 def _checked(fn: Callable[[str], Any], what: str) -> Callable[[str], Any]:
     """An argparse ``type=`` from a function that raises ``ValueError`` with a full message."""
 
@@ -104,7 +121,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,inspect}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,inspect,plan}")
     demo = sub.add_parser(
         "demo",
         help="run a tiny GPT over local gloo ranks and check it against the single-device model",
@@ -143,12 +160,80 @@ def get_args_parser() -> argparse.ArgumentParser:
         "--verbose", "-v", action="store_true",
         help="print the traceback of an fxtp error, and each failed capture frontend's error",
     )
+    inspect.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr (it shows only on a terminal)")
     inspect.set_defaults(subparser=inspect)
+    _add_plan_parser(sub, check_model_arg)
     return parser
+
+
+_PLAN_EPILOG = """\
+MODEL: as for fxtp inspect (fxtp inspect --help), e.g. a Hugging Face config.json on meta.
+--batch is the global batch (sequences per optimizer step); the plan may split it into
+micro-batches (gradient accumulation) and says so. Without --batch/--seq they come from the
+model's example input (a config.json's: 1 x 128).
+
+The figures are predictions: see docs/plan_command.md for the cost model and its sources.
+
+examples:
+  fxtp plan path/to/config.json --devices 64 --device-memory 80GiB --batch 64 --seq 8192
+  fxtp plan llama-3-8b --devices 8 --device-memory 80GiB --batch 16 --seq 8192 --format json
+  fxtp plan llama-3.1-405b --devices 512 --device-memory 80GiB --batch 512 --seq 8192
+  fxtp plan path/to/config.json --devices 16 --device-memory 141GiB --hardware h200 --batch 32 --seq 4096
+"""
+
+
+def _add_plan_parser(sub: Any, check_model_arg: Callable[[str], str]) -> None:
+    from fxtp.planner.hardware import HARDWARE
+
+    plan = sub.add_parser(
+        "plan",
+        help="choose tp x dp, sequence parallelism and activation checkpointing for a memory budget",
+        description="Choose the mesh (tensor parallelism inside a node, FSDP2 over the rest), sequence\n"
+        "parallelism, activation checkpointing and micro-batches with the least predicted step\n"
+        "time whose predicted peak memory per device fits --device-memory, and explain the choice.",
+        epilog=_PLAN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument("model", metavar="MODEL", type=_checked(check_model_arg, "MODEL"), help="as for fxtp inspect")
+    plan.add_argument("--devices", "-n", metavar="N", type=_world_size, required=True, help="devices in the job (tp x dp)")
+    plan.add_argument("--device-memory", "-m", metavar="SIZE", type=_memory, required=True,
+                      help="memory each device may use, e.g. 80GiB (GiB = 2**30 bytes, GB = 10**9)")
+    plan.add_argument("--devices-per-node", metavar="K", type=_world_size, default=None,
+                      help="devices per node (NVLink domain); tp stays inside one (default: the hardware's, 8)")
+    plan.add_argument("--hardware", choices=sorted(HARDWARE), default="h100", help="device and link figures (default: h100)")
+    plan.add_argument("--batch", "-b", metavar="B", type=_world_size, default=None, help="global batch, sequences per optimizer step")
+    plan.add_argument("--seq", "-s", metavar="T", type=_world_size, default=None, help="tokens per sequence")
+    plan.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw", help="its state is priced (default: adamw)")
+    plan.add_argument("--inference", action="store_true", help="price a forward with a KV cache instead of a training step")
+    plan.add_argument("--format", "-f", choices=("table", "json"), default="table", help="table (default) or the plan's JSON")
+    plan.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr (it shows only on a terminal)")
+    plan.add_argument("--verbose", "-v", action="store_true", help="print the traceback of an fxtp error")
+    plan.set_defaults(subparser=plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    import fxtp
+    from fxtp.explain.inspection import load_model
+    from fxtp.explain.progress import Progress
+
+    progress = Progress(quiet=args.quiet)
+    progress.stage("load model")
+    loaded = load_model(args.model)
+    result = fxtp.plan(
+        loaded.model, args.devices, device_memory=args.device_memory, example_inputs=loaded.inputs,
+        example_kwargs=loaded.kwargs, batch=args.batch, seq=args.seq, devices_per_node=args.devices_per_node,
+        hardware=args.hardware, optimizer=args.optimizer, training=not args.inference, progress=progress.stage,
+    )
+    progress.done()
+    print(json.dumps(result.to_dict(), indent=2) if args.format == "json" else result)
+    return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:
     from fxtp.explain.examples import EXAMPLES
+    from fxtp.explain.progress import Progress
     from fxtp.explain.inspection import (
         RENDERED,
         UsageError,
@@ -167,13 +252,17 @@ def _inspect(args: argparse.Namespace) -> int:
     name = example_name(args.model)
     if args.verify and name is not None and EXAMPLES[name].meta:
         raise UsageError(f"--verify runs the model, but {name} is on the meta device (no weights): analysis only")
+    progress = Progress(quiet=args.quiet)
+    progress.stage("load model")
     loaded = load_model(args.model)
     if args.verify and loaded.on_meta:
         raise UsageError(f"--verify runs the model, but {args.model} is on the meta device (no weights): analysis only")
     inputs = resolve_inputs(loaded, args.inputs)
     check_inputs(loaded, inputs, args.inputs)
+    progress.stage("analyze (capture and passes)" if args.format in ("table", "json") else "compile")
     text = inspect_text(loaded, inputs, world_size=args.world_size, rank=args.rank, fmt=args.format, verbose=args.verbose,
                         sequence_parallel=args.sequence_parallel)
+    progress.done()
     write_output(text, args.out, args.format)
     if not args.verify:
         return 0
@@ -199,7 +288,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from fxtp.explain.inspection import UsageError
 
     try:
-        return _inspect(args)
+        return _plan(args) if args.command == "plan" else _inspect(args)
     except UsageError as exc:
         args.subparser.error(str(exc))  # exits 2
     except FxtpError as exc:

@@ -27,6 +27,8 @@ __all__ = [
     "gpt2_124m",
     "llama_7b",
     "llama3_8b",
+    "llama31",
+    "LLAMA31",
     "mixtral",
     "qwen2_moe",
     "mixtral_8x7b",
@@ -275,6 +277,28 @@ def llama3_8b(n_layers: int = 32) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return model, (torch.zeros(1, 8192, dtype=torch.long, device="meta"),)
 
 
+# Llama-3.1's published configs (meta-llama/Llama-3.1-{70B,405B}/config.json): hidden, layers,
+# heads, kv heads, MLP width; vocab 128256, bf16. For ``fxtp plan`` (and inspect, which at full
+# depth takes minutes for 405B).
+LLAMA31 = {
+    "70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672),
+    "405b": dict(hidden_size=16384, num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
+                 intermediate_size=53248),
+}
+
+
+def llama31(size: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Llama-3.1-70B or -405B shapes (``size`` ``"70b"`` or ``"405b"``) on ``meta`` in bf16;
+    example input ``(1, 8192)`` token ids."""
+    from transformers import LlamaForCausalLM
+
+    cfg = llama_config(vocab_size=128256, max_position_embeddings=131072,
+                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, **LLAMA31[size])
+    with torch.device("meta"):
+        model = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16).eval()
+    return model, (torch.zeros(1, 8192, dtype=torch.long, device="meta"),)
+
+
 def mixtral_8x7b(n_layers: int = 32) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """Mixtral-8x7B shapes (32 layers, hidden 4096, 32 heads, 8 kv heads, 8 experts of
     intermediate 14336, top-2, vocab 32000) on ``meta``."""
@@ -322,6 +346,8 @@ EXAMPLES: dict[str, Example] = {
     "gpt2-124m": Example(gpt2_124m, meta=True),
     "llama-7b": Example(llama_7b, meta=True),
     "llama-3-8b": Example(llama3_8b, meta=True),
+    "llama-3.1-70b": Example(lambda: llama31("70b"), meta=True),
+    "llama-3.1-405b": Example(lambda: llama31("405b"), meta=True),
     "mixtral": Example(mixtral),
     "qwen2-moe": Example(qwen2_moe),
     "mixtral-8x7b": Example(mixtral_8x7b, meta=True),

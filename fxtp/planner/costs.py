@@ -1,0 +1,165 @@
+"""Predicted peak memory and step time of one parallel configuration.
+
+NOTE: [mixed precision]
+The convention priced (training): FSDP2 ``fully_shard`` over the ``dp`` ranks of each
+tensor-parallel group, with ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+reduce_dtype=torch.float32)`` and fp32 sharded parameters, as torchtitan trains Llama-3
+(torchtitan ``parallelize_llama``, ``mixed_precision_param = "bfloat16"``,
+``mixed_precision_reduce = "float32"``). Per parameter element, sharded over ``dp x tp``: 4 B
+fp32 parameter, 4 B fp32 gradient, and the optimizer's state (AdamW/Adam: ``exp_avg`` and
+``exp_avg_sq``, 8 B fp32; SGD without momentum, torch's default: none). Besides, while a unit
+runs, FSDP2 holds it unsharded: its bf16 parameters, the next unit's prefetched ones (2 x 2 B)
+and, in backward, its fp32 gradient before the reduce_scatter (4 B), priced for the largest
+unit (a block, the embedding or the head: torchtitan wraps each). Activations are bf16
+(NOTE: [activation bytes] in fxtp/planner/model.py). Not counted: the CUDA context, NCCL's
+buffers, the allocator's fragmentation, temporaries inside one op (leave headroom in
+``device_memory``). Inference (``training=False``): bf16 parameters sharded over ``tp`` only
+(each of the ``dp`` groups is a replica), the KV cache of its sequences, and one block's
+activations plus the logits.
+
+NOTE: [cost model]
+Step time = compute + tensor-parallel communication + the FSDP communication compute does
+not hide.
+
+- compute: model FLOPs (NOTE: [FLOPs]) over all devices at ``mfu`` of the dense BF16 peak.
+  ``mfu = 0.5`` is an assumption: Meta reports 38-43% BF16 MFU end to end, communication
+  included, for Llama-3-405B on 16K H100s (Dubey et al. 2024, "The Llama 3 Herd of Models",
+  table 4), so the matmuls alone run faster than that.
+- tensor parallelism: ring collectives, a rank sends ``2 (t-1)/t`` of an all_reduce's payload
+  and ``(t-1)/t`` of an all_gather's or reduce_scatter's (Patarasuk and Yuan 2009; NCCL's
+  "bus bandwidth", nccl-tests PERFORMANCE.md), over NVLink inside a node (the network when
+  ``tp`` crosses nodes). Per block and micro-batch, in all_reduces of ``(b, s, h)`` bf16:
+  2 forward and 2 backward (Megatron's floor, Shoeybi et al. 2019, section 3; sequence
+  parallelism's all_gather + reduce_scatter pairs move the same bytes, Korthikanti et al.
+  2022, section 4.2.2), 1 more under sequence parallelism (the backward's 2 all_gathers of
+  saved shards, NOTE: [regathered activations]), 2 more when a recomputed forward runs them
+  again (``"blocks"``); outside the blocks, the all_reduces fxtp's plan of the analyzed graph
+  inserts there (e.g. a vocab-sharded embedding's forward and a colwise head's backward; a
+  replicated one has none). Not overlapped:
+  Megatron's tensor-parallel collectives sit between dependent matmuls (Narayanan et al.
+  2021, section 3.3).
+- FSDP2: per micro-batch (gradient accumulation does not skip its reduce_scatter by default)
+  an all_gather of the bf16 parameters in forward and again in backward
+  (``reshard_after_forward=True``) and a reduce_scatter of fp32 gradients, ``(dp-1)/dp`` of
+  each over NVLink when ``dp x tp`` fits in a node, else over the network. A fraction
+  ``fsdp_overlap = 0.9`` of the compute time hides it (an assumption: FSDP2 prefetches the
+  next unit's all_gather and reduces asynchronously, Zhao et al. 2023, "PyTorch FSDP",
+  section 3.3; the first all_gather and last reduce_scatter are exposed).
+Not modelled: collective latency, kernels slowed by small shards, pipeline parallelism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from fxtp.planner.hardware import Hardware
+from fxtp.planner.model import TransformerShape
+from fxtp.planner.params import ParamShapes
+
+__all__ = ["Choice", "Estimate", "OPTIMIZER_BYTES", "estimate"]
+
+# Bytes of optimizer state per parameter element, fp32 (NOTE: [mixed precision])
+OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 0}
+_MASTER, _GRAD, _COMPUTE = 4, 4, 2
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One configuration: the mesh, sequence parallelism, checkpointing, micro-batches."""
+
+    tp: int
+    dp: int
+    sequence_parallel: bool
+    activation_checkpointing: Optional[str]
+    micro_batch: int  # sequences per micro-batch on a dp rank
+    accumulation: int  # micro-batches per optimizer step
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A :class:`Choice`'s predicted figures: bytes per device, seconds per step."""
+
+    choice: Choice
+    memory: dict[str, int]
+    step: dict[str, float]
+    comm_bytes: dict[str, int]  # sent per device per step, by kind
+
+    @property
+    def peak(self) -> int:
+        return self.memory["total"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step runs: the global batch in sequences, their length, training or not."""
+
+    batch: int
+    seq: int
+    training: bool
+    optimizer: str
+    devices_per_node: int
+    activation_bytes: int = 2  # bf16 (NOTE: [mixed precision]); 4 prices an fp32 model
+
+
+def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: Hardware, work: Workload) -> Estimate:
+    """Predicted memory and time of ``choice`` (NOTE: [mixed precision], NOTE: [cost model])."""
+    tp, dp, b = choice.tp, choice.dp, choice.micro_batch
+    sp, ac = choice.sequence_parallel, choice.activation_checkpointing
+    memory = _memory(choice, shape, params, work)
+    tokens = work.batch * work.seq
+    devices = tp * dp
+    rate = devices * hw.peak_flops * hw.mfu
+    if work.training:
+        compute = shape.flops_per_token(work.seq, ac) * tokens / rate
+        recompute = compute - shape.flops_per_token(work.seq) * tokens / rate
+        per_block = 4 + (1 if sp else 0) + (2 if ac == "blocks" else 0)
+    else:
+        compute = (shape.matmul_params * 2 + 4 * shape.layers * shape.hidden * work.seq) * tokens / rate
+        recompute, per_block = 0.0, 2
+    payload = b * work.seq * shape.hidden * work.activation_bytes
+    outside = params.outside_reduces() // (1 if work.training else 2)  # forward's half in inference
+    tp_bytes = int(choice.accumulation * (shape.layers * per_block + outside) * 2 * (tp - 1) / tp * payload)
+    tp_bw = hw.intra_node_bw if tp <= work.devices_per_node else hw.inter_node_bw
+    fsdp_bytes = 0
+    if work.training and dp > 1:
+        fsdp_bytes = int(choice.accumulation * (2 * _COMPUTE + _GRAD) * params.elements() * (dp - 1) / dp)
+    fsdp_bw = hw.intra_node_bw if devices <= work.devices_per_node else hw.inter_node_bw
+    tp_s, fsdp_s = tp_bytes / tp_bw, fsdp_bytes / fsdp_bw
+    fsdp_exposed = max(0.0, fsdp_s - hw.fsdp_overlap * compute)
+    step = {
+        "compute": compute,
+        "recompute": recompute,
+        "comm": tp_s + fsdp_exposed,
+        "tp_comm": tp_s,
+        "fsdp_comm": fsdp_s,
+        "fsdp_exposed": fsdp_exposed,
+        "total": compute + tp_s + fsdp_exposed,
+    }
+    return Estimate(choice, memory, step, {"tp": tp_bytes, "fsdp": fsdp_bytes})
+
+
+def _memory(choice: Choice, shape: TransformerShape, params: ParamShapes, work: Workload) -> dict[str, int]:
+    tp, dp, b, e = choice.tp, choice.dp, choice.micro_batch, work.activation_bytes
+    sp, ac = choice.sequence_parallel, choice.activation_checkpointing
+    if not work.training:
+        kv = shape.kv_cache(b, work.seq, tp, e=e)
+        acts = shape.block_activations(b, work.seq, tp, sp=sp, ac=None, e=e) + 4 * b * work.seq * shape.vocab // tp
+        out = {"params": _COMPUTE * params.elements(), "grads": 0, "optimizer": 0, "activations": acts, "kv_cache": kv,
+               "fsdp_buffers": 0}
+    else:
+        elements = params.elements(dp)
+        acts = shape.layers * shape.block_activations(b, work.seq, tp, sp=sp, ac=ac, e=e)
+        if ac == "blocks":  # the block being recomputed holds its full activations
+            acts += shape.block_activations(b, work.seq, tp, sp=sp, ac=None, e=e)
+        acts += shape.other_activations(b, work.seq, tp, e=e)
+        out = {
+            "params": _MASTER * elements,
+            "grads": _GRAD * elements,
+            "optimizer": OPTIMIZER_BYTES[work.optimizer] * elements,
+            "activations": acts,
+            "kv_cache": 0,
+            "fsdp_buffers": (2 * _COMPUTE + _GRAD) * params.largest_unit(),
+        }
+    out["total"] = sum(out.values())
+    return out

@@ -1,0 +1,93 @@
+"""The devices and links the planner prices, with each figure's source.
+
+NOTE: [hardware table]
+Every figure is the vendor's datasheet peak; the planner's only efficiency factors are
+``mfu`` and ``fsdp_overlap`` (NOTE: [cost model] in fxtp/planner/costs.py), assumptions it states
+and the user can override: ``dataclasses.replace(HARDWARE["h100"], mfu=0.35)``.
+
+- Dense BF16 tensor-core peak (without the 2:4 sparsity the datasheets also quote, which
+  training does not use): A100 SXM 312 TFLOP/s (NVIDIA A100 Tensor Core GPU datasheet,
+  "BF16 Tensor Core 312 TFLOPS | 624 TFLOPS*", * with sparsity); H100 SXM and H200 SXM
+  989 TFLOP/s (NVIDIA H100 Tensor Core GPU datasheet, "BF16 Tensor Core 1,979 teraFLOPS*",
+  * with sparsity; NVIDIA H200 datasheet, the same figure).
+- Memory: A100 80GB HBM2e, H100 SXM 80GB HBM3, H200 141GB HBM3e (the datasheets). fxtp reads
+  the "GB" as GiB, the unit PyTorch's allocator reports (an H100 80GB shows 81559 MiB in
+  ``nvidia-smi``); ``fxtp.plan`` takes the budget from its caller, this is only a default.
+- NVLink, per GPU and direction (the datasheets give both directions together): A100 NVLink 3,
+  600 GB/s -> 300 GB/s; H100 and H200 NVLink 4, 900 GB/s -> 450 GB/s.
+- Between nodes, one InfiniBand NIC per GPU, as in NVIDIA's DGX systems: DGX A100 has eight
+  ConnectX-6 HDR 200 Gb/s (25 GB/s per GPU and direction), DGX H100/H200 eight ConnectX-7
+  NDR 400 Gb/s (50 GB/s) (NVIDIA DGX A100 and DGX H100 datasheets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Union
+
+from fxtp.core.errors import FxtpConfigError
+
+__all__ = ["Hardware", "HARDWARE", "resolve_hardware"]
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One kind of device and its links (NOTE: [hardware table]).
+
+    Attributes:
+        name: what the plan prints, e.g. ``"H100-80GB SXM"``.
+        peak_flops: dense BF16 tensor-core peak, FLOP/s.
+        memory_bytes: device memory, bytes (a default; ``fxtp.plan`` takes ``device_memory``).
+        intra_node_bw: NVLink bandwidth per GPU and direction, bytes/s.
+        inter_node_bw: network bandwidth per GPU and direction (one NIC per GPU), bytes/s.
+        devices_per_node: GPUs one NVLink domain holds (8 in a DGX/HGX node).
+        mfu: the fraction of ``peak_flops`` the model's FLOPs run at (assumption, NOTE: [cost model]).
+        fsdp_overlap: the fraction of compute time FSDP2's all_gathers and reduce_scatters can
+            hide behind (assumption, NOTE: [cost model]).
+    """
+
+    name: str
+    peak_flops: float
+    memory_bytes: int
+    intra_node_bw: float
+    inter_node_bw: float
+    devices_per_node: int = 8
+    mfu: float = 0.5
+    fsdp_overlap: float = 0.9
+
+    def __post_init__(self) -> None:
+        for field in ("peak_flops", "memory_bytes", "intra_node_bw", "inter_node_bw", "devices_per_node"):
+            if not getattr(self, field) > 0:
+                raise FxtpConfigError(f"Hardware {self.name!r}: {field} must be > 0, got {getattr(self, field)!r}")
+        for field in ("mfu", "fsdp_overlap"):
+            if not 0 < getattr(self, field) <= 1:
+                raise FxtpConfigError(f"Hardware {self.name!r}: {field} must be in (0, 1], got {getattr(self, field)!r}")
+
+    def to_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+HARDWARE: dict[str, Hardware] = {
+    "a100": Hardware("A100-80GB SXM", 312e12, 80 * GiB, 300e9, 25e9),
+    "h100": Hardware("H100-80GB SXM", 989e12, 80 * GiB, 450e9, 50e9),
+    "h200": Hardware("H200-141GB SXM", 989e12, 141 * GiB, 450e9, 50e9),
+}
+
+
+def resolve_hardware(hardware: Union[str, Hardware]) -> Hardware:
+    """A :class:`Hardware` from a table name (``"h100"``, any case) or a ``Hardware`` as is.
+
+    Raises:
+        FxtpConfigError: an unknown name (the message lists the table's).
+    """
+    if isinstance(hardware, Hardware):
+        return hardware
+    if isinstance(hardware, str) and hardware.lower() in HARDWARE:
+        return HARDWARE[hardware.lower()]
+    raise FxtpConfigError(
+        f"hardware {hardware!r} is not in the table ({', '.join(HARDWARE)}); "
+        "fix: pass one of those, or a fxtp.planner.Hardware with your figures"
+    )

@@ -1,0 +1,166 @@
+"""What a decoder transformer costs: FLOPs per token and activation bytes per block.
+
+NOTE: [activation bytes]
+The bytes a block saves for backward, after Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", section 4.1), counted for the blocks Llama-style
+and GPT-2-style models run today instead of their GPT-3 block. Per block, for a micro-batch of
+``b`` sequences of ``s`` tokens, hidden ``h``, ``a`` query and ``g`` kv heads, MLP width ``f``,
+activations of ``e`` bytes (2: bf16 autocast or an FSDP2 ``param_dtype=bf16``):
+
+- each of the 2 norms saves its input and its output (the next linears' input): ``4 sbh e``;
+  Korthikanti's LayerNorm terms, RMSNorm saves the same.
+- attention: q ``sbh e``, k and v ``2 sbh e g/a`` (GQA), the output projection's input
+  ``sbh e`` and, with SDPA, the attention's output (SDPA saves it for backward; the projection
+  reads a contiguous copy) ``sbh e``.
+  Korthikanti's ``5as/h`` term (the ``s x s`` scores, softmax and dropout) is not stored by
+  SDPA's flash/memory-efficient kernels (Dao et al. 2022, FlashAttention, section 3.1), which
+  keep a logsumexp of ``4 abs`` bytes instead; ``attn_implementation="eager"`` keeps the
+  softmax output, ``e abs^2`` bytes, and it is counted.
+- MLP: a gated (SwiGLU) MLP saves gate, SiLU(gate), up and their product: ``4 sbf e``; a
+  plain one (GELU) the up projection and its activation: ``2 sbf e``.
+- dropout masks are not counted (Llama trains without dropout; GPT-2's ``p=0.1`` masks would
+  add ``2 sbh`` bytes a block).
+
+Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) divides the attention and MLP terms by
+``tp`` (heads and MLP columns are sharded; kv heads too when ``g`` divides by ``tp``, else each
+rank keeps all ``g``); sequence parallelism divides the norm terms by ``tp`` as well
+(Korthikanti section 4.2.2; fxtp saves a colwise layer's gathered input as its shard, NOTE:
+[regathered activations]). Outside the blocks: the head's input (``sbh e``) and the loss's
+saved log-softmax in fp32 (``4 sbV / tp`` with the head colwise and the loss on its shards) and,
+at the start of backward, its gradient (as much again).
+
+Activation checkpointing: ``"blocks"`` (each block under ``torch.utils.checkpoint``) keeps a
+block's input only (``sbh e``, ``/tp`` with sequence parallelism) and holds one block's full
+activations while that block is recomputed (Korthikanti's "full recomputation");
+``"selective"`` recomputes the attention op (Korthikanti's selective recomputation): it keeps
+q, k, v and drops what the op itself saves (SDPA's output and logsumexp, or the eager softmax).
+
+NOTE: [FLOPs]
+Model FLOPs per token, forward and backward: ``6 N + 12 L h s`` (Chowdhery et al. 2022, PaLM,
+appendix B; torchtitan's ``get_num_flop_per_token`` counts the same): ``N`` the parameters
+that run in matmuls (embedding lookups excluded, a head tied to the embedding included), the
+second term the attention scores and their product with v. Recomputation adds a forward of
+what it recomputes: ``2 N_blocks + 4 L h s`` per token for ``"blocks"``, ``4 L h s`` for
+``"selective"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from torch import nn
+
+from fxtp.core.errors import FxtpConfigError
+
+__all__ = ["TransformerShape", "AC_POLICIES"]
+
+AC_POLICIES: tuple[Optional[str], ...] = (None, "selective", "blocks")
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """The sizes the cost model reads (NOTE: [activation bytes], NOTE: [FLOPs]).
+
+    Attributes:
+        hidden, layers, heads, kv_heads, intermediate, vocab: the config's sizes.
+        gated_mlp: a SwiGLU-style MLP (three matrices of width ``intermediate``).
+        flash: attention by SDPA (no ``s x s`` activations saved); False for ``"eager"``.
+        matmul_params: parameters that run in matmuls, whole model (NOTE: [FLOPs]).
+        block_params: parameters of one block, whole (not sharded).
+    """
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    gated_mlp: bool
+    flash: bool
+    matmul_params: int
+    block_params: int
+
+    @classmethod
+    def of(cls, model: nn.Module, blocks_fqn: str) -> "TransformerShape":
+        """Read the sizes of a Hugging Face decoder ``model`` whose blocks are at ``blocks_fqn``.
+
+        Raises:
+            FxtpConfigError: a model without such a config, or a mixture of experts (whose
+                activations this model does not price).
+        """
+        config = getattr(model, "config", None)
+        hidden, heads = (getattr(config, k, None) for k in ("hidden_size", "num_attention_heads"))
+        if not isinstance(hidden, int) or not isinstance(heads, int):
+            raise FxtpConfigError(
+                f"fxtp.plan prices Hugging Face decoder models (config.hidden_size, num_attention_heads, "
+                f"num_hidden_layers); {type(model).__name__} has no such config. fix: plan a transformers model "
+                "or its config.json"
+            )
+        if any(getattr(config, k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
+            raise FxtpConfigError(
+                f"{type(model).__name__} is a mixture of experts: fxtp.plan's cost model covers dense decoders "
+                "only (expert activations and all_to_all are not priced yet)"
+            )
+        intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+        block = model.get_submodule(blocks_fqn)[0]
+        wide = [p for p in block.parameters() if p.dim() == 2 and intermediate in p.shape]
+        return cls(
+            hidden=hidden,
+            layers=config.num_hidden_layers,
+            heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            intermediate=intermediate,
+            vocab=config.vocab_size,
+            gated_mlp=len(wide) >= 3,
+            flash=getattr(config, "_attn_implementation", "sdpa") != "eager",
+            matmul_params=_matmul_params(model),
+            block_params=sum(p.numel() for p in block.parameters()),
+        )
+
+    def flops_per_token(self, seq: int, ac: Optional[str] = None) -> float:
+        """Model FLOPs per token of a training step, recomputation included (NOTE: [FLOPs])."""
+        attention = self.layers * self.hidden * seq
+        flops = 6 * self.matmul_params + 12 * attention
+        if ac == "blocks":
+            flops += 2 * self.layers * self.block_params + 4 * attention
+        elif ac == "selective":
+            flops += 4 * attention
+        return float(flops)
+
+    def block_activations(self, batch: int, seq: int, tp: int, *, sp: bool, ac: Optional[str], e: int = 2) -> int:
+        """Bytes one block saves for backward on a tensor-parallel rank (NOTE: [activation bytes])."""
+        sbh = batch * seq * self.hidden * e
+        if ac == "blocks":
+            return sbh // tp if sp else sbh
+        kv = self.kv_heads / tp if self.kv_heads % tp == 0 else self.kv_heads
+        q_k_v = sbh * (1 + 2 * kv * tp / self.heads)  # kv / tp of the heads per rank, as q's
+        core = ac != "selective"  # the attention op's own saved tensors, unless it is recomputed
+        out = sbh + (sbh if self.flash and core else 0)  # the output projection's input (+ SDPA's output)
+        scores = e * self.heads * batch * seq * seq if not self.flash and core else 0
+        lse = 4 * self.heads * batch * seq if self.flash and core else 0
+        mlp = (4 if self.gated_mlp else 2) * batch * seq * self.intermediate * e
+        norms = 4 * sbh
+        return int((norms / tp if sp else norms) + (q_k_v + out + scores + lse + mlp) / tp)
+
+    def other_activations(self, batch: int, seq: int, tp: int, *, e: int = 2) -> int:
+        """Bytes saved outside the blocks: the head's input and the loss (NOTE: [activation bytes])."""
+        return batch * seq * self.hidden * e + 2 * 4 * batch * seq * self.vocab // tp
+
+    def kv_cache(self, batch: int, seq: int, tp: int, *, e: int = 2) -> int:
+        """Bytes of a KV cache for ``batch`` sequences of ``seq`` tokens on one rank (heads sharded)."""
+        kv = self.kv_heads // tp if self.kv_heads % tp == 0 else self.kv_heads
+        return 2 * self.layers * batch * seq * kv * (self.hidden // self.heads) * e
+
+
+def _matmul_params(model: nn.Module) -> int:
+    """Parameters outside embedding lookups, plus a head that is tied to an embedding."""
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    tied = head is not None and id(getattr(head, "weight", None)) in lookups
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen and id(p) not in lookups:
+            total += p.numel()
+        seen.add(id(p))
+    return total + (head.weight.numel() if tied else 0)

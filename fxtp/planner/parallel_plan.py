@@ -1,0 +1,212 @@
+"""``ParallelPlan``: what ``fxtp.plan`` chose, its predicted figures, and what it rejected."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from tabulate import tabulate
+
+from fxtp.planner.costs import Choice, Estimate
+from fxtp.planner.hardware import GiB, Hardware
+
+__all__ = ["ParallelPlan", "Alternative", "fmt_size", "fmt_time"]
+
+_MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "kv_cache", "fsdp_buffers", "total")
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A configuration the planner priced and did not choose, and why."""
+
+    estimate: Estimate
+    reason: str
+
+    @classmethod
+    def of(cls, estimate: Estimate, reason: str) -> "Alternative":
+        return cls(estimate, reason)
+
+    def to_dict(self, budget: int) -> dict[str, Any]:
+        return {**_figures(self.estimate, budget), "reason": self.reason}
+
+
+def fmt_size(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the figure >= 1 (GiB at most)."""
+    for unit, scale in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def fmt_time(seconds: float) -> str:
+    if seconds >= 1 or seconds == 0:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def _ac_name(ac: Optional[str]) -> str:
+    return ac or "none"
+
+
+def _figures(e: Estimate, budget: int) -> dict[str, Any]:
+    c: Choice = e.choice
+    return {
+        "mesh": {"tp": c.tp, "dp": c.dp},
+        "sequence_parallel": c.sequence_parallel,
+        "activation_checkpointing": c.activation_checkpointing,
+        "micro_batch": c.micro_batch,
+        "accumulation_steps": c.accumulation,
+        "fits": e.peak <= budget,
+        "memory_per_device": {k: e.memory[k] for k in _MEMORY_KEYS},
+        "step_s": dict(e.step),
+        "comm_bytes_per_device": dict(e.comm_bytes),
+    }
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """The plan: a ``tp x dp`` mesh (tensor parallelism inside a node, FSDP2 over the rest),
+    sequence parallelism, an activation-checkpointing policy and micro-batches, chosen for the
+    least predicted step time whose predicted peak memory per device fits ``device_memory``.
+
+    ``str(plan)`` explains the choice as a table; ``plan.to_dict()`` is JSON. Figures are
+    predictions of fxtp's cost model (NOTE: [mixed precision] and NOTE: [cost model] in
+    fxtp/planner/costs.py); parameter shards are fxtp's analysis of the model itself.
+    """
+
+    model: str
+    devices: int
+    devices_per_node: int
+    hardware: Hardware
+    device_memory: int
+    batch: int
+    seq: int
+    training: bool
+    optimizer: str
+    chosen: Estimate
+    fits: bool
+    alternatives: tuple[Alternative, ...]
+    skipped: tuple[dict[str, Any], ...]
+    tp_param_bytes: dict[int, int]  # rank 0's parameter bytes at each tp, in the model's dtypes
+    analyzed_blocks: int
+    n_blocks: int
+    solve_s: float
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def tp(self) -> int:
+        return self.chosen.choice.tp
+
+    @property
+    def dp(self) -> int:
+        return self.chosen.choice.dp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.chosen.choice.sequence_parallel
+
+    @property
+    def activation_checkpointing(self) -> Optional[str]:
+        return self.chosen.choice.activation_checkpointing
+
+    @property
+    def memory_per_device(self) -> dict[str, int]:
+        return {k: self.chosen.memory[k] for k in _MEMORY_KEYS}
+
+    @property
+    def step_s(self) -> dict[str, float]:
+        return dict(self.chosen.step)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serializable: the choice's figures (bytes, seconds), the alternatives, the inputs."""
+        return {
+            "model": self.model,
+            "devices": self.devices,
+            "devices_per_node": self.devices_per_node,
+            "hardware": self.hardware.to_dict(),
+            "device_memory": self.device_memory,
+            "batch": self.batch,
+            "seq": self.seq,
+            "training": self.training,
+            "optimizer": self.optimizer,
+            **_figures(self.chosen, self.device_memory),
+            "fits": self.fits,
+            "tp_param_bytes": {str(k): v for k, v in self.tp_param_bytes.items()},
+            "analyzed_blocks": self.analyzed_blocks,
+            "n_blocks": self.n_blocks,
+            "alternatives": [a.to_dict(self.device_memory) for a in self.alternatives],
+            "skipped": [dict(s) for s in self.skipped],
+            "solve_s": self.solve_s,
+        }
+
+    def __str__(self) -> str:
+        c, m, s = self.chosen.choice, self.chosen.memory, self.chosen.step
+        sp = ", sequence parallel" if c.sequence_parallel else ""
+        micro = f"micro-batch {c.micro_batch}" + (f" x {c.accumulation} accumulation steps" if c.accumulation > 1 else "")
+        what = "training step" if self.training else "forward (KV cache)"
+        lines = [
+            f"fxtp plan: {self.model} on {self.devices} x {self.hardware.name} ({self.devices_per_node} per node), "
+            f"{self.batch} x {self.seq} tokens per {what}" + (f", {self.optimizer}" if self.training else ""),
+            f"chosen: tp {c.tp} x dp {c.dp}{sp}, activation checkpointing: {_ac_name(c.activation_checkpointing)}, {micro}",
+            self._verdict(),
+            "memory per device: " + " + ".join(f"{k.replace('_', ' ')} {fmt_size(m[k])}" for k in _MEMORY_KEYS[:-1] if m[k])
+            + f" = {fmt_size(m['total'])}",
+            f"step: {fmt_time(s['total'])} = compute {fmt_time(s['compute'])} (recompute {fmt_time(s['recompute'])}) + tp comm "
+            f"{fmt_time(s['tp_comm'])} + fsdp comm not hidden {fmt_time(s['fsdp_exposed'])} (of {fmt_time(s['fsdp_comm'])})",
+            self._params_line(),
+            "",
+            tabulate(self._rows(), headers=["tp", "dp", "sp", "checkpointing", "micro-batch", "memory", "step", ""],
+                     colalign=("right", "right", "left", "left", "left", "right", "right", "left")),
+        ]
+        lines += [f"skipped tp {x['tp']}: {x['reason']}" for x in self.skipped]
+        lines += [f"solved in {self.solve_s:.1f} s"]
+        return "\n".join(lines)
+
+    def _per_tp(self) -> dict[int, Alternative]:
+        """Each other tp's best alternative: its fastest that fits, else its smallest."""
+        out: dict[int, Alternative] = {}
+        for a in self.alternatives:  # fastest first
+            tp, fits = a.estimate.choice.tp, a.estimate.peak <= self.device_memory
+            if tp == self.tp:
+                continue
+            held = out.get(tp)
+            if held is None or (fits and held.estimate.peak > self.device_memory) or (
+                not fits and held.estimate.peak > self.device_memory and a.estimate.peak < held.estimate.peak
+            ):
+                out[tp] = a
+        return dict(sorted(out.items()))
+
+    def _verdict(self) -> str:
+        budget, peak = self.device_memory, self.chosen.peak
+        if self.fits:
+            head = f"fits {fmt_size(budget)} with {fmt_size(budget - peak)} spare"
+        else:
+            head = f"does not fit {fmt_size(budget)}: the smallest configuration needs {fmt_size(peak)} per device"
+        others = []
+        for tp, a in self._per_tp().items():
+            e = a.estimate
+            if tp > self.devices_per_node:
+                others.append(f"tp {tp} crosses nodes")
+            elif e.peak > self.device_memory:
+                others.append(f"tp {tp} needs {fmt_size(e.peak)}")
+            else:
+                others.append(f"tp {tp} takes {fmt_time(e.step['total'])}")
+        return head + ("; " + "; ".join(others) if others else "")
+
+    def _params_line(self) -> str:
+        how = (f"{self.analyzed_blocks} of {self.n_blocks} blocks analyzed, the rest counted as block 1"
+               if self.analyzed_blocks and self.analyzed_blocks < self.n_blocks else "the whole model analyzed")
+        return f"parameters per tp rank ({how}): " + ", ".join(
+            f"tp {tp} {fmt_size(b)}" for tp, b in sorted(self.tp_param_bytes.items())
+        ) + " (model dtype; FSDP2 keeps them in fp32 over dp)"
+
+    def _rows(self) -> list[list[Any]]:
+        """The chosen row, then each other tp's best (``to_dict()`` has every alternative)."""
+        def row(e: Estimate, verdict: str) -> list[Any]:
+            c = e.choice
+            return [c.tp, c.dp, "yes" if c.sequence_parallel else "no", _ac_name(c.activation_checkpointing),
+                    f"{c.micro_batch} x {c.accumulation}", fmt_size(e.peak), fmt_time(e.step["total"]), verdict]
+
+        return [row(self.chosen, "<- chosen" if self.fits else "<- chosen: the smallest")] + [row(a.estimate, a.reason) for a in self._per_tp().values()]

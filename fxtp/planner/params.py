@@ -1,0 +1,201 @@
+"""Exact parameter shapes of a tensor-parallel rank, with repeated blocks analyzed once.
+
+NOTE: [repeated blocks]
+A transformer is a stack of identical blocks: the plan of one block does not depend on how
+many follow it. For a Hugging Face model (its ``config.num_hidden_layers`` and an
+``nn.ModuleList`` of that many blocks whose parameters all have the same names, shapes and
+dtypes), the planner analyzes the model rebuilt on ``meta`` with two blocks and counts block
+1's parameters once per block of the real model, and the parameters outside the blocks once
+(as meta-pytorch/autoparallel groups repeated blocks). The tests check the count against the
+full-depth ``fxtp.analyze`` and a compiled rank. Two blocks, not one: a first or last block
+next to the embedding or the head is never the one counted. Any other model (no config,
+blocks that differ, two blocks or fewer) is analyzed whole. One capture serves every
+tensor-parallel degree (``fxtp.api.plan_world_sizes``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from fxtp.core.placement import Shard
+
+__all__ = ["ParamShapes", "Blocks", "repeated_blocks", "parameter_shapes"]
+
+# (local shape, bytes per element) of one parameter tensor on rank 0
+Piece = tuple[tuple[int, ...], int]
+
+
+@dataclass(frozen=True)
+class ParamShapes:
+    """Rank 0's parameters at tensor-parallel degree ``tp``: local shapes and element sizes.
+
+    ``block`` is one repeated block's (NOTE: [repeated blocks]), counted ``n_blocks`` times;
+    ``other`` every parameter outside the blocks (the whole model when ``n_blocks`` is 0).
+    A tied parameter is counted once. Rank 0 holds the most of an uneven shard.
+    """
+
+    tp: int
+    other: tuple[Piece, ...]
+    block: tuple[Piece, ...]
+    n_blocks: int
+    analyzed_blocks: int  # the depth fxtp analyzed (2 when extrapolated)
+    all_reduces: int = 0  # the analyzed graph's, forward + backward, as the plan inserts them
+
+    def outside_reduces(self) -> int:
+        """All_reduces outside the blocks per forward and backward: the analyzed graph's less
+        Megatron's 4 per analyzed block (NOTE: [cost model]; a block above that floor would be
+        counted here once per analyzed block, not per block)."""
+        return max(0, self.all_reduces - 4 * self.analyzed_blocks)
+
+    def bytes(self) -> int:
+        """Rank 0's parameter bytes in the model's own dtypes (what ``Report.param_bytes_per_rank`` says)."""
+        return _bytes(self.other) + self.n_blocks * _bytes(self.block)
+
+    def elements(self, dp: int = 1) -> int:
+        """Elements rank 0 holds when FSDP2 also shards every parameter over ``dp`` ranks on
+        dim 0 (``fully_shard`` pads dim 0 to a multiple of ``dp``: each holds ``ceil``)."""
+        return _elements(self.other, dp) + self.n_blocks * _elements(self.block, dp)
+
+    def largest_unit(self) -> int:
+        """Elements of the largest FSDP unit on this rank (a block, or one parameter outside
+        the blocks, as torchtitan wraps the embedding and the head on their own)."""
+        return max([_elements(self.block, 1)] + [_elements((p,), 1) for p in self.other])
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The repeated blocks of a model: the ``nn.ModuleList`` at ``fqn`` holds ``count``."""
+
+    fqn: str
+    count: int
+
+
+def _bytes(pieces: tuple[Piece, ...]) -> int:
+    return sum(math.prod(shape) * size for shape, size in pieces)
+
+
+def _elements(pieces: tuple[Piece, ...], dp: int) -> int:
+    return sum(-(-shape[0] // dp) * math.prod(shape[1:]) if shape else 1 for shape, _ in pieces)
+
+
+def _signature(block: nn.Module) -> tuple:
+    return tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters())
+
+
+def repeated_blocks(model: nn.Module) -> Optional[Blocks]:
+    """The model's stack of identical blocks (NOTE: [repeated blocks]), or None."""
+    count = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if not isinstance(count, int) or count < 1:
+        return None
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == count]
+    if not lists:
+        return None
+    fqn, blocks = max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+    if len({_signature(b) for b in blocks}) != 1:
+        return None
+    return Blocks(fqn, count)
+
+
+def _shallow(model: nn.Module, depth: int) -> nn.Module:
+    """The Hugging Face ``model`` rebuilt on ``meta`` with ``depth`` blocks (per-layer config
+    lists such as ``layer_types`` cut to ``depth``), in its dtype and mode; the model is not touched."""
+    config = copy.deepcopy(model.config)
+    count = config.num_hidden_layers
+    for key, value in list(vars(config).items()):
+        if isinstance(value, list) and len(value) == count:
+            setattr(config, key, value[:depth])
+    config.num_hidden_layers = depth
+    dtype = next(model.parameters()).dtype
+    with torch.device("meta"):
+        shallow = type(model)._from_config(config, dtype=dtype)
+    return shallow.train(model.training)
+
+
+def _to_meta(tree: Any) -> Any:
+    return pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), tree)
+
+
+def parameter_shapes(
+    model: nn.Module, tps: tuple[int, ...], example_inputs: tuple[Any, ...], example_kwargs: dict[str, Any]
+) -> dict[int, ParamShapes]:
+    """Rank 0's parameter shapes at each tensor-parallel degree in ``tps`` (NOTE: [repeated blocks]).
+
+    Raises:
+        FxtpError: as ``fxtp.analyze`` (capture, inputs).
+    """
+    from fxtp.api import plan_world_sizes
+
+    blocks = repeated_blocks(model)
+    analyzed, inputs, kwargs, depth = model, example_inputs, example_kwargs, 0
+    if blocks is not None and blocks.count > 2 and hasattr(type(model), "_from_config"):
+        shallow = _shallow(model, 2)
+        again = repeated_blocks(shallow)
+        if again is not None and again.fqn == blocks.fqn and _same_blocks(model, shallow, blocks.fqn):
+            analyzed, inputs, kwargs, depth = shallow, _to_meta(example_inputs), _to_meta(example_kwargs), 2
+    elif blocks is not None:
+        depth = blocks.count
+    program, plans = plan_world_sizes(analyzed, tps, inputs, example_kwargs=kwargs)
+    out = _collect(program, plans, blocks, depth)
+    if out is None:  # the two blocks were planned differently: count the real model's
+        program, plans = plan_world_sizes(model, tps, example_inputs, example_kwargs=example_kwargs)
+        out = _collect(program, plans, blocks, blocks.count)
+    assert out is not None
+    return out
+
+
+def _collect(program: Any, plans: dict[int, Any], blocks: Optional[Blocks], depth: int) -> Optional[dict[int, ParamShapes]]:
+    """Rank 0's pieces per degree, blocks grouped; None where ``depth`` is short of the model's
+    and its blocks 0 and 1 got different shards (extrapolating would be wrong)."""
+    from fxtp.explain.counts import collectives, grad_inputs
+    from fxtp.explain.report import parameter_placements
+
+    nodes, needs_grad = {n.name: n for n in program.graph.nodes}, grad_inputs(program)
+    out = {}
+    for tp, plan in plans.items():
+        reduces = sum(c.count for c in collectives(program, plan, nodes, needs_grad) if c.kind == "all_reduce")
+        seen: set[int] = set()
+        other: list[Piece] = []
+        per_block: dict[int, list[Piece]] = {}
+        for fqn, placement in parameter_placements(program, plan).items():
+            tensor = program.state_dict[fqn]
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            shape = list(tensor.shape)
+            if isinstance(placement, Shard):
+                shape[placement.dim] = placement.local_size(tp, 0)
+            piece = (tuple(shape), tensor.element_size())
+            index = _block_index(fqn, blocks.fqn) if blocks is not None and depth else None
+            (other if index is None else per_block.setdefault(index, [])).append(piece)
+        if blocks is None or not depth:
+            out[tp] = ParamShapes(tp, tuple(other), (), 0, 0, reduces)
+        elif depth < blocks.count:
+            first, counted = (tuple(per_block.get(i, ())) for i in (0, 1))
+            if first != counted:
+                return None
+            out[tp] = ParamShapes(tp, tuple(other), counted, blocks.count, depth, reduces)
+        else:
+            out[tp] = ParamShapes(tp, tuple(other + [p for i in sorted(per_block) for p in per_block[i]]), (), 0, depth, reduces)
+    return out
+
+
+def _block_index(fqn: str, prefix: str) -> Optional[int]:
+    head = f"{prefix}." if prefix else ""
+    if not fqn.startswith(head):
+        return None
+    index = fqn[len(head):].partition(".")[0]
+    return int(index) if index.isdigit() else None
+
+
+def _same_blocks(model: nn.Module, shallow: nn.Module, fqn: str) -> bool:
+    full, cut = model.get_submodule(fqn), shallow.get_submodule(fqn)
+    other = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters() if _block_index(n, fqn) is None}
+    kept = {n: (tuple(p.shape), p.dtype) for n, p in shallow.named_parameters() if _block_index(n, fqn) is None}
+    return _signature(full[0]) == _signature(cut[0]) and other == kept

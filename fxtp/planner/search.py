@@ -1,0 +1,191 @@
+"""``fxtp.plan``: the mesh, sequence parallelism, checkpointing and micro-batches, by predicted
+step time under a memory budget.
+
+The search is exhaustive and small: ``tp`` over the divisors of ``devices_per_node`` that
+divide ``devices`` (plus the first degree that would cross nodes, shown rejected), ``dp =
+devices / tp`` with FSDP2, sequence parallelism on or off, checkpointing ``None``,
+``"selective"`` or ``"blocks"``, and micro-batches over the divisors of a dp rank's share of the
+global batch. Each is priced by :func:`fxtp.planner.costs.estimate`; the parameters come from
+fxtp's own analysis (NOTE: [repeated blocks]), the rest from the config
+(NOTE: [activation bytes]).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from fxtp.core.errors import FxtpConfigError, FxtpInputError
+from fxtp.planner.costs import OPTIMIZER_BYTES, Choice, Estimate, Workload, estimate
+from fxtp.planner.hardware import Hardware, resolve_hardware
+from fxtp.planner.model import AC_POLICIES, TransformerShape
+from fxtp.planner.parallel_plan import Alternative, ParallelPlan, fmt_size, fmt_time
+from fxtp.planner.params import parameter_shapes, repeated_blocks
+
+__all__ = ["plan"]
+
+
+def plan(
+    model: nn.Module,
+    devices: int,
+    *,
+    device_memory: int,
+    example_inputs: Optional[tuple[Any, ...]] = None,
+    example_kwargs: Optional[dict[str, Any]] = None,
+    batch: Optional[int] = None,
+    seq: Optional[int] = None,
+    devices_per_node: Optional[int] = None,
+    hardware: Union[str, Hardware] = "h100",
+    optimizer: str = "adamw",
+    training: bool = True,
+    progress: Optional[Callable[[str], None]] = None,
+) -> ParallelPlan:
+    """Choose how to run ``model`` on ``devices`` devices: fastest predicted step that fits.
+
+    Args:
+        model: a Hugging Face decoder (``transformers`` model, any device, ``meta`` included);
+            never mutated.
+        devices: devices in the job, ``tp x dp``.
+        device_memory: bytes each device may use (e.g. ``80 * 2**30``).
+        example_inputs: inputs the analysis captures the model with; default token ids
+            ``(1, 128)`` (their size does not change a parameter's shard).
+        example_kwargs: keyword inputs, likewise.
+        batch: global batch, sequences per optimizer step; default the first example
+            input's dim 0.
+        seq: tokens per sequence; default the first example input's dim 1.
+        devices_per_node: devices one NVLink domain holds; ``tp`` stays inside it.
+            Default: the hardware's (8).
+        hardware: a name of :data:`fxtp.planner.HARDWARE` (``"a100"``, ``"h100"``, ``"h200"``)
+            or a :class:`fxtp.planner.Hardware`.
+        optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"`` (its state, NOTE: [mixed precision]).
+        training: price a training step (else a forward with a KV cache).
+        progress: called with each stage's name as it starts (the CLI prints them).
+
+    Returns:
+        A :class:`ParallelPlan`; ``fits`` False (with the smallest configuration's memory)
+        when nothing fits ``device_memory``.
+
+    Raises:
+        FxtpConfigError: bad arguments, a model the cost model does not cover.
+        FxtpInputError: no batch/seq given and no example input to read them from.
+    """
+    start = time.perf_counter()
+    say = progress or (lambda stage: None)
+    hw = resolve_hardware(hardware)
+    per_node = _positive("devices_per_node", devices_per_node or hw.devices_per_node)
+    devices = _positive("devices", devices)
+    budget = _positive("device_memory", device_memory)
+    if optimizer not in OPTIMIZER_BYTES:
+        raise FxtpConfigError(f"optimizer must be one of {', '.join(OPTIMIZER_BYTES)}, got {optimizer!r}")
+    blocks = repeated_blocks(model)
+    if blocks is None:
+        raise FxtpConfigError(
+            f"fxtp.plan found no stack of identical blocks in {type(model).__name__} (an nn.ModuleList of "
+            "config.num_hidden_layers blocks): it plans Hugging Face decoder models. fix: pass a transformers model "
+            "or its config.json"
+        )
+    shape = TransformerShape.of(model, blocks.fqn)
+    args, kwargs = _inputs(model, example_inputs, example_kwargs)
+    batch, seq = _workload_sizes(args, kwargs, batch, seq)
+    work = Workload(batch, seq, training, optimizer, per_node)
+    inside = [t for t in range(1, per_node + 1) if per_node % t == 0 and devices % t == 0]
+    across = [t for t in range(per_node + 1, devices + 1) if devices % t == 0][:1]
+    say("analyze")
+    params = parameter_shapes(model, tuple(inside + across), args, kwargs)
+    say("search")
+    estimates, skipped = [], []
+    for tp in inside + across:
+        dp = devices // tp
+        if training and batch % dp:
+            skipped.append({"tp": tp, "dp": dp, "reason": f"global batch {batch} is not divisible by dp {dp}"})
+            continue
+        for sp in (False, True) if tp > 1 and seq % tp == 0 else (False,):
+            for ac in AC_POLICIES if training else (None,):
+                estimates.append(_best_micro_batch(tp, dp, sp, ac, shape, params[tp], hw, work, budget))
+    if not estimates:
+        raise FxtpConfigError(f"no mesh of {devices} devices divides the global batch {batch}: " + "; ".join(s["reason"] for s in skipped))
+    inside_node = [e for e in estimates if e.choice.tp <= per_node]
+    fitting = [e for e in inside_node if e.peak <= budget]
+    best = min(fitting, key=_rank) if fitting else min(inside_node, key=lambda e: (e.peak, _rank(e)))
+    alternatives = tuple(Alternative.of(e, _why(e, best, budget, per_node)) for e in sorted(estimates, key=_rank) if e is not best)
+    return ParallelPlan(
+        model=type(model).__name__,
+        devices=devices,
+        devices_per_node=per_node,
+        hardware=hw,
+        device_memory=budget,
+        batch=batch,
+        seq=seq,
+        training=training,
+        optimizer=optimizer,
+        chosen=best,
+        fits=bool(fitting),
+        alternatives=alternatives,
+        skipped=tuple(skipped),
+        tp_param_bytes={tp: p.bytes() for tp, p in params.items()},
+        analyzed_blocks=params[1].analyzed_blocks,
+        n_blocks=blocks.count,
+        solve_s=time.perf_counter() - start,
+    )
+
+
+def _rank(e: Estimate) -> tuple:
+    """Faster first; then less memory; then the smaller degree."""
+    return (round(e.step["total"], 9), e.peak, e.choice.tp)
+
+
+def _why(e: Estimate, best: Estimate, budget: int, per_node: int) -> str:
+    c = e.choice
+    if c.tp > per_node:
+        return f"tp {c.tp} crosses nodes ({per_node} devices per node)"
+    if e.peak > budget:
+        return f"needs {fmt_size(e.peak)}"
+    if e.step["total"] > best.step["total"]:
+        return f"slower: {fmt_time(e.step['total'])} vs {fmt_time(best.step['total'])}"
+    return f"as fast, but {fmt_size(e.peak)} vs {fmt_size(best.peak)}"
+
+
+def _best_micro_batch(tp, dp, sp, ac, shape, params, hw, work: Workload, budget: int) -> Estimate:
+    """The fastest micro-batch that fits for this mesh and policy; the smallest if none fits."""
+    share = work.batch // dp if work.training else -(-work.batch // dp)
+    sizes = [b for b in range(1, share + 1) if share % b == 0] if work.training else [share]
+    found = [estimate(Choice(tp, dp, sp, ac, b, share // b), shape, params, hw, work) for b in sizes]
+    fitting = [e for e in found if e.peak <= budget]
+    return min(fitting, key=_rank) if fitting else found[0]
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise FxtpConfigError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _inputs(model: nn.Module, args: Any, kwargs: Any) -> tuple[tuple, dict]:
+    """The example inputs, by default a Hugging Face model's token ids (on its device); with
+    ``use_cache=False`` when the config caches (a KV cache is not a tensor output: the
+    analysis prices the training graph, the cache is priced by formula)."""
+    if args is None and not kwargs:
+        from fxtp.explain.hf_config import example_inputs
+
+        args, kwargs = example_inputs(model)
+        device = next(model.parameters()).device  # the example's are on meta
+        args = tuple(torch.zeros_like(a, device=device) for a in args)
+        kwargs = {k: torch.zeros_like(v, device=device) for k, v in kwargs.items()}
+    args = (args,) if not isinstance(args, (tuple, list)) else tuple(args)
+    kwargs = dict(kwargs or {})
+    if getattr(getattr(model, "config", None), "use_cache", False) and "use_cache" not in kwargs:
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def _workload_sizes(args: tuple, kwargs: dict, batch: Optional[int], seq: Optional[int]) -> tuple[int, int]:
+    first = next(iter(args), None)
+    if batch is None or seq is None:
+        if first is None or getattr(first, "dim", lambda: 0)() < 2:
+            raise FxtpInputError("fxtp.plan needs batch= and seq= (or example token ids of shape (batch, seq))")
+        batch = first.shape[0] if batch is None else batch
+        seq = first.shape[1] if seq is None else seq
+    return _positive("batch", int(batch)), _positive("seq", int(seq))

@@ -1,0 +1,105 @@
+"""``fxtp plan`` (issue 25): a config.json on meta, JSON and table, progress only on a terminal."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import pytest
+
+from fxtp.explain.cli import _memory, main
+from fxtp.explain.progress import Progress
+
+pytest.importorskip("transformers")
+
+LLAMA31_70B = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "num_hidden_layers": 80,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256,
+    "max_position_embeddings": 131072, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+}
+TINY = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 128,
+    "max_position_embeddings": 64,
+}
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _config(tmp_path, data) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_plan_a_published_config_as_json(capsys, tmp_path):
+    argv = ["plan", _config(tmp_path, LLAMA31_70B), "--devices", "64", "--device-memory", "80GiB", "--batch", "64",
+            "--seq", "8192", "--format", "json"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    plan = json.loads(out)
+    assert plan["mesh"] == {"tp": 8, "dp": 8} and plan["fits"] and plan["device_memory"] == 80 * 2**30
+    assert plan["batch"] == 64 and plan["seq"] == 8192 and plan["analyzed_blocks"] == 2
+    assert "fxtp:" not in err  # stderr is not a terminal here: no progress
+
+
+def test_plan_table_says_micro_batches(capsys, tmp_path):
+    argv = ["plan", _config(tmp_path, TINY), "-n", "4", "-m", "1GB", "--batch", "8", "--seq", "64", "--devices-per-node", "4"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "<- chosen" in out and "micro-batch" in out and "fits 953.7 MiB" in out
+
+
+def test_plan_progress_on_a_terminal_only(capsys, tmp_path, monkeypatch):
+    argv = ["plan", _config(tmp_path, TINY), "-n", "2", "-m", "8GiB", "--batch", "4", "--seq", "32"]
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(argv) == 0
+    lines = terminal.getvalue().splitlines()
+    assert [line.split(" took ")[0] for line in lines if " took " in line] == ["fxtp: load model", "fxtp: analyze", "fxtp: search"]
+    quiet = _Terminal()
+    monkeypatch.setattr(sys, "stderr", quiet)
+    assert main(argv + ["--quiet"]) == 0
+    assert quiet.getvalue() == ""
+
+
+def test_progress_is_silent_off_a_terminal():
+    stream = io.StringIO()
+    progress = Progress(stream=stream)
+    progress.stage("capture")
+    progress.done()
+    assert stream.getvalue() == "" and not progress.enabled
+
+
+@pytest.mark.parametrize("text, value", [("80GiB", 80 * 2**30), ("80GB", 80 * 10**9), ("1.5 TiB", 3 * 2**39), ("1024", 1024)])
+def test_memory_sizes(text, value):
+    assert _memory(text) == value
+
+
+@pytest.mark.parametrize("bad", [["--device-memory", "eighty"], ["--device-memory", "0GiB"], ["--hardware", "tpu"]])
+def test_bad_usage_exits_2(tmp_path, bad, capsys):
+    argv = ["plan", _config(tmp_path, TINY), "--devices", "2", "--device-memory", "8GiB", *bad]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+
+
+def test_a_model_the_planner_cannot_price_is_an_fxtp_error(capsys):
+    assert main(["plan", "mlp", "--devices", "2", "--device-memory", "8GiB", "--batch", "2", "--seq", "4"]) == 1
+    assert "no stack of identical blocks" in capsys.readouterr().err
+
+
+def test_help_examples_parse(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    examples = [line.strip().split()[1:] for line in out.splitlines() if line.strip().startswith("fxtp plan ")]
+    assert len(examples) >= 3 and "micro-batches" in out
+    from fxtp.explain.cli import get_args_parser
+
+    for argv in examples:
+        get_args_parser().parse_args(argv)  # exits 2 on bad usage
