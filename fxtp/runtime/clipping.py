@@ -24,8 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from fxtp.core.errors import FxtpConfigError
 from fxtp.core.placement import REPLICATE, Shard
-from fxtp.runtime.layout import resolve_group
-from fxtp.runtime.sharded import local_tensor
+from fxtp.runtime.sharded import local_tensor, resolve_group
 
 __all__ = ["clip_grad_norm_"]
 

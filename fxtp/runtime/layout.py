@@ -43,17 +43,16 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.distributed_c10d import _resolve_process_group  # NOTE: [group by name]
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 
 from fxtp.core.errors import FxtpInputError, FxtpRuntimeError
 from fxtp.core.placement import REPLICATE, Placement, Shard, local_ranges, shard_tensor
-from fxtp.runtime.sharded import local_tensor
+from fxtp.runtime.sharded import local_tensor, resolve_group
 
 __all__ = ["Chunk", "LocalChunks", "to_checkpoint", "from_checkpoint", "local_form", "state_dict_hook", "load_state_dict_hook",
-           "register_optimizer", "tp_group", "resolve_group"]
+           "register_optimizer", "tp_group"]
 
 @dataclass(frozen=True)
 class Chunk:
@@ -282,11 +281,6 @@ def from_checkpoint(key: str, value: Any, current: torch.Tensor, placement: Plac
     )
 
 
-def resolve_group(name: str) -> dist.ProcessGroup:
-    """The ``ProcessGroup`` named ``name`` (NOTE: [group by name])."""
-    return _resolve_process_group(name)
-
-
 def tp_group(pm: nn.Module) -> Optional[dist.ProcessGroup]:
     """The tensor-parallel ``ProcessGroup`` of ``pm`` (``None`` without one); NOTE: [group by name]."""
     if pm._world_size == 1 or pm._group_name is None:
@@ -304,7 +298,7 @@ def _meshes(pm: nn.Module) -> Callable[[torch.device], Optional[DeviceMesh]]:
     NOTE: [group by name] ``pm`` keeps its group's *name* (what the functional collectives take;
     a ProcessGroup object would make ``pm`` impossible to deepcopy or pickle).
     ``torch.distributed.distributed_c10d._resolve_process_group`` is the name's inverse; it is
-    private, so it is called here only.
+    private, so only ``fxtp.runtime.sharded.resolve_group`` calls it.
     """
     made: dict[str, DeviceMesh] = {}
 

@@ -88,7 +88,10 @@ class ParallelModule(nn.Module):
         report: why each layer got its style (:class:`fxtp.Report`).
         plan: ``{layer: style}``, valid as ``fxtp.compile(..., plan=)``.
         placements: ``{parameter FQN: Placement}``; a ``Shard`` parameter holds this rank's
-            slice (``fxtp.core.placement.shard_tensor`` of the full one).
+            slice (``fxtp.core.placement.shard_tensor`` of the full one) as a
+            ``fxtp.runtime.sharded.ShardedParameter``, on which whole-tensor computations
+            (``torch.nn.utils.clip_grad_norm_``, norms, GradScaler's found-inf) are exact over
+            the group (NOTE: [sharded parameters]); :meth:`clip_grad_norm_` clips in one all_reduce.
 
     Checkpoints (``fxtp.runtime.checkpoint``): :meth:`full_state_dict`, :meth:`load_full_state_dict`,
     :meth:`load_safetensors`. ``state_dict()`` values carry their global layout for

@@ -26,7 +26,9 @@ are :class:`ShardedTensor` s with the same knowledge. On them:
   reductions along a dim, and ops on a subset or an order of the elements (indexing, ``split``,
   ``sort``, ``cumsum``, ``cat`` with replicated tensors) raise :class:`FxtpRuntimeError`: on a
   shard they would be silently wrong.
-* anything else (metadata, ``copy_``, ``new_zeros``) runs on the shard and returns plain tensors.
+* anything else (metadata, ``copy_``, ``new_zeros``) runs on the shard and returns plain tensors;
+  so do pieces of a ``ShardedParameter`` itself (``p[0]``, ``p.chunk(2)``: FSDP2's
+  ``fully_shard`` chunks the parameters it replaces), not of its gradient.
 
 Replicated parameters stay plain ``nn.Parameter`` s: their copies (and gradients) are identical on
 every rank, so any computation on them is the single device's already. The rank graph runs on
@@ -55,11 +57,12 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.distributed_c10d import _resolve_process_group  # NOTE: [group by name]: private, wrapped here only
 
 from fxtp.core.errors import FxtpRuntimeError
 from fxtp.core.placement import Shard
 
-__all__ = ["ShardLayout", "ShardedTensor", "ShardedParameter", "plain", "local_tensor", "layout_of", "like", "plain_inputs"]
+__all__ = ["ShardLayout", "ShardedTensor", "ShardedParameter", "plain", "local_tensor", "layout_of", "like", "plain_inputs", "resolve_group"]
 
 _TENSOR_GRAD = torch._C.TensorBase.grad
 
@@ -81,9 +84,12 @@ class ShardLayout:
     world_size: int
 
     def group(self) -> dist.ProcessGroup:
-        from fxtp.runtime.layout import resolve_group
-
         return resolve_group(self.group_name)
+
+
+def resolve_group(name: str) -> dist.ProcessGroup:
+    """The ``ProcessGroup`` named ``name`` (NOTE: [group by name] in fxtp/runtime/layout.py)."""
+    return _resolve_process_group(name)
 
 
 @contextlib.contextmanager
@@ -171,6 +177,9 @@ _DENIED = {"matmul", "__matmul__", "__rmatmul__", "__imatmul__", "mm", "bmm", "m
            "flipud", "roll", "rot90", "matrix_power", "matrix_exp", "histc", "unique", "renorm", "__getitem__",
            "index_select", "masked_select", "gather", "take", "take_along_dim", "split", "chunk", "unbind",
            "tensor_split", "narrow", "expand", "expand_as", "repeat", "tile", "nonzero", "dist", "cdist"}
+# Taking pieces of a parameter itself (not of its gradient or what is computed from it) gives
+# plain pieces of the shard: FSDP2's fully_shard chunks the parameters it replaces.
+_SLICES = {"__getitem__", "split", "chunk", "unbind", "tensor_split", "narrow", "index_select"}
 _DUNDER = {"truediv": "div", "rtruediv": "div", "itruediv": "div_", "floordiv": "floor_divide", "radd": "add",
            "rsub": "rsub", "rmul": "mul", "rpow": "pow", "iadd": "add_", "isub": "sub_", "imul": "mul_",
            "ipow": "pow_", "and": "bitwise_and", "or": "bitwise_or", "xor": "bitwise_xor", "invert": "bitwise_not",
@@ -333,7 +342,7 @@ class ShardedTensor(torch.Tensor):
                 return func(*args, **kwargs)
         if kind == _REDUCE:
             return _reduce(func, args, kwargs)
-        if kind == _DENY:
+        if kind == _DENY and not (_name(func) in _SLICES and isinstance(args[0], ShardedParameter)):
             raise _refuse(func, layout, "it transforms the matrix, reads a subset or an order of its elements, or "
                           "reduces along a dim")
         if _name(func) in ("cat", "concat", "concatenate", "stack", "hstack", "vstack"):
