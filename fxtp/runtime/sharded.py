@@ -185,7 +185,7 @@ _DUNDER = {"truediv": "div", "rtruediv": "div", "itruediv": "div_", "floordiv": 
            "ipow": "pow_", "and": "bitwise_and", "or": "bitwise_or", "xor": "bitwise_xor", "invert": "bitwise_not",
            "lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne", "neg": "neg", "abs": "abs",
            "pow": "pow", "add": "add", "sub": "sub", "mul": "mul", "div": "div", "mod": "remainder"}
-_KINDS: dict[Callable, str] = {}
+_KINDS: dict[str, str] = {}  # by name: a property's __get__ is a new object at every read
 
 
 def _name(func: Callable) -> str:
@@ -205,8 +205,8 @@ def _is_pointwise(name: str) -> bool:
 
 
 def _kind(func: Callable) -> str:
-    if func not in _KINDS:
-        name = _name(func)
+    name = _name(func)
+    if name not in _KINDS:
         if name in _REDUCTIONS:
             kind = _REDUCE
         elif name == "_amp_foreach_non_finite_check_and_unscale_":
@@ -217,8 +217,8 @@ def _kind(func: Callable) -> str:
             kind = _KEEP
         else:
             kind = _OTHER
-        _KINDS[func] = kind
-    return _KINDS[func]
+        _KINDS[name] = kind
+    return _KINDS[name]
 
 
 def _refuse(func: Callable, layout: ShardLayout, why: str) -> FxtpRuntimeError:
@@ -267,12 +267,15 @@ def _finish(total: torch.Tensor, order: float) -> torch.Tensor:
 
 
 def _all_reduce(values: list[torch.Tensor], op: Any, layout: ShardLayout) -> list[torch.Tensor]:
-    """One all_reduce of several scalars (stacked)."""
+    """One all_reduce of several scalars of one dtype (stacked; bf16/fp16 travel as float32,
+    which every backend reduces), returned in their dtype."""
     if not values:
         return []
-    stacked = torch.stack([v.reshape(()) for v in values])
+    dtype = values[0].dtype
+    wire = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    stacked = torch.stack([v.reshape(()).to(wire) for v in values])
     dist.all_reduce(stacked, op=op, group=layout.group())
-    return list(stacked.unbind())
+    return [v.to(dtype) for v in stacked.unbind()]
 
 
 def _norms(func: Callable, tensors: Sequence[torch.Tensor], order: float, dtype: Any) -> list[torch.Tensor]:
@@ -320,9 +323,9 @@ def _reduce(func: Callable, args: Sequence[Any], kwargs: dict) -> Any:
             return total
         if name in ("mean", "nanmean"):
             kept = x.isnan().logical_not().sum() if name == "nanmean" else torch.tensor(x.numel(), device=x.device)
-            total, count = _all_reduce([torch.nansum(x) if name == "nanmean" else x.sum(), kept.to(x.dtype)],
-                                       dist.ReduceOp.SUM, layout)
-            return (total / count).to(x.dtype)
+            local = torch.nansum(x, dtype=torch.float64) if name == "nanmean" else x.sum(dtype=torch.float64)
+            total, count = _all_reduce([local, kept.to(torch.float64)], dist.ReduceOp.SUM, layout)
+            return (total / count).to(kwargs.get("dtype") or x.dtype)
         op = dist.ReduceOp.MAX if name in ("max", "amax") else dist.ReduceOp.MIN
         (value,) = _all_reduce([func(*args, **kwargs)], op, layout)
         return value
