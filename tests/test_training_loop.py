@@ -354,3 +354,13 @@ def _fsdp_tp_clipping():
 def test_fsdp2_x_tp_clipping_is_the_norm_over_both_dims(rank_pools):
     for calls in rank_pools(4).run(_fsdp_tp_clipping):
         assert calls == [["allreduce_"]] * 3
+
+
+def test_the_fuzzers_property_holds_with_clipping_in_the_loop(pool):
+    """The differential fuzzer's property (test_fuzz.py) on a spec that draws ``clip``: MHA-style
+    attention and an MLP whose width 10 is sharded at world size 2 and replicated at 4."""
+    from fuzz_check import check_outcomes, differential
+    from fuzz_models import Attn, Mlp, Spec
+
+    spec = Spec(hidden=16, blocks=(Attn(heads=4, kv_heads=4), Mlp(ffn=10)), clip=True)
+    check_outcomes(spec, pool.run(differential, spec))

@@ -124,8 +124,8 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def plain_inputs(inputs: list[Any]) -> list[Any]:
     """The rank graph's inputs with sharded parameters as plain aliases (autograd reaches the
     parameters through them). Run eagerly: a ``torch.compile``d graph calls its kernels on its
-    inputs outside any context fxtp enters, so they must be plain tensors (the one graph break
-    this costs is before the graph)."""
+    inputs outside any context fxtp enters, so they must be plain tensors (it runs before any
+    op, so ``torch._dynamo.explain(pm)`` still counts one graph and no break)."""
     return [local_tensor(t) if isinstance(t, ShardedTensor) else t for t in inputs]
 
 
