@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fxtp
 from fxtp.explain.report import megatron_floor  # noqa: F401 - re-exported for the tests
 from fxtp.core.placement import shard_tensor
+from fxtp.runtime.sharded import local_tensor
 
 __all__ = [
     "CollectiveCounter",
@@ -103,10 +104,10 @@ def compare_training(
     for fqn, p in pm.named_parameters():
         ref_grad = ref.get_parameter(fqn).grad
         if ref_grad is None:
-            assert p.grad is None or not p.grad.any(), fqn
+            assert p.grad is None or not local_tensor(p.grad).any(), fqn
             continue
         expected = shard_tensor(ref_grad, pm.placements[fqn], rank, ws)
-        torch.testing.assert_close(p.grad, expected, **tol, msg=lambda m: f"gradient of {fqn}: {m}")
+        torch.testing.assert_close(local_tensor(p.grad), expected, **tol, msg=lambda m: f"gradient of {fqn}: {m}")
 
     opt = torch.optim.SGD(pm.parameters(), lr=lr)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
@@ -174,7 +175,7 @@ def compare_shapes(model, example, calls, *, lr: float = 0.1, tol: dict | None =
                 ref_grad = ref.get_parameter(fqn).grad
                 if ref_grad is not None:
                     expected = shard_tensor(ref_grad, pm.placements[fqn], rank, ws)
-                    torch.testing.assert_close(p.grad, expected, **tol, msg=lambda m: f"call {i}, gradient of {fqn}: {m}")
+                    torch.testing.assert_close(local_tensor(p.grad), expected, **tol, msg=lambda m: f"call {i}, gradient of {fqn}: {m}")
             opt.step()
             ref_opt.step()
             opt.zero_grad()

@@ -28,6 +28,7 @@ from fuzz_models import Spec, build
 
 import fxtp
 from fxtp.core.placement import Shard, shard_tensor
+from fxtp.runtime.sharded import local_tensor
 
 __all__ = ["Outcome", "differential", "check_outcomes"]
 
@@ -94,9 +95,10 @@ def _grads(pm: fxtp.ParallelModule, refs: tuple[torch.nn.Module, ...], rank: int
     for fqn, p in pm.named_parameters():
         ref_grads = [ref.get_parameter(fqn).grad for ref in refs]
         expected = [None if g is None else shard_tensor(g, pm.placements[fqn], rank, ws) for g in ref_grads]
-        like = next((t for t in (p.grad, *expected) if t is not None), None)
+        grad = None if p.grad is None else local_tensor(p.grad)
+        like = next((t for t in (grad, *expected) if t is not None), None)
         if like is not None:
-            out.append((fqn, tuple(torch.zeros_like(like) if t is None else t.detach().clone() for t in (p.grad, *expected))))
+            out.append((fqn, tuple(torch.zeros_like(like) if t is None else t.detach().clone() for t in (grad, *expected))))
     return out
 
 
@@ -145,6 +147,9 @@ def differential(spec: Spec, steps: int = 2, lr: float = 0.1) -> Outcome:
         pairs += [(f"gradient of {fqn}", grads) for fqn, grads in _grads(pm, modules[1:], rank, ws)]
         opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in modules]
         for step in range(steps):
+            if spec.clip:  # torch's clipping on every module, as a training loop calls it (NOTE: [sharded parameters])
+                norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1) for m in modules]
+                pairs.append((f"gradient norm before SGD step {step + 1}", tuple(norms)))
             for opt in opts:
                 opt.step()
                 opt.zero_grad()

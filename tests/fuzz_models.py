@@ -129,6 +129,7 @@ class Spec:
     seq: int = 8
     seed: int = 0
     sequence_parallel: bool = False  # compile with sequence_parallel=True (NOTE: [sequence parallelism])
+    clip: bool = False  # the training loop clips: torch.nn.utils.clip_grad_norm_(parameters, 0.1) before each step
 
 
 def features(spec: Spec) -> set[str]:
@@ -152,7 +153,7 @@ def features(spec: Spec) -> set[str]:
         out |= {f"embed.{f.name}" for f in dataclasses.fields(spec.embed) if getattr(spec.embed, f.name) not in (None, False)}
     if spec.head != "none":
         out.add(f"head:{spec.head}")
-    for flag in ("loss", "train", "also_hidden", "sequence_parallel"):
+    for flag in ("loss", "train", "also_hidden", "sequence_parallel", "clip"):
         if getattr(spec, flag):
             out.add(flag)
     return out

@@ -45,3 +45,5 @@ def test_fxtp_equals_single_device_or_rejects(pool, spec):
         event("uneven shards")
     if spec.sequence_parallel:
         event("sequence_parallel=True")
+    if spec.clip:
+        event("clip_grad_norm_ in the loop")

@@ -18,6 +18,7 @@ from torch import nn
 import fxtp
 from fxtp.explain import examples
 from fxtp.core.placement import shard_tensor
+from fxtp.runtime.sharded import local_tensor
 
 
 def _ids(batch: int, seq: int, vocab: int, seed: int) -> tuple[torch.Tensor]:
@@ -66,7 +67,7 @@ def _same_draws(pm, ref, ids, rank: int, ws: int):
     loss_of(out).backward()
     loss_of(ref_out).backward()
     for fqn, p in pm.named_parameters():
-        torch.testing.assert_close(p.grad, shard_tensor(ref.get_parameter(fqn).grad, pm.placements[fqn], rank, ws))
+        torch.testing.assert_close(local_tensor(p.grad), shard_tensor(ref.get_parameter(fqn).grad, pm.placements[fqn], rank, ws))
         p.grad = None
     ref.zero_grad()
     return out

@@ -18,6 +18,7 @@ from fxtp.core import activations
 from fxtp.explain import examples
 from fxtp.core.errors import FxtpInputError
 from fxtp.core.placement import shard_tensor
+from fxtp.runtime.sharded import local_tensor
 
 
 def _reference(seed: int = 0, dim: int = 32, seq: int = 16, batch: int = 2, layers: int = 2, dropout: float = 0.0):
@@ -64,7 +65,7 @@ def _dynamic_tokens():
         loss_of(out).backward()
         loss_of(ref_out).backward()
         for fqn, p in pm.named_parameters():
-            torch.testing.assert_close(p.grad, shard_tensor(ref.get_parameter(fqn).grad, pm.placements[fqn], rank, ws))
+            torch.testing.assert_close(local_tensor(p.grad), shard_tensor(ref.get_parameter(fqn).grad, pm.placements[fqn], rank, ws))
     return pm.report.shape_notes, [d.dynamic for d in pm.report.inputs[0].dims]
 
 
@@ -90,7 +91,7 @@ def _dropout():
     loss_of(out).backward()
     loss_of(ref_out).backward()
     for fqn, p in pm.named_parameters():
-        torch.testing.assert_close(p.grad, shard_tensor(ref.get_parameter(fqn).grad, pm.placements[fqn], rank, ws))
+        torch.testing.assert_close(local_tensor(p.grad), shard_tensor(ref.get_parameter(fqn).grad, pm.placements[fqn], rank, ws))
     return pm.graph_module.code.count("token_random(")
 
 
@@ -117,7 +118,7 @@ def _saved(build, kwargs: dict):
             loss_of(out).backward()  # regathers its layers' inputs: as many all_gathers as the report says
         assert backward.counts.get("all_gather", 0) == pm.report.count("backward", "all_gather"), backward.counts
         for fqn, p in pm.named_parameters():
-            torch.testing.assert_close(p.grad, shard_tensor(ref.get_parameter(fqn).grad, pm.placements[fqn], dist.get_rank(), ws),
+            torch.testing.assert_close(local_tensor(p.grad), shard_tensor(ref.get_parameter(fqn).grad, pm.placements[fqn], dist.get_rank(), ws),
                                        rtol=1e-4, atol=1e-5)
         figures[sp] = saved.total / single.total
     return figures

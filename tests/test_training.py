@@ -21,6 +21,7 @@ from torch import nn
 import fxtp
 from fxtp.explain.examples import GPTConfig, TinyGPT
 from fxtp.core.placement import Shard, shard_tensor
+from fxtp.runtime.sharded import local_tensor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -162,7 +163,7 @@ def _dropout_train():
     loss_of(out).backward()
     loss_of(ref_out).backward()
     for fqn, p in pm.named_parameters():
-        torch.testing.assert_close(p.grad, shard_tensor(ref.get_parameter(fqn).grad, pm.placements[fqn], rank, ws))
+        torch.testing.assert_close(local_tensor(p.grad), shard_tensor(ref.get_parameter(fqn).grad, pm.placements[fqn], rank, ws))
     notes = [n for n in pm.report.to_dict()["notes"] if n["code"] == "dropout-on-shard"]
     return all(torch.equal(g, out) for g in gathered), notes, pm.graph_module.code
 
@@ -195,7 +196,7 @@ def _compiled():
     loss_of(out).backward()
     loss_of(ref_out).backward()
     for fqn, p in pm.named_parameters():
-        torch.testing.assert_close(p.grad, shard_tensor(ref.get_parameter(fqn).grad, pm.placements[fqn], dist.get_rank(), ws))
+        torch.testing.assert_close(local_tensor(p.grad), shard_tensor(ref.get_parameter(fqn).grad, pm.placements[fqn], dist.get_rank(), ws))
     return explained.graph_count, explained.graph_break_count, [str(r.reason) for r in explained.break_reasons]
 
 

@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from fxtp.core.errors import FxtpError, FxtpRuntimeError
 from fxtp.core.placement import shard_tensor
 from fxtp.explain.demo import _free_port
+from fxtp.runtime.sharded import local_tensor
 
 __all__ = ["VerifyResult", "verify"]
 
@@ -83,6 +84,7 @@ def _compare(model: torch.nn.Module, inputs: tuple, world_size: int, sequence_pa
     pairs = []
     for fqn, placement in pm.placements.items():
         local, full = pm.get_parameter(fqn).grad, ref.get_parameter(fqn).grad
+        local = None if local is None else local_tensor(local)  # the shard itself (NOTE: [sharded parameters])
         if local is not None and full is not None:
             pairs.append((local, shard_tensor(full, placement, rank, world_size)))
         elif (local is None) != (full is None):

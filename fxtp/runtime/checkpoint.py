@@ -33,7 +33,9 @@ from torch.distributed.tensor import DTensor
 
 from fxtp.core.collectives import all_gather
 from fxtp.core.errors import FxtpInputError, FxtpRuntimeError
+from fxtp.runtime import sharded
 from fxtp.runtime.layout import local_form
+from fxtp.runtime.sharded import local_tensor
 from fxtp.core.placement import REPLICATE, Placement, Shard, local_ranges, shard_tensor
 
 __all__ = ["LoadStats", "bind_state_keys", "full_state_dict", "load_full_state_dict", "load_safetensors"]
@@ -102,7 +104,7 @@ def full_state_dict(pm: nn.Module) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for key, owner in _state_keys(pm).items():
             if owner not in gathered:
-                local = tensors[owner].detach()
+                local = local_tensor(tensors[owner]).detach()  # NOTE: [sharded parameters]
                 if local.is_meta:
                     raise FxtpRuntimeError(
                         f"{owner} is on the meta device: load the weights first (pm.load_safetensors(path) or "
@@ -340,7 +342,7 @@ def _assign(pm: nn.Module, owner: str, local: torch.Tensor, device: Union[str, t
             return
     value = local.to(device=device or "cpu", dtype=current.dtype).detach().clone()
     if isinstance(current, nn.Parameter):
-        value = nn.Parameter(value, requires_grad=current.requires_grad)
+        value = sharded.like(current, nn.Parameter(value, requires_grad=current.requires_grad))
     for fqn, t in _named_tensors(pm):
         if t is current:
             module_path, _, leaf = fqn.rpartition(".")

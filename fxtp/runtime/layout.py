@@ -43,13 +43,13 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.distributed_c10d import _resolve_process_group  # NOTE: [group by name]
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 
 from fxtp.core.errors import FxtpInputError, FxtpRuntimeError
 from fxtp.core.placement import REPLICATE, Placement, Shard, local_ranges, shard_tensor
+from fxtp.runtime.sharded import local_tensor, resolve_group
 
 __all__ = ["Chunk", "LocalChunks", "to_checkpoint", "from_checkpoint", "local_form", "state_dict_hook", "load_state_dict_hook",
            "register_optimizer", "tp_group"]
@@ -211,6 +211,7 @@ def to_checkpoint(value: torch.Tensor, placement: Placement, rank: int, world_si
         placement: its tensor-parallel placement.
         mesh: the tensor-parallel mesh; ``None`` (no process group): ``value`` is returned as is.
     """
+    value = local_tensor(value)  # NOTE: [sharded parameters]: the plain shard
     if mesh is None or world_size == 1:
         return value.detach()
     local, shape, chunks = _layout(value.detach(), placement, rank, world_size)
@@ -249,7 +250,7 @@ def from_checkpoint(key: str, value: Any, current: torch.Tensor, placement: Plac
     Raises:
         FxtpInputError: any other layout or shape; the message names ``key``.
     """
-    local, shape, chunks = _layout(current.detach(), placement, rank, world_size)
+    local, shape, chunks = _layout(local_tensor(current).detach(), placement, rank, world_size)
 
     if isinstance(value, LocalChunks):
         if tuple(value.shape) == shape and value.chunks == tuple(chunks):
@@ -284,7 +285,7 @@ def tp_group(pm: nn.Module) -> Optional[dist.ProcessGroup]:
     """The tensor-parallel ``ProcessGroup`` of ``pm`` (``None`` without one); NOTE: [group by name]."""
     if pm._world_size == 1 or pm._group_name is None:
         return None
-    return _resolve_process_group(pm._group_name)
+    return resolve_group(pm._group_name)
 
 
 # --- hooks ------------------------------------------------------------------------------------
@@ -297,7 +298,7 @@ def _meshes(pm: nn.Module) -> Callable[[torch.device], Optional[DeviceMesh]]:
     NOTE: [group by name] ``pm`` keeps its group's *name* (what the functional collectives take;
     a ProcessGroup object would make ``pm`` impossible to deepcopy or pickle).
     ``torch.distributed.distributed_c10d._resolve_process_group`` is the name's inverse; it is
-    private, so it is called here only.
+    private, so only ``fxtp.runtime.sharded.resolve_group`` calls it.
     """
     made: dict[str, DeviceMesh] = {}
 
@@ -305,7 +306,7 @@ def _meshes(pm: nn.Module) -> Callable[[torch.device], Optional[DeviceMesh]]:
         if pm._world_size == 1 or pm._group_name is None:
             return None
         if device.type not in made:
-            made[device.type] = DeviceMesh.from_group(_resolve_process_group(pm._group_name), device.type)
+            made[device.type] = DeviceMesh.from_group(resolve_group(pm._group_name), device.type)
         return made[device.type]
 
     return mesh

@@ -20,11 +20,11 @@ from torch.fx import GraphModule
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from fxtp.core import activations, collectives, rng
-from fxtp.runtime import checkpoint, generation, layout
+from fxtp.runtime import checkpoint, clipping, generation, layout, sharded
 from fxtp.runtime.variants import SizeGraphs, differs_in_zero_one
 from fxtp.capture.frontends import written_state
 from fxtp.core.errors import FxtpInputError, FxtpRuntimeError
-from fxtp.core.placement import REPLICATE, Placement, shard_tensor
+from fxtp.core.placement import REPLICATE, Placement, Shard, shard_tensor
 from fxtp.explain.report import Report, parameter_placements
 from fxtp.capture.shapes import InputSpec, check_inputs, input_specs
 from passes.plan import ShardingPlan
@@ -89,7 +89,10 @@ class ParallelModule(nn.Module):
         report: why each layer got its style (:class:`fxtp.Report`).
         plan: ``{layer: style}``, valid as ``fxtp.compile(..., plan=)``.
         placements: ``{parameter FQN: Placement}``; a ``Shard`` parameter holds this rank's
-            slice (``fxtp.core.placement.shard_tensor`` of the full one).
+            slice (``fxtp.core.placement.shard_tensor`` of the full one) as a
+            ``fxtp.runtime.sharded.ShardedParameter``, on which whole-tensor computations
+            (``torch.nn.utils.clip_grad_norm_``, norms, GradScaler's found-inf) are exact over
+            the group (NOTE: [sharded parameters]); :meth:`clip_grad_norm_` clips in one all_reduce.
 
     Checkpoints (``fxtp.runtime.checkpoint``): :meth:`full_state_dict`, :meth:`load_full_state_dict`,
     :meth:`load_safetensors`. ``state_dict()`` values carry their global layout for
@@ -157,7 +160,7 @@ class ParallelModule(nn.Module):
                     key = (id(full), str(placement))
                     if key not in self._shared:
                         local = shard_tensor(full, placement, self._rank, self._world_size)
-                        self._shared[key] = nn.Parameter(local, requires_grad=full.requires_grad)
+                        self._shared[key] = self._parameter(spec.target, local, placement, full.requires_grad)
                     self._register(spec.target, self._shared[key])
                     self.placements[spec.target] = placement
                 elif spec.target not in self.placements:
@@ -185,6 +188,14 @@ class ParallelModule(nn.Module):
             else:
                 raise FxtpInputError(f"fxtp does not support graph inputs of kind {spec.kind.name} ({spec.arg.name})")
         return inputs
+
+    def _parameter(self, fqn: str, local: torch.Tensor, placement: Placement, requires_grad: bool) -> nn.Parameter:
+        """A ``ShardedParameter`` for a sharded one in a process group (NOTE: [sharded parameters]),
+        else a plain ``nn.Parameter``."""
+        if isinstance(placement, Shard) and self._world_size > 1 and self._group_name is not None:
+            layout = sharded.ShardLayout(fqn, placement, self._group_name, self._world_size)
+            return sharded.ShardedParameter(local, requires_grad, layout)
+        return nn.Parameter(local, requires_grad=requires_grad)
 
     def _local_state(self, placeholder: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's copy of a buffer or constant: its shard where the plan stores it sharded
@@ -305,7 +316,7 @@ class ParallelModule(nn.Module):
             self._check_generators(inputs)
         try:
             with activations.saved_tensors(regather=graph.regathers):
-                outputs = graph.gm(*inputs)
+                outputs = graph.gm(*sharded.plain_inputs(inputs))
         except IndexError as exc:  # a lookup the single device would refuse too (ids, positions)
             raise FxtpInputError(
                 f"rank {self._rank}: an index in the inputs is out of range: {str(exc).splitlines()[0]}. fix: keep "
@@ -400,6 +411,13 @@ class ParallelModule(nn.Module):
         model compiled on ``meta``); returns the bytes read. See :func:`fxtp.runtime.checkpoint.load_safetensors`.
         """
         return checkpoint.load_safetensors(self, path, device=device, extra=extra)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False,
+                        foreach: Optional[bool] = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`` with the single device's norm,
+        in one all_reduce (also under FSDP2 on a data-parallel mesh: the norm over both dims). A
+        collective. See :func:`fxtp.runtime.clipping.clip_grad_norm_`."""
+        return clipping.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer.state_dict()`` (and so ``get_optimizer_state_dict``) carry the layouts

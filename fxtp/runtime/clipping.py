@@ -1,0 +1,122 @@
+"""``pm.clip_grad_norm_``: gradient clipping by the single device's total norm, in one all_reduce.
+
+``torch.nn.utils.clip_grad_norm_(pm.parameters(), ...)`` is exact too (NOTE: [sharded
+parameters] in fxtp/runtime/sharded.py), but it all_reduces once per sharded parameter and,
+after FSDP2's ``fully_shard`` (whose DTensor parameters span the data-parallel mesh only), it
+would miss the tensor-parallel dim. :func:`clip_grad_norm_` sums every rank's share once:
+
+* a tensor-parallel shard counts on every rank (its elements are on that rank only);
+* a replicated parameter counts on tensor-parallel rank 0 only (every rank holds it);
+* under FSDP2 each rank counts its data-parallel block of the above, and the one all_reduce
+  spans the data-parallel x tensor-parallel ranks (the default group, which must be exactly those).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fxtp.core.errors import FxtpConfigError
+from fxtp.core.placement import REPLICATE, Shard
+from fxtp.runtime.sharded import local_tensor, resolve_group
+
+__all__ = ["clip_grad_norm_"]
+
+
+def _group(pm: nn.Module, grads: list[torch.Tensor]) -> Optional[dist.ProcessGroup]:
+    """The group the total norm is reduced over: the tensor-parallel one, or, under FSDP2, the
+    default group when it holds exactly the data-parallel x tensor-parallel ranks."""
+    tp = pm._world_size if pm._group_name is not None else 1
+    dp = max((g.device_mesh.size() for g in grads if isinstance(g, DTensor)), default=1)
+    if dp == 1:
+        return resolve_group(pm._group_name) if tp > 1 else None
+    if dist.get_world_size() != dp * tp:
+        raise FxtpConfigError(
+            f"pm.clip_grad_norm_ under FSDP2: the data-parallel mesh ({dp} ranks) times the tensor-parallel group "
+            f"({tp} ranks) is not the default group ({dist.get_world_size()} ranks), so one all_reduce cannot sum "
+            "the norm over both dims. fix: run dp x tp as the whole job (init_device_mesh over every rank)"
+        )
+    return dist.group.WORLD
+
+
+def clip_grad_norm_(pm: nn.Module, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False,
+                    foreach: Optional[bool] = None) -> torch.Tensor:
+    """Scale the gradients of ``pm.parameters()`` in place so their total norm is at most
+    ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does on the single-device model.
+
+    A collective: every rank of the group calls it. Exactly one all_reduce (sum, or max for the
+    inf norm) of one scalar; replicated parameters are counted once; parameters without a
+    gradient are skipped.
+
+    Args:
+        pm: a ``ParallelModule`` (optionally wrapped in place by DDP or FSDP2's ``fully_shard``).
+        max_norm: the largest total norm kept.
+        norm_type: the p of the p-norm (``float('inf')`` for the max norm).
+        error_if_nonfinite: raise if the total norm is nan or inf (as torch).
+        foreach: use the ``_foreach`` kernels (``None``: where the device has them).
+
+    Returns:
+        The total norm of the gradients (before clipping), a 0-dim tensor, equal on every rank.
+
+    Raises:
+        RuntimeError: ``error_if_nonfinite`` and the norm is not finite (torch's error).
+        FxtpConfigError: FSDP2 on a data-parallel mesh that, with the tensor-parallel group, does
+            not make up the default group.
+    """
+    norm_type = float(norm_type)
+    grads, counted = [], []
+    for fqn, p in pm.named_parameters():
+        if p.grad is None:
+            continue
+        grad = p.grad
+        grads.append(grad.to_local() if isinstance(grad, DTensor) else local_tensor(grad))
+        if isinstance(pm.placements.get(fqn, REPLICATE), Shard) or pm._rank == 0:
+            counted.append(grads[-1])
+    group = _group(pm, [p.grad for p in pm.parameters() if p.grad is not None])
+    device = grads[0].device if grads else torch.device("cpu")
+    norms: list[torch.Tensor] = []
+    for tensors in _by_device(counted).values():
+        if foreach is not False:
+            norms.extend(n.to(device) for n in torch._foreach_norm(tensors, norm_type))
+        else:
+            norms.extend(torch.linalg.vector_norm(t, norm_type).to(device) for t in tensors)
+    norms = [n.float() for n in norms]
+    if norm_type == math.inf:
+        share = torch.stack(norms).max() if norms else torch.zeros((), device=device)
+        op = dist.ReduceOp.MAX
+    else:
+        share = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=device)
+        op = dist.ReduceOp.SUM
+    if group is not None:
+        dist.all_reduce(share, op=op, group=group)
+    total = share if norm_type in (math.inf, 0.0) else share.pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+            "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False`"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for tensors in _by_device(grads).values():
+            scale = coef.to(tensors[0].device)
+            if foreach is not False:
+                torch._foreach_mul_(tensors, scale)
+            else:
+                for t in tensors:
+                    t.mul_(scale)
+    return total
+
+
+def _by_device(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """``tensors`` grouped by device and dtype, as the ``_foreach`` kernels take them."""
+    out: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        out[t.device, t.dtype].append(t)
+    return out

@@ -1,0 +1,366 @@
+"""Training loops as users write them, on real gloo ranks (world sizes 2 and 4), against the
+single-device model (NOTE: [sharded parameters] in fxtp/runtime/sharded.py).
+
+torch's own utilities are called on ``pm.parameters()`` as on the model: clipping inside SGD and
+AdamW loops, ``clip_grad_value_``, ``get_total_norm``, parameter norms, weight decay, an EMA,
+``torch.amp.GradScaler`` with an overflow in one rank's shard, a Muon-like optimizer, bf16
+autocast, bf16 parameters with fp32 master weights, gradient accumulation, and FSDP2 x TP
+clipping.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fxtp
+from fxtp.core.placement import Shard, local_ranges, shard_tensor
+from fxtp.runtime.sharded import ShardedParameter, local_tensor
+
+
+class Block(nn.Module):
+    """Fused Q|K|V (segments), a LayerNorm (replicated) and an MLP whose hidden width 30 is
+    uneven at world size 4 (front-loaded units)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        # no in_proj bias: the key bias's gradient is zero up to rounding (softmax ignores a shift),
+        # which Adam would scale up to lr-sized steps of noise on either side
+        self.attn = nn.MultiheadAttention(16, 4, batch_first=True, bias=False)
+        self.fc1, self.fc2 = nn.Linear(16, 30), nn.Linear(30, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+def _block(seed: int = 0) -> Block:
+    torch.manual_seed(seed)
+    return Block()
+
+
+X = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(1))
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return (out.float() ** 2).mean()
+
+
+class C10dCounter(TorchDispatchMode):
+    """Counts the c10d collectives (``dist.all_reduce`` and friends) dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            self.calls.append(func._opname)
+        return func(*args, **(kwargs or {}))
+
+
+def _assert_params_match(pm: fxtp.ParallelModule, ref: nn.Module, what: str, **tol) -> None:
+    """Every rank's tensors are its slices of the single device's: replicated ones equal the
+    full tensors on every rank (so they cannot drift apart)."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    for fqn, p in pm.named_parameters():
+        expected = shard_tensor(ref.get_parameter(fqn).detach(), pm.placements[fqn], rank, ws)
+        torch.testing.assert_close(local_tensor(p).detach(), expected, **tol, msg=lambda m, fqn=fqn: f"{what} {fqn}: {m}")
+
+
+def _clipped_loop(optimizer: str, clip: str):
+    """3 steps of ``optimizer`` with gradient clipping ``clip`` ("torch": torch.nn.utils, "pm":
+    pm.clip_grad_norm_) by a max_norm that clips every step; the norms and the parameters after
+    each step against the single device."""
+    ref, ws = _block(), dist.get_world_size()
+    pm = fxtp.compile(copy.deepcopy(ref), ws, (X,))
+    sharded = {fqn for fqn, p in pm.named_parameters() if isinstance(p, ShardedParameter)}
+    assert {"attn.in_proj_weight", "fc1.weight"} <= sharded and "norm.weight" not in sharded
+    if ws == 4:
+        assert not pm.placements["fc1.weight"].divisible(ws)  # the uneven case
+    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9),
+            "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1)}[optimizer]
+    opt, ref_opt = make(pm.parameters()), make(ref.parameters())
+    norms, collectives = [], []
+    for step in range(3):
+        _loss(pm(X)).backward()
+        _loss(ref(X)).backward()
+        expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        with C10dCounter() as counter:
+            if clip == "torch":
+                got = torch.nn.utils.clip_grad_norm_(pm.parameters(), 0.05)
+            else:
+                got = pm.clip_grad_norm_(0.05)
+        collectives.append(len(counter.calls))
+        assert float(expected) > 0.05  # it clips
+        torch.testing.assert_close(got, expected, msg=lambda m, step=step: f"step {step} norm: {m}")
+        norms.append(float(got))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        _assert_params_match(pm, ref, f"{optimizer} step {step}")
+    return norms, collectives, len(sharded)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("clip", ["torch", "pm"])
+def test_clipping_inside_the_optimizer_loop_matches_one_device(pool, optimizer, clip):
+    results = pool.run(_clipped_loop, optimizer, clip)
+    norms = [n for n, _, _ in results]
+    assert all(n == norms[0] for n in norms)  # every rank clips by the same coefficient
+    for _, collectives, sharded in results:
+        # pm.clip_grad_norm_: one all_reduce; torch's: one per sharded parameter (slow path)
+        assert collectives == ([1] * 3 if clip == "pm" else [sharded] * 3)
+
+
+def _whole_tensor_utilities():
+    """clip_grad_value_, get_total_norm (2 and inf), a norm of the parameters, sums/means/max of
+    gradients, an EMA of the parameters, and matrix transforms refused."""
+    ref, ws = _block(), dist.get_world_size()
+    pm = fxtp.compile(copy.deepcopy(ref), ws, (X,))
+    _loss(pm(X)).backward()
+    _loss(ref(X)).backward()
+    grads, ref_grads = [p.grad for p in pm.parameters()], [p.grad for p in ref.parameters()]
+    for norm_type in (2.0, 1.0, math.inf, 3.0):
+        torch.testing.assert_close(torch.nn.utils.get_total_norm(grads, norm_type),
+                                   torch.nn.utils.get_total_norm(ref_grads, norm_type), msg=f"get_total_norm {norm_type}")
+    torch.testing.assert_close(torch.nn.utils.get_total_norm(grads, 2.0, foreach=True),
+                               torch.nn.utils.get_total_norm(ref_grads, 2.0))
+    for fqn, p in pm.named_parameters():
+        full = ref.get_parameter(fqn)
+        for got, want in ((p.norm(), full.norm()), (torch.linalg.vector_norm(p, 3), torch.linalg.vector_norm(full, 3)),
+                          (p.grad.sum(), full.grad.sum()), (p.grad.abs().max(), full.grad.abs().max()),
+                          (p.grad.mean(), full.grad.mean()), (p.detach().float().pow(2).sum(), full.detach().pow(2).sum())):
+            torch.testing.assert_close(got, want, msg=fqn)
+    torch.nn.utils.clip_grad_value_(pm.parameters(), 1e-3)
+    torch.nn.utils.clip_grad_value_(ref.parameters(), 1e-3)
+    ema, ref_ema = [p.detach().clone() for p in pm.parameters()], [p.detach().clone() for p in ref.parameters()]
+    with torch.no_grad():
+        for params, opt_of in ((pm, ema), (ref, ref_ema)):
+            torch.optim.SGD(params.parameters(), lr=1.0).step()
+            torch._foreach_lerp_(opt_of, list(params.parameters()), 0.1)
+    _assert_params_match(pm, ref, "after clip_grad_value_")
+    for fqn, e, r in zip(dict(pm.named_parameters()), ema, ref_ema):
+        torch.testing.assert_close(torch.linalg.vector_norm(e), torch.linalg.vector_norm(r), msg=f"EMA {fqn}")
+    g = pm.get_parameter("fc1.weight").grad
+    refused = []
+    for transform in (lambda: g @ g.T, lambda: torch.linalg.svd(g), lambda: g.sum(dim=0), lambda: g[0],
+                      lambda: torch.cat([g.flatten(), pm.get_parameter("norm.weight").grad])):
+        with pytest.raises(fxtp.FxtpRuntimeError, match="'fc1.weight'") as info:
+            transform()
+        refused.append(str(info.value).split(" on ")[0])
+    return refused
+
+
+def test_whole_tensor_utilities_are_exact_or_refused(pool):
+    for refused in pool.run(_whole_tensor_utilities):
+        assert refused == ["matmul", "linalg_svd", "sum", "__getitem__", "cat"]
+
+
+def _grad_scaler():
+    """fp16-style loss scaling where the only overflow lies in the last rank's rows of
+    fc1.weight's gradient: every rank skips that step, halves the scale, then steps twice."""
+    ref, ws, rank = _block(), dist.get_world_size(), dist.get_rank()
+    pm = fxtp.compile(copy.deepcopy(ref), ws, (X,))
+    placement = pm.placements["fc1.weight"]
+    assert isinstance(placement, Shard) and placement.dim == 0
+    row, local_row = None, None
+    start, length = local_ranges(placement, ws - 1, ws)[0]
+    row = start + length - 1  # a row only the last rank holds
+    if rank == ws - 1:
+        local_row = length - 1
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), lr=0.05), torch.optim.AdamW(ref.parameters(), lr=0.05)
+    scaler, ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10), torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scales = []
+    for step in range(3):
+        scaler.scale(_loss(pm(X))).backward()
+        ref_scaler.scale(_loss(ref(X))).backward()
+        if step == 0:
+            with torch.no_grad():
+                ref.fc1.weight.grad[row, 0] = math.inf
+                if local_row is not None:
+                    local_tensor(pm.get_parameter("fc1.weight").grad)[local_row, 0] = math.inf
+        scaler.unscale_(opt)
+        ref_scaler.unscale_(ref_opt)
+        pm.clip_grad_norm_(1.0)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        scaler.step(opt)
+        ref_scaler.step(ref_opt)
+        scaler.update()
+        ref_scaler.update()
+        scales.append((scaler.get_scale(), ref_scaler.get_scale()))
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        _assert_params_match(pm, ref, f"GradScaler step {step}")
+    return scales
+
+
+def test_grad_scaler_skips_on_every_rank_when_one_shard_overflows(pool):
+    for scales in pool.run(_grad_scaler):
+        assert scales == [(512.0, 512.0), (512.0, 512.0), (512.0, 512.0)]
+
+
+def _newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Muon's orthogonalization (Jordan et al. 2024): quintic Newton-Schulz iterations."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g / (g.norm() + 1e-7)
+    for _ in range(steps):
+        s = x @ x.T
+        x = a * x + (b * s + c * s @ s) @ x
+    return x
+
+
+class Muon(torch.optim.Optimizer):
+    """A minimal Muon-like optimizer: 2-D parameters step along their orthogonalized gradient."""
+
+    def __init__(self, params, lr: float = 0.02) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    update = _newton_schulz(p.grad) if p.dim() == 2 else p.grad
+                    p.add_(update, alpha=-group["lr"])
+
+
+def _muon():
+    ref, ws = _block(), dist.get_world_size()
+    pm = fxtp.compile(copy.deepcopy(ref), ws, (X,))
+    _loss(pm(X)).backward()
+    with pytest.raises(fxtp.FxtpRuntimeError, match="matmul on a tensor made from parameter 'attn.in_proj_weight'") as info:
+        Muon(pm.parameters()).step()
+    assert "plan={'attn.in_proj_weight': 'replicate'}" in str(info.value)
+    # what the message advises: Muon on the replicated matrices, AdamW on the sharded ones
+    replicated = fxtp.compile(copy.deepcopy(ref), ws, (X,), plan={"fc1": "replicate", "fc2": "replicate"})
+    muon_ref = copy.deepcopy(ref)
+    for module in (replicated, muon_ref):
+        module.zero_grad()
+        _loss(module(X)).backward()
+    Muon([replicated.get_parameter("fc1.weight"), replicated.get_parameter("fc2.weight")]).step()
+    Muon([muon_ref.fc1.weight, muon_ref.fc2.weight]).step()
+    for fqn in ("fc1.weight", "fc2.weight"):
+        torch.testing.assert_close(replicated.get_parameter(fqn).detach(), muon_ref.get_parameter(fqn).detach(), msg=fqn)
+    return True
+
+
+def test_whole_matrix_optimizers_raise_on_shards_and_match_on_replicated_matrices(pool):
+    assert all(pool.run(_muon))
+
+
+def _low_precision():
+    """bf16 autocast; bf16 parameters with fp32 master weights; gradient accumulation over 2
+    micro-batches: 3 steps each against the single device, within bf16 tolerance."""
+    ws = dist.get_world_size()
+    bf16 = {"rtol": 2e-2, "atol": 2e-2}
+    # bf16 autocast, clipping, AdamW
+    ref = _block()
+    pm = fxtp.compile(copy.deepcopy(ref), ws, (X,))
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), lr=0.01), torch.optim.AdamW(ref.parameters(), lr=0.01)
+    for step in range(3):
+        outs = []
+        for module, o in ((pm, opt), (ref, ref_opt)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                outs.append(module(X))
+            _loss(outs[-1]).backward()
+            torch.nn.utils.clip_grad_norm_(module.parameters(), 0.5)
+            o.step()
+            o.zero_grad()
+        torch.testing.assert_close(outs[0], outs[1], **bf16)
+        with torch.no_grad():  # the rank graph ran in bf16: far from its float32 output
+            assert (outs[0] - pm(X)).abs().max() > 1e-4
+        _assert_params_match(pm, ref, f"autocast step {step}", **bf16)
+    # bf16 parameters, fp32 master weights
+    ref = _block().to(torch.bfloat16)
+    pm = fxtp.compile(copy.deepcopy(ref), ws, (X.bfloat16(),))
+    results = []
+    for module in (pm, ref):
+        master = [p.detach().float() for p in module.parameters()]
+        opt = torch.optim.SGD(master, lr=0.5)  # linear in the gradients (Adam would scale bf16 noise up to lr)
+        for _ in range(3):
+            _loss(module(X.bfloat16())).backward()
+            for m, p in zip(master, module.parameters()):
+                m.grad = p.grad.float()
+                p.grad = None
+            torch.nn.utils.clip_grad_norm_(master, 0.5)
+            opt.step()
+            with torch.no_grad():
+                for m, p in zip(master, module.parameters()):
+                    p.copy_(m)
+        results.append(dict(zip(dict(module.named_parameters()), master)))
+    for fqn, m in results[0].items():
+        expected = shard_tensor(results[1][fqn], pm.placements[fqn], dist.get_rank(), ws)
+        torch.testing.assert_close(local_tensor(m), expected, **bf16, msg=lambda msg, fqn=fqn: f"master {fqn}: {msg}")
+    # gradient accumulation over micro-batches (fp32: exact up to summation order)
+    ref = _block()
+    pm = fxtp.compile(copy.deepcopy(ref), ws, (X[:2],))
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(3):
+        for micro in X.chunk(2):
+            _loss(pm(micro)).div(2).backward()
+        _loss(ref(X)).backward()
+        torch.testing.assert_close(pm.clip_grad_norm_(0.1), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        _assert_params_match(pm, ref, f"accumulation step {step}")
+    return True
+
+
+def test_bf16_master_weights_and_accumulation_match_one_device(pool):
+    assert all(pool.run(_low_precision))
+
+
+def _fsdp_tp_clipping():
+    """fxtp on mesh["tp"], FSDP2 on mesh["dp"]: pm.clip_grad_norm_ is the global batch's norm
+    (over both dims) in one all_reduce; 3 clipped AdamW steps match the single device."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    ref = _block()
+    local = X.chunk(2)[dp_rank]
+    pm = fxtp.compile(copy.deepcopy(ref), 2, (local,), group=mesh["tp"])
+    fully_shard(pm, mesh=mesh["dp"])
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), lr=0.05), torch.optim.AdamW(ref.parameters(), lr=0.05)
+    calls = []
+    for step in range(3):
+        _loss(pm(local)).backward()  # FSDP2 averages over dp: the global batch's mean
+        _loss(ref(X)).backward()
+        with C10dCounter() as counter:
+            got = pm.clip_grad_norm_(0.05)
+        calls.append(counter.calls)
+        torch.testing.assert_close(got, torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05), msg=f"step {step}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    full = pm.full_state_dict()
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(full[key], value, msg=lambda m, key=key: f"{key}: {m}")
+    return calls
+
+
+def test_fsdp2_x_tp_clipping_is_the_norm_over_both_dims(rank_pools):
+    for calls in rank_pools(4).run(_fsdp_tp_clipping):
+        assert calls == [["allreduce_"]] * 3
+
+
+def test_the_fuzzers_property_holds_with_clipping_in_the_loop(pool):
+    """The differential fuzzer's property (test_fuzz.py) on a spec that draws ``clip``: MHA-style
+    attention and an MLP whose width 10 is sharded at world size 2 and replicated at 4."""
+    from fuzz_check import check_outcomes, differential
+    from fuzz_models import Attn, Mlp, Spec
+
+    spec = Spec(hidden=16, blocks=(Attn(heads=4, kv_heads=4), Mlp(ffn=10)), clip=True)
+    check_outcomes(spec, pool.run(differential, spec))
