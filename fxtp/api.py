@@ -142,7 +142,7 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
     pm._call_defaults = defaults
     bind_state_keys(pm, model)
     if not kv_heads and (dynamic_shapes is not None or dynamic):  # NOTE: [size-1 graphs] in fxtp/runtime/variants.py
-        pm._size_graphs = _size_graphs(model, ws, captured.frontend, plan, rank, group_name,
+        pm._size_graphs = _size_graphs(model, ws, captured.frontend, (report.plan, plan), rank, group_name,
                                        parameter_placements(program, sharding), sequence)
     pm._generation = generation_for(model, _compile_decoder)  # NOTE: [generation]
     return pm
@@ -209,20 +209,29 @@ def _check_same_shards(want: Mapping[str, Any], program, sharding: ShardingPlan,
             )
 
 
-def _size_graphs(model, ws, how, plan, rank, group_name, want, sequence) -> Optional[SizeGraphs]:
+def _size_graphs(model, ws, how, plans, rank, group_name, want, sequence) -> Optional[SizeGraphs]:
     """What makes the graphs for sizes 0 and 1 on first use (NOTE: [size-1 graphs] in
-    fxtp/runtime/variants.py): the pipeline above on the model's ``meta`` copy."""
+    fxtp/runtime/variants.py): the pipeline above on the model's ``meta`` copy. ``plans``: the
+    plans to try in order, the compiled graph's layer styles first (a layer the compiled graph
+    kept replicated stays so), then the user's ``plan=``."""
     copied = meta_copy(model)
     if copied is None:
         return None
 
     def build(meta_model: nn.Module, args: tuple, kwargs: dict, mode: str):
-        flags = contextlib.nullcontext() if mode == "mixed" else _in_mode(meta_model, mode == "train")
-        with flags:
-            captured, sharding, _ = _analyze(meta_model, ws, args, kwargs, how, plan, rank, auto_dynamic_shapes(args, kwargs),
-                                             report=False, sequence=sequence)
-        _check_same_shards(want, captured.program, sharding, "for these input sizes", "call with the compiled sizes")
-        return captured.program, _rewrite(captured.program, sharding, ws, rank, group_name)
+        error: Optional[FxtpPlanError] = None
+        for plan in plans:
+            try:
+                with contextlib.nullcontext() if mode == "mixed" else _in_mode(meta_model, mode == "train"):
+                    captured, sharding, _ = _analyze(meta_model, ws, args, kwargs, how, plan, rank,
+                                                     auto_dynamic_shapes(args, kwargs), report=False, sequence=sequence)
+                _check_same_shards(want, captured.program, sharding, "for these input sizes", "call with the compiled sizes")
+            except FxtpPlanError as exc:  # e.g. a layer name of the compiled graph this graph lacks
+                error = error or exc
+                continue
+            return captured.program, _rewrite(captured.program, sharding, ws, rank, group_name)
+        raise error
+
 
     return SizeGraphs(copied, build)
 

@@ -82,6 +82,51 @@ def test_batch_of_one_with_sequence_parallel(rank_pools):
         assert kept == 1 and "dim 0 at 1" in notes[0], notes
 
 
+class _BranchOnLength(torch.nn.Module):
+    """Shared case 12's kind: the model's Python branches on the length. At a length above 1 a
+    softmax over the features keeps ``up`` replicated; at 1 the branch is gone and a plan of
+    its own would shard ``up`` and ``down``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = self.up(x)
+        if h.shape[1] > 1:
+            h = h.softmax(-1)
+        return self.down(h)
+
+
+def _branch_on_length(shapes: list[tuple[int, int]]):
+    """Compile at (2, 8) and call at each of ``shapes``: outputs and gradients equal the single
+    device's; returns the compiled plan and the parameter placements."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _BranchOnLength()
+    ref = copy.deepcopy(model)
+    pm = fxtp.compile(model, ws, (torch.randn(2, 8, 16),))
+    for shape in shapes:
+        x = torch.randn(*shape, 16, generator=torch.Generator().manual_seed(sum(shape)))
+        out, ref_out = pm(x), ref(x)
+        torch.testing.assert_close(out, ref_out, msg=lambda m: f"{shape}: {m}")
+        out.square().sum().backward()
+        ref_out.square().sum().backward()
+        for fqn, p in pm.named_parameters():
+            want = shard_tensor(ref.get_parameter(fqn).grad, pm.placements[fqn], rank, ws)
+            torch.testing.assert_close(p.grad, want, msg=lambda m: f"{shape}, gradient of {fqn}: {m}")
+            p.grad = ref.get_parameter(fqn).grad = None
+    return pm.report.plan, len(pm._size_graphs.graphs)
+
+
+def test_a_size_one_graph_keeps_the_compiled_styles(rank_pools):
+    """A graph for sequence 1 whose own plan would shard what the compiled graph keeps
+    replicated runs with the compiled graph's layer styles (one set of shards), exactly."""
+    for plan, kept in rank_pools(2).run(_branch_on_length, [(2, 1), (1, 1), (3, 4)]):
+        assert plan["up"] == "replicate", plan
+        assert kept == 2
+
+
 def test_a_size_the_model_refuses_is_still_an_input_error():
     """Only sizes 0 and 1 get a graph of their own; a static dim stays static."""
     model, (x,) = examples.mlp(0)
