@@ -18,12 +18,14 @@ from fxtp.capture.frontends import FRONTENDS, Captured, auto_dynamic_shapes, cap
 from fxtp.runtime.checkpoint import bind_state_keys
 from fxtp.core.errors import FxtpConfigError, FxtpInputError, FxtpPlanError
 from fxtp.runtime.generation import generation_for
+from fxtp.explain.recompute import add_recompute
 from fxtp.explain.report import Report, build_report, parameter_placements
 from fxtp.core.rng import draws_random, sync_generators
 from fxtp.runtime.module import ParallelModule
 from fxtp.capture.shapes import input_specs, specialized_shapes
 from passes.dynamic import plan_symbols
 from passes.kv_heads import keep_needed_kv_heads
+from passes.checkpointing import MODES as CHECKPOINTING, checkpoint_regions, recompute_regions, repeated_blocks
 from passes.normalize import normalize
 from passes.partial import defer_reductions
 from passes.plan import STYLES, ShardingPlan, plan_sharding
@@ -48,6 +50,7 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
     dynamic: bool = True,
     dynamic_shapes: Any = None,
     sequence_parallel: bool = False,
+    activation_checkpointing: Optional[str] = None,
 ) -> ParallelModule:
     """Turn ``model`` into this rank's part of a ``world_size``-way tensor-parallel model.
 
@@ -77,6 +80,12 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
             becomes a reduce_scatter and each colwise entry an all_gather (the same bytes), and
             a rank keeps 1/world_size of those activations (NOTE: [sequence parallelism] in
             passes/sequence.py). Token counts must divide world_size (else ``FxtpInputError``).
+        activation_checkpointing: ``None`` (default): the model's own ``torch.utils.checkpoint``
+            regions, if any, are recomputed in backward; ``"blocks"``: every repeated block (a
+            child of the model's largest ``nn.ModuleList``) is, as torchtitan's ``apply_ac``
+            full mode; ``"selective"``: per block, matmul and attention outputs are saved and
+            the rest recomputed (torchtitan's op-level selective mode). NOTE: [recomputed
+            regions] in fxtp/core/recompute.py; the report lists the regions.
 
     Returns:
         A :class:`ParallelModule`: same call signature and outputs as ``model``. Its
@@ -97,11 +106,13 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
         print(pm.report)
     """
     return _compile(model, world_size, example_inputs, example_kwargs, rank, group, capture, plan, dynamic, dynamic_shapes,
-                    modes=("train", "eval"), sequence=_check_flag("sequence_parallel", sequence_parallel))
+                    modes=("train", "eval"), sequence=_check_flag("sequence_parallel", sequence_parallel),
+                    checkpointing=_check_checkpointing(activation_checkpointing))
 
 
 def _compile(model, world_size, example_inputs, example_kwargs, rank, group, capture, plan, dynamic, dynamic_shapes, *,
-             modes: tuple[str, ...], sequence: bool = False, kv_heads: bool = False) -> ParallelModule:
+             modes: tuple[str, ...], sequence: bool = False, kv_heads: bool = False,
+             checkpointing: Optional[str] = None) -> ParallelModule:
     """``compile``, capturing the graphs of ``modes`` besides the model's own (NOTE: [modes]);
     a decoder for ``generate`` runs in eval mode only and needs no other, and keeps of its
     cache the kv heads each rank needs (``kv_heads``, passes/kv_heads.py)."""
@@ -113,7 +124,10 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
                                           kv_heads=kv_heads)
     program = captured.program
     start = time.perf_counter()
-    gm = _rewrite(program, sharding, ws, rank, group_name)
+    blocks = repeated_blocks(model)
+    regions = checkpoint_regions(program.graph, checkpointing, blocks, frozenset(captured.context_fns))
+    gm = recompute_regions(_rewrite(program, sharding, ws, rank, group_name), regions, captured.context_fns)
+    add_recompute(report, regions, gm)
     report.timings["rewrite_s"] = time.perf_counter() - start
     compiled = _mode_of(model)
     graphs = {compiled: (program, gm)}
@@ -121,7 +135,8 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
     start = time.perf_counter()
     for mode in modes:  # NOTE: [modes]
         if mode not in graphs:
-            other = _other_mode(model, mode, ws, args, kwargs, captured, plan, rank, shapes, group_name, program, sharding, sequence)
+            other = _other_mode(model, mode, ws, args, kwargs, captured, plan, rank, shapes, group_name, program, sharding, sequence,
+                                (checkpointing, blocks))
             same = other[1].code == gm.code and input_specs(other[0]) == input_specs(program)
             graphs[mode] = graphs[compiled] if same else other
             report.modes[mode] = "captured at compile" + (": the same graph" if same else ": its own graph")
@@ -177,7 +192,7 @@ def _in_mode(model: nn.Module, training: bool) -> Iterator[None]:
 
 
 def _other_mode(
-    model, mode, ws, args, kwargs, first: Captured, plan, rank, shapes, group_name, program, sharding, sequence
+    model, mode, ws, args, kwargs, first: Captured, plan, rank, shapes, group_name, program, sharding, sequence, recompute
 ) -> tuple[torch.export.ExportedProgram, torch.fx.GraphModule]:
     """Capture, plan and rewrite ``model`` in ``mode``; its parameters must be sharded as in
     the compiled mode's plan (NOTE: [modes])."""
@@ -191,7 +206,8 @@ def _other_mode(
                 f"{want[fqn]}: one set of shards cannot serve both. fix: pass plan= to force the layer's style, or "
                 "compile in the other mode"
             )
-    return captured.program, _rewrite(captured.program, other, ws, rank, group_name)
+    regions = checkpoint_regions(captured.program.graph, *recompute, frozenset(captured.context_fns))
+    return captured.program, recompute_regions(_rewrite(captured.program, other, ws, rank, group_name), regions, captured.context_fns)
 
 
 def _rewrite(program, sharding: ShardingPlan, ws: int, rank: int, group_name: Optional[str]) -> torch.fx.GraphModule:
@@ -290,6 +306,12 @@ def _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes, sequence:
 def _check_flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise FxtpConfigError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _check_checkpointing(value: Any) -> Optional[str]:
+    if value is not None and value not in CHECKPOINTING:
+        raise FxtpConfigError(f"activation_checkpointing must be None, {' or '.join(map(repr, CHECKPOINTING))}, got {value!r}")
     return value
 
 
