@@ -32,15 +32,18 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
+from fxtp.core import collectives, rng
 from fxtp.core.errors import FxtpConfigError
 from fxtp.core.recompute import TAG, Recompute, selective_context
 
 __all__ = ["Region", "MODES", "checkpoint_regions", "recompute_regions", "region_of", "repeated_blocks"]
 
 MODES = ("blocks", "selective")
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -156,13 +159,37 @@ def _context(region: Region, context_fns: dict[int, Callable[[], Any]]) -> Optio
 
 
 def _span(gm: GraphModule, region: Region, regions: tuple[Region, ...]) -> list[Node]:
+    """The rank graph's ops from the region's first to its last. An op among them that is not
+    the region's and reads only values from before it (the reduce_scatter of an embedding's
+    partial sums, and the block's cast that NOTE: [deferred reduction] put before it; a slice of
+    a parameter) moves ahead of the region instead: as an input its operand would be saved
+    whole where its result is a shard. Random ops stay, so the generator draws in the captured
+    order."""
     nodes = list(gm.graph.nodes)
     where = [i for i, n in enumerate(nodes) if region_of(n, regions) is region]
     if not where:
         return []
-    span = [n for n in nodes[where[0]:where[-1] + 1] if n.op == "call_function"]
-    assert all(region_of(n, regions) in (None, region) for n in span), f"fxtp internal error: region {region.name} interleaves another"
+    span: list[Node] = []
+    for node in nodes[where[0]:where[-1] + 1]:
+        if node.op != "call_function":
+            continue
+        owner = region_of(node, regions)
+        assert owner in (None, region), f"fxtp internal error: region {region.name} interleaves {owner}"
+        inside = set(span)
+        hoist = owner is None or _cast_before_collective(node)  # NOTE: [deferred reduction] moved it past the cast
+        if hoist and not _may_draw_random_node(node) and not any(i in inside for i in node.all_input_nodes):
+            if span:
+                span[0].prepend(node)
+            continue
+        span.append(node)
     return span
+
+
+_CASTS = frozenset({aten.to.dtype, aten._to_copy.default, aten.alias.default})
+
+
+def _cast_before_collective(node: Node) -> bool:
+    return node.target in _CASTS and all(getattr(u.target, "__module__", None) == collectives.__name__ for u in node.users)
 
 
 def _outline(gm: GraphModule, span: list[Node], name: str, context_fn: Optional[Callable[[], Any]], label: str) -> None:
@@ -181,7 +208,8 @@ def _outline(gm: GraphModule, span: list[Node], name: str, context_fn: Optional[
     for node in span:
         env[node] = body_graph.node_copy(node, lambda n: env[n])
     body_graph.output(tuple(env[n] for n in outputs))
-    gm.add_submodule(name, Recompute(GraphModule(gm, body_graph), context_fn, label))
+    preserve = _may_draw_random(body_graph)
+    gm.add_submodule(name, Recompute(GraphModule(gm, body_graph), context_fn, label, preserve_rng_state=preserve))
     graph = gm.graph
     with graph.inserting_before(span[0]):
         call = graph.call_module(name, tuple(inputs))
@@ -191,3 +219,17 @@ def _outline(gm: GraphModule, span: list[Node], name: str, context_fn: Optional[
         out.replace_all_uses_with(item, delete_user_cb=lambda user: user not in inside)
     for node in reversed(span):
         graph.erase_node(node)
+
+
+def _may_draw_random(graph: Any) -> bool:
+    """Whether a body may draw random numbers: an ATen op that does (``rng.is_random``), or any
+    call fxtp does not know to be deterministic (``fxtp.core.rng``'s draws on shards, emitted
+    local ops). Else ``torch.utils.checkpoint`` need not keep the generators' states (5 KiB on
+    the CPU per region)."""
+    return any(node.op == "call_function" and _may_draw_random_node(node) for node in graph.nodes)
+
+
+def _may_draw_random_node(node: Node) -> bool:
+    if node.target is operator.getitem or getattr(node.target, "__module__", None) == collectives.__name__:
+        return False
+    return not isinstance(node.target, torch._ops.OpOverload) or rng.is_random(node.target, node.args, node.kwargs)

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from fxtp.core import activations
+
 __all__ = ["Recompute", "SAVED_OPS", "TAG", "selective_context"]
 
 TAG = "fxtp_checkpoint"  # node.meta["custom"][TAG]: the user's checkpoint call the op belongs to
@@ -53,17 +55,24 @@ class Recompute(nn.Module):
         context_fn: ``torch.utils.checkpoint``'s ``context_fn`` (a selective policy), or
             ``None`` for the whole region.
         name: the region's name in the report.
+        preserve_rng_state: ``torch.utils.checkpoint``'s; ``False`` for a body that draws no
+            random numbers (the generators' states need not be kept).
     """
 
-    def __init__(self, body: nn.Module, context_fn: Optional[Callable[[], Any]] = None, name: str = "") -> None:
+    def __init__(self, body: nn.Module, context_fn: Optional[Callable[[], Any]] = None, name: str = "", *,
+                 preserve_rng_state: bool = True) -> None:
         super().__init__()
         self.body = body
         self.context_fn = context_fn
         self.region = name
+        self.preserve_rng_state = preserve_rng_state
 
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.body(*args)
         extra = {"context_fn": self.context_fn} if self.context_fn is not None else {}
-        return checkpoint(self.body, *args, use_reentrant=False, early_stop=False, **extra)
+        if self.preserve_rng_state:  # torch.utils.checkpoint keeps the CPU generator's state for backward
+            activations.count_held(torch.get_rng_state())
+        return checkpoint(self.body, *args, use_reentrant=False, early_stop=False,
+                          preserve_rng_state=self.preserve_rng_state, **extra)
 
