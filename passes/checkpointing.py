@@ -70,8 +70,8 @@ class Region:
 
 def repeated_blocks(model: nn.Module) -> tuple[str, ...]:
     """The FQNs of the children of ``model``'s largest ``nn.ModuleList`` (the first of the
-    largest), torchtitan's transformer blocks; ``()`` without a list of 2 or more."""
-    lists = [(len(m), fqn) for fqn, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
+    largest), torchtitan's transformer blocks; ``()`` without a non-empty list."""
+    lists = [(len(m), fqn) for fqn, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
         return ()
     size = max(n for n, _ in lists)

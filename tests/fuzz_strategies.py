@@ -134,4 +134,5 @@ def specs(draw: st.DrawFn, exclude: frozenset[str] = frozenset()) -> Spec:
         seq=draw(st.sampled_from((8, 4, 5))),
         seed=draw(st.integers(0, 3)),
         sequence_parallel=draw(_flag("sequence_parallel", exclude)),
+        checkpointing=draw(_pick("checkpointing", ("none", "user", "blocks", "selective"), exclude)),
     )

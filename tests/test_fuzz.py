@@ -45,3 +45,5 @@ def test_fxtp_equals_single_device_or_rejects(pool, spec):
         event("uneven shards")
     if spec.sequence_parallel:
         event("sequence_parallel=True")
+    if spec.checkpointing != "none":
+        event(f"checkpointing={spec.checkpointing}")
