@@ -6,7 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import time
-from typing import Any, Iterator, Mapping, Optional, Union
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -14,12 +14,14 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.export.graph_signature import InputKind
 
+from fxtp.arguments import Group, check_checkpointing, check_flag, check_inputs, check_plan, check_world_size, resolve_group
 from fxtp.capture.hf_defaults import call_defaults, spec_with_defaults
 # `_capture`: the frontend where an argument named `capture` (the user's choice) shadows it
 from fxtp.capture.frontends import FRONTENDS, Captured, auto_dynamic_shapes, capture, capture as _capture, written_state
 from fxtp.runtime.checkpoint import bind_state_keys
-from fxtp.core.errors import FxtpConfigError, FxtpInputError, FxtpPlanError
+from fxtp.core.errors import FxtpConfigError, FxtpPlanError
 from fxtp.runtime.generation import generation_for
+from fxtp.explain.recompute import add_recompute
 from fxtp.explain.report import Report, build_report, parameter_placements
 from fxtp.core.rng import draws_random, sync_generators
 from fxtp.runtime.module import ParallelModule
@@ -27,15 +29,15 @@ from fxtp.runtime.variants import SizeGraphs, meta_copy
 from fxtp.capture.shapes import input_specs, specialized_shapes
 from passes.dynamic import plan_symbols
 from passes.kv_heads import keep_needed_kv_heads
+from passes.checkpointing import checkpoint_regions, recompute_regions, repeated_blocks
 from passes.normalize import normalize
 from passes.partial import defer_reductions
-from passes.plan import STYLES, ShardingPlan, plan_sharding
+from passes.plan import ShardingPlan, plan_sharding
 from passes.rewrite import rewrite
 from passes.sequence import sequence_parallel
 
 __all__ = ["compile", "analyze", "plan_world_sizes"]
 
-Group = Union["dist.ProcessGroup", "torch.distributed.device_mesh.DeviceMesh", None]
 
 
 def compile(  # noqa: A001 - the name users expect, as torch.compile
@@ -51,6 +53,7 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
     dynamic: bool = True,
     dynamic_shapes: Any = None,
     sequence_parallel: bool = False,
+    activation_checkpointing: Optional[str] = None,
 ) -> ParallelModule:
     """Turn ``model`` into this rank's part of a ``world_size``-way tensor-parallel model.
 
@@ -80,6 +83,12 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
             becomes a reduce_scatter and each colwise entry an all_gather (the same bytes), and
             a rank keeps 1/world_size of those activations (NOTE: [sequence parallelism] in
             passes/sequence.py). Token counts must divide world_size (else ``FxtpInputError``).
+        activation_checkpointing: ``None`` (default): the model's own ``torch.utils.checkpoint``
+            regions, if any, are recomputed in backward; ``"blocks"``: every repeated block (a
+            child of the model's largest ``nn.ModuleList``) is, as torchtitan's ``apply_ac``
+            full mode; ``"selective"``: per block, matmul and attention outputs are saved and
+            the rest recomputed (torchtitan's op-level selective mode). NOTE: [recomputed
+            regions] in fxtp/core/recompute.py; the report lists the regions.
 
     Returns:
         A :class:`ParallelModule`: same call signature and outputs as ``model``. Its
@@ -100,26 +109,31 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
         print(pm.report)
     """
     return _compile(model, world_size, example_inputs, example_kwargs, rank, group, capture, plan, dynamic, dynamic_shapes,
-                    modes=("train", "eval"), sequence=_check_flag("sequence_parallel", sequence_parallel))
+                    modes=("train", "eval"), sequence=check_flag("sequence_parallel", sequence_parallel),
+                    checkpointing=check_checkpointing(activation_checkpointing))
 
 
 def _compile(model, world_size, example_inputs, example_kwargs, rank, group, capture, plan, dynamic, dynamic_shapes, *,
-             modes: tuple[str, ...], sequence: bool = False, kv_heads: bool = False) -> ParallelModule:
+             modes: tuple[str, ...], sequence: bool = False, kv_heads: bool = False,
+             checkpointing: Optional[str] = None) -> ParallelModule:
     """``compile``, capturing the graphs of ``modes`` besides the model's own (NOTE: [modes]);
     a decoder for ``generate`` runs in eval mode only and needs no other, and keeps of its
     cache the kv heads each rank needs (``kv_heads``, passes/kv_heads.py)."""
-    ws = _check_world_size(world_size)
-    args, kwargs = _check_inputs(model, example_inputs, example_kwargs)
+    ws = check_world_size(world_size)
+    args, kwargs = check_inputs(model, example_inputs, example_kwargs)
     defaults, left_out = call_defaults(model, kwargs)  # NOTE: [Hugging Face call defaults]
     kwargs |= defaults
-    group_name, rank = _resolve_group(ws, rank, group)
+    group_name, rank = resolve_group(ws, rank, group)
     shapes = _shapes_spec(args, kwargs, dynamic, spec_with_defaults(dynamic_shapes, defaults))
     captured, sharding, report = _analyze(model, ws, args, kwargs, capture, plan, rank, shapes, sequence=sequence,
                                           kv_heads=kv_heads)
     report.left_out = left_out
     program = captured.program
     start = time.perf_counter()
-    gm = _rewrite(program, sharding, ws, rank, group_name)
+    blocks = repeated_blocks(model)
+    regions = checkpoint_regions(program.graph, checkpointing, blocks, frozenset(captured.context_fns))
+    gm = recompute_regions(_rewrite(program, sharding, ws, rank, group_name), regions, captured.context_fns)
+    add_recompute(report, regions, gm)
     report.timings["rewrite_s"] = time.perf_counter() - start
     compiled = _mode_of(model)
     graphs = {compiled: (program, gm)}
@@ -127,7 +141,8 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
     start = time.perf_counter()
     for mode in modes:  # NOTE: [modes]
         if mode not in graphs:
-            other = _other_mode(model, mode, ws, args, kwargs, captured, plan, rank, shapes, group_name, program, sharding, sequence)
+            other = _other_mode(model, mode, ws, args, kwargs, captured, plan, rank, shapes, group_name, program, sharding, sequence,
+                                (checkpointing, blocks))
             same = other[1].code == gm.code and input_specs(other[0]) == input_specs(program)
             graphs[mode] = graphs[compiled] if same else other
             report.modes[mode] = "captured at compile" + (": the same graph" if same else ": its own graph")
@@ -143,7 +158,7 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
     bind_state_keys(pm, model)
     if not kv_heads and (dynamic_shapes is not None or dynamic):  # NOTE: [size-1 graphs] in fxtp/runtime/variants.py
         pm._size_graphs = _size_graphs(model, ws, captured.frontend, (report.plan, plan), rank, group_name,
-                                       parameter_placements(program, sharding), sequence)
+                                       parameter_placements(program, sharding), sequence, (checkpointing, blocks))
     pm._generation = generation_for(model, _compile_decoder)  # NOTE: [generation]
     return pm
 
@@ -187,7 +202,7 @@ def _in_mode(model: nn.Module, training: bool) -> Iterator[None]:
 
 
 def _other_mode(
-    model, mode, ws, args, kwargs, first: Captured, plan, rank, shapes, group_name, program, sharding, sequence
+    model, mode, ws, args, kwargs, first: Captured, plan, rank, shapes, group_name, program, sharding, sequence, recompute
 ) -> tuple[torch.export.ExportedProgram, torch.fx.GraphModule]:
     """Capture, plan and rewrite ``model`` in ``mode``; its parameters must be sharded as in
     the compiled mode's plan (NOTE: [modes])."""
@@ -195,7 +210,14 @@ def _other_mode(
         captured, other, _ = _analyze(model, ws, args, kwargs, first.frontend, plan, rank, shapes, report=False, sequence=sequence)
     _check_same_shards(parameter_placements(program, sharding), captured.program, other, f"in {mode} mode",
                        "compile in the other mode")
-    return captured.program, _rewrite(captured.program, other, ws, rank, group_name)
+    return captured.program, _recomputed(captured, other, ws, rank, group_name, recompute)
+
+
+def _recomputed(captured: Captured, sharding: ShardingPlan, ws: int, rank: int, group_name: Optional[str], recompute) -> torch.fx.GraphModule:
+    """The rank graph with its checkpointed regions recomputed in backward (NOTE: [recomputed
+    regions]); ``recompute``: ``(activation_checkpointing, the model's repeated blocks)``."""
+    regions = checkpoint_regions(captured.program.graph, *recompute, frozenset(captured.context_fns))
+    return recompute_regions(_rewrite(captured.program, sharding, ws, rank, group_name), regions, captured.context_fns)
 
 
 def _check_same_shards(want: Mapping[str, Any], program, sharding: ShardingPlan, where: str, alternative: str) -> None:
@@ -209,7 +231,7 @@ def _check_same_shards(want: Mapping[str, Any], program, sharding: ShardingPlan,
             )
 
 
-def _size_graphs(model, ws, how, plans, rank, group_name, want, sequence) -> Optional[SizeGraphs]:
+def _size_graphs(model, ws, how, plans, rank, group_name, want, sequence, recompute) -> Optional[SizeGraphs]:
     """What makes the graphs for sizes 0 and 1 on first use (NOTE: [size-1 graphs] in
     fxtp/runtime/variants.py): the pipeline above on the model's ``meta`` copy. ``plans``: the
     plans to try in order, the compiled graph's layer styles first (a layer the compiled graph
@@ -229,9 +251,8 @@ def _size_graphs(model, ws, how, plans, rank, group_name, want, sequence) -> Opt
             except FxtpPlanError as exc:  # e.g. a layer name of the compiled graph this graph lacks
                 error = error or exc
                 continue
-            return captured.program, _rewrite(captured.program, sharding, ws, rank, group_name)
+            return captured.program, _recomputed(captured, sharding, ws, rank, group_name, recompute)
         raise error
-
 
     return SizeGraphs(copied, build)
 
@@ -269,13 +290,13 @@ def analyze(
     (one mode: the model's); ``rank``: the rank the report is for (its parameter bytes: uneven
     shards hold more on the first ranks, NOTE: [uneven shards]).
     """
-    ws = _check_world_size(world_size)
-    args, kwargs = _check_inputs(model, example_inputs, example_kwargs)
+    ws = check_world_size(world_size)
+    args, kwargs = check_inputs(model, example_inputs, example_kwargs)
     defaults, left_out = call_defaults(model, kwargs)  # NOTE: [Hugging Face call defaults]
     kwargs |= defaults
     shapes = _shapes_spec(args, kwargs, dynamic, spec_with_defaults(dynamic_shapes, defaults))
     report = _analyze(model, ws, args, kwargs, capture, plan, rank, shapes,
-                      sequence=_check_flag("sequence_parallel", sequence_parallel))[2]
+                      sequence=check_flag("sequence_parallel", sequence_parallel))[2]
     report.left_out = left_out
     return report
 
@@ -284,7 +305,7 @@ def _analyze(model, ws, args, kwargs, how, plan, rank, shapes=None, report: bool
              sequence: bool = False, kv_heads: bool = False) -> tuple[Captured, ShardingPlan, Optional[Report]]:
     if how not in (*FRONTENDS, "auto"):
         raise FxtpConfigError(f"capture must be one of {', '.join(repr(f) for f in (*FRONTENDS, 'auto'))}, not {how!r}")
-    overrides = _check_plan(plan)
+    overrides = check_plan(plan)
     start = time.perf_counter()
     captured, sharding, capture_s = _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes, sequence, kv_heads)
     symbols = plan_symbols(captured.program.graph, sharding)
@@ -358,8 +379,8 @@ def plan_world_sizes(
     next to a capture. Arguments and errors as in :func:`analyze`; the program's parameters
     are the model's own tensors (on ``meta`` for a meta model): read them, never write them.
     """
-    sizes = tuple(_check_world_size(ws) for ws in world_sizes)
-    args, kwargs = _check_inputs(model, example_inputs, example_kwargs)
+    sizes = tuple(check_world_size(ws) for ws in world_sizes)
+    args, kwargs = check_inputs(model, example_inputs, example_kwargs)
     if capture not in (*FRONTENDS, "auto"):
         raise FxtpConfigError(f"capture must be one of {', '.join(repr(f) for f in (*FRONTENDS, 'auto'))}, not {capture!r}")
     program = _capture(model, args, kwargs, capture, dynamic_shapes=None).program
@@ -367,61 +388,3 @@ def plan_world_sizes(
     return program, {ws: _plan(program, param_fqns, written, ws, {}, False, False) for ws in sizes}
 
 
-def _check_flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise FxtpConfigError(f"{name} must be True or False, got {value!r}")
-    return value
-
-
-def _check_world_size(world_size: Any) -> int:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise FxtpConfigError(f"world_size must be an int >= 1 (the tensor-parallel degree), got {world_size!r}")
-    return world_size
-
-
-def _check_inputs(model: Any, example_inputs: Any, example_kwargs: Any) -> tuple[tuple, dict]:
-    if not isinstance(model, nn.Module):
-        raise FxtpConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if example_inputs is None and not example_kwargs:
-        raise FxtpInputError("example_inputs are required: fxtp captures the model by running it on them, e.g. example_inputs=(x,)")
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
-    if example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
-        raise FxtpInputError(f"example_inputs must be a tuple of positional inputs, got {type(example_inputs).__name__}")
-    return tuple(example_inputs or ()), dict(example_kwargs or {})
-
-
-def _check_plan(plan: Any) -> dict[str, str]:
-    if plan is None:
-        return {}
-    if not isinstance(plan, Mapping):
-        raise FxtpConfigError(f"plan must be a dict {{fqn_or_glob: style}}, got {type(plan).__name__}")
-    for key, style in plan.items():
-        if style not in STYLES:
-            raise FxtpConfigError(f"plan[{key!r}] = {style!r}: style must be one of {', '.join(STYLES)}")
-    return dict(plan)
-
-
-def _resolve_group(ws: int, rank: Optional[int], group: Group) -> tuple[Optional[str], int]:
-    """(group name for the collectives or None, this rank)."""
-    if group is not None and not isinstance(group, dist.ProcessGroup) and not hasattr(group, "get_group"):
-        raise FxtpConfigError(f"group must be a ProcessGroup or a 1-D DeviceMesh, got {type(group).__name__}")
-    if group is not None and hasattr(group, "get_group"):  # DeviceMesh
-        if group.ndim != 1:
-            raise FxtpConfigError(f"group must be a 1-D DeviceMesh (the tp sub-mesh), got {group.ndim}-D; pass mesh['tp']")
-        group = group.get_group()
-    if group is None and ws > 1 and dist.is_available() and dist.is_initialized():
-        group = dist.group.WORLD
-    if group is None or ws == 1:
-        rank = 0 if rank is None else rank
-        if not 0 <= rank < ws:
-            raise FxtpConfigError(f"rank {rank} is outside world_size {ws}")
-        return None, rank
-    size = dist.get_world_size(group)
-    if size != ws:
-        sub = f", or group= a sub-group of {ws} ranks" if ws < size else ""
-        raise FxtpConfigError(f"world_size is {ws} but the process group has {size} ranks; pass world_size={size}{sub}")
-    group_rank = dist.get_rank(group)
-    if rank is not None and rank != group_rank:
-        raise FxtpConfigError(f"rank={rank} but this process is rank {group_rank} of the group; drop rank=")
-    return group.group_name, group_rank

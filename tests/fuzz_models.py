@@ -20,6 +20,7 @@ from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 __all__ = ["Mlp", "Attn", "Mha", "Einsum", "Embed", "Spec", "Block", "build", "features"]
@@ -130,6 +131,9 @@ class Spec:
     seed: int = 0
     sequence_parallel: bool = False  # compile with sequence_parallel=True (NOTE: [sequence parallelism])
     clip: bool = False  # the training loop clips: torch.nn.utils.clip_grad_norm_(parameters, 0.1) before each step
+    # "user": each block runs under torch.utils.checkpoint; "blocks" / "selective": compile with
+    # activation_checkpointing= that (NOTE: [recomputed regions])
+    checkpointing: str = "none"
 
 
 def features(spec: Spec) -> set[str]:
@@ -156,6 +160,8 @@ def features(spec: Spec) -> set[str]:
     for flag in ("loss", "train", "also_hidden", "sequence_parallel", "clip"):
         if getattr(spec, flag):
             out.add(flag)
+    if spec.checkpointing != "none":
+        out.add(f"checkpointing:{spec.checkpointing}")
     return out
 
 
@@ -398,7 +404,7 @@ class FuzzModel(nn.Module):
     def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple]:
         h = self.emb(x) if self.spec.embed is not None else x
         for block in self.blocks:
-            h = block(h)
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False) if self.spec.checkpointing == "user" else block(h)
         h = self.final_norm(h)
         out = h
         if self.spec.head != "none":

@@ -135,4 +135,5 @@ def specs(draw: st.DrawFn, exclude: frozenset[str] = frozenset()) -> Spec:
         seed=draw(st.integers(0, 3)),
         sequence_parallel=draw(_flag("sequence_parallel", exclude)),
         clip=draw(_flag("clip", exclude)),
+        checkpointing=draw(_pick("checkpointing", ("none", "user", "blocks", "selective"), exclude)),
     )

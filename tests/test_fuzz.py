@@ -47,3 +47,5 @@ def test_fxtp_equals_single_device_or_rejects(pool, spec):
         event("sequence_parallel=True")
     if spec.clip:
         event("clip_grad_norm_ in the loop")
+    if spec.checkpointing != "none":
+        event(f"checkpointing={spec.checkpointing}")

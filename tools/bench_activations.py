@@ -2,11 +2,15 @@
 
 Run on the bench's gloo ranks (``measure(settings, world_size)``), rank 0's figures reported:
 
-* **Saved activations** (``fxtp.core.activations.measure``: the bytes a forward keeps for backward,
-  parameters excluded, a storage once): the single device, fxtp tensor parallel, and fxtp
-  tensor + sequence parallel (``sequence_parallel=True``), on torch's reference Transformer.
-  Korthikanti et al. 2022 predict ``(10 + 24/t)/34`` of the single device for tensor
-  parallelism alone and ``1/t`` with sequence parallelism.
+* **Activations** per setting: the single device (without and with its blocks under
+  ``torch.utils.checkpoint``), fxtp tensor parallel, tensor + sequence parallel
+  (``sequence_parallel=True``) and both with ``activation_checkpointing="blocks"``, on torch's
+  reference Transformer, each measured twice: by the allocator (``allocated_bytes``: the bytes
+  still allocated after the forward less the outputs, ``fxtp.runtime.memory`` through
+  ``torch.profiler``) and by fxtp's counter (``saved_activation_bytes``:
+  ``fxtp.core.activations.measure``, the bytes saved for backward, parameters excluded, a
+  storage once). Korthikanti et al. 2022 predict ``(10 + 24/t)/34`` of the single device for
+  tensor parallelism alone and ``1/t`` with sequence parallelism.
 * **Logits path peak**: the most bytes alive at once (tensors created during the step; weights
   and inputs excluded) while a rank computes the cross entropy of the head's logits, forward and
   backward: logits all_gathered at the model output and the loss computed on them (a loss
@@ -28,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxtp
 from fxtp.core import activations
+from fxtp.runtime.memory import allocated_after_forward
 
 __all__ = ["LiveBytes", "measure", "plot"]
 
@@ -86,30 +91,55 @@ def _peak(step) -> int:
     return live.peak
 
 
+class _Checkpointed(nn.Module):
+    """A block run under ``torch.utils.checkpoint``, as a user checkpoints a single-device model."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+_SETTINGS = {"tp": {}, "tp_sp": {"sequence_parallel": True},
+             "tp_sp_ac": {"sequence_parallel": True, "activation_checkpointing": "blocks"}}
+
+
 def measure(model: nn.Module, ids: torch.Tensor, vocab: int, ws: int) -> dict[str, Any]:
-    """Saved activations and logits-path peaks on this rank (see the module docstring);
-    ``model`` is not modified."""
+    """Activations by the allocator and by fxtp's counter, and logits-path peaks, on this rank
+    (see the module docstring); ``model`` is not modified."""
     model = copy.deepcopy(model).train()
-    ref = copy.deepcopy(model)
     labels = torch.randint(0, ids.max().item() + 1, ids.shape, generator=torch.Generator().manual_seed(2))
 
-    def saved(module: nn.Module) -> int:
-        with activations.measure() as result:
+    def both(module: nn.Module) -> tuple[int, int]:
+        module(ids).float().square().mean().backward()  # lazily made state exists from here on
+        with activations.measure() as counted:
             out = module(ids)
         out.float().square().mean().backward()
-        return result.total
+        allocated = allocated_after_forward(lambda: module(ids), repeat=3)
+        allocated.result.float().square().mean().backward()
+        return allocated.held, counted.total
 
-    figures: dict[str, Any] = {"single": saved(ref)}
-    for key, sp in (("tp", False), ("tp_sp", True)):
-        figures[key] = saved(fxtp.compile(model, ws, (ids,), sequence_parallel=sp))
+    checkpointed = copy.deepcopy(model)
+    checkpointed.layers = nn.ModuleList(_Checkpointed(layer) for layer in checkpointed.layers)
+    figures = {"single": both(copy.deepcopy(model)), "single_ac": both(checkpointed)}
+    for key, kwargs in _SETTINGS.items():
+        figures[key] = both(fxtp.compile(model, ws, (ids,), **kwargs))
     pm = fxtp.compile(model, ws, (ids,))
     with_loss = fxtp.compile(_WithLoss(model), ws, (ids, labels))
     dist.barrier()
     gathered = _peak(lambda: F.cross_entropy(pm(ids).flatten(0, 1), labels.flatten()).backward())
     loss_parallel = _peak(lambda: with_loss(ids, labels).backward())
+    allocated = {k: a for k, (a, _) in figures.items()}
+    counted = {k: c for k, (_, c) in figures.items()}
     return {
-        "saved_activation_bytes": figures,
-        "saved_fraction": {k: figures[k] / figures["single"] for k in ("tp", "tp_sp")},
+        "allocated_bytes": allocated,
+        "allocated_fraction": {k: allocated[k] / allocated["single"] for k in ("tp", "tp_sp")}
+        | {"tp_sp_ac": allocated["tp_sp_ac"] / allocated["single_ac"]},
+        "saved_activation_bytes": counted,
+        "saved_fraction": {k: counted[k] / counted["single"] for k in ("tp", "tp_sp")},
+        "counter_vs_allocator": {k: counted[k] / allocated[k] for k in ("single", *_SETTINGS)},
         "logits_peak_bytes": {"gathered": gathered, "loss_parallel": loss_parallel},
         "logits_bytes": ids.numel() * vocab * 4,  # fp32 (B, T, V)
         "head_with_loss": with_loss.plan.get("model.output"),
@@ -126,13 +156,18 @@ def plot(result: dict[str, Any], ws: int, path: str) -> bool:
     except ImportError:
         return False
     mib = 2**20
-    saved, peaks = result["saved_activation_bytes"], result["logits_peak_bytes"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
-    labels = ["single device", f"tp (ws {ws})", f"tp + sp (ws {ws})"]
-    bars = left.bar(labels, [saved[k] / mib for k in ("single", "tp", "tp_sp")], color=["grey", "tab:blue", "tab:green"])
-    left.bar_label(bars, fmt="%.2f")
+    allocated, saved, peaks = result["allocated_bytes"], result["saved_activation_bytes"], result["logits_peak_bytes"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [2, 1]})
+    keys = ("single", "single_ac", "tp", "tp_sp", "tp_sp_ac")
+    labels = ["single", "single\n+ ac", f"tp\n(ws {ws})", "tp + sp", "tp + sp\n+ ac"]
+    x = range(len(keys))
+    bars = left.bar([i - 0.2 for i in x], [allocated[k] / mib for k in keys], width=0.4, label="allocator (torch.profiler)")
+    left.bar_label(bars, fmt="%.2f", fontsize=7)
+    left.bar([i + 0.2 for i in x], [saved[k] / mib for k in keys], width=0.4, label="fxtp's counter", alpha=0.6)
+    left.set_xticks(list(x), labels)
+    left.legend(fontsize=8)
     left.set_ylabel("MiB per rank")
-    left.set_title("activations saved for backward")
+    left.set_title("bytes held after the forward (activations)")
     bars = right.bar(["logits gathered", "loss parallel"], [peaks[k] / mib for k in ("gathered", "loss_parallel")],
                      color=["tab:orange", "tab:green"])
     right.bar_label(bars, fmt="%.2f")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import io
 import logging
@@ -39,6 +40,7 @@ from torch.export import Dim, ShapesCollection
 from torch.export.graph_signature import InputKind
 from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
 
+from fxtp.capture.regions import recording_checkpoints
 from fxtp.core.errors import FxtpCaptureError, FxtpInputError
 
 __all__ = ["Captured", "capture", "auto_dynamic_shapes", "written_state", "FRONTENDS"]
@@ -54,6 +56,8 @@ class Captured:
     frontend: str
     attempts: tuple[tuple[str, str], ...]  # (frontend, one-line reason it failed)
     notes: tuple[str, ...] = ()  # how the dynamic shapes spec was adjusted, if it was
+    # torch.utils.checkpoint regions: tag -> the selective region's context_fn (NOTE: [checkpoint regions at capture])
+    context_fns: dict[int, Callable[[], Any]] = dataclasses.field(default_factory=dict)
 
 
 def auto_dynamic_shapes(args: tuple, kwargs: dict) -> ShapesCollection:
@@ -87,7 +91,8 @@ def _export_with(model: nn.Module, args: tuple, kwargs: dict, shapes: Any, stric
 
 
 def _fx(model: nn.Module, args: tuple, kwargs: dict, shapes: Any) -> tuple[torch.export.ExportedProgram, list[str]]:
-    traced = torch.fx.symbolic_trace(model)
+    with recording_checkpoints(symbolic=True):  # NOTE: [checkpoint regions at capture]
+        traced = torch.fx.symbolic_trace(model)
     return _export_with(traced, args, kwargs, shapes, strict=False)
 
 
@@ -155,13 +160,13 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, how: str = "auto", *, d
         try:
             # Grad mode on: fused inference fast paths (nn.TransformerEncoderLayer, nn.MultiheadAttention)
             # only run without grad, and would hide the linears inside one opaque op.
-            with torch.enable_grad(), _quiet_torch_logs():
+            with torch.enable_grad(), _quiet_torch_logs(), recording_checkpoints() as recorded:
                 program, notes = _FRONTEND_FNS[name](model, args, kwargs, dynamic_shapes)
         except Exception as exc:  # noqa: BLE001 - every frontend failure is reported, none is fatal
             attempts.append((name, _one_line(exc)))
             continue
         check_operand_dtypes(program.graph)
-        return Captured(program, name, tuple(attempts), tuple(notes))
+        return Captured(program, name, tuple(attempts), tuple(notes), dict(recorded.context_fns))
     mismatch = diagnose_inputs(model, args, kwargs)
     if mismatch is not None:
         raise FxtpInputError(mismatch)

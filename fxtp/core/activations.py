@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-__all__ = ["saved_tensors", "measure", "SavedBytes", "gathered"]
+__all__ = ["saved_tensors", "measure", "SavedBytes", "gathered", "count_held"]
 
 
 @dataclass
@@ -126,6 +126,13 @@ def saved_tensors(regather: bool) -> Iterator[None]:
             yield
     finally:
         _GATHERED.pop()
+
+
+def count_held(t: torch.Tensor) -> None:
+    """Count ``t``'s bytes into the active :func:`measure`, if any: a tensor kept for backward
+    outside autograd's saved tensors (``torch.utils.checkpoint``'s generator state)."""
+    if _MEASURES:
+        _MEASURES[-1].total += t.untyped_storage().nbytes()
 
 
 @contextlib.contextmanager

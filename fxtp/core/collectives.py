@@ -48,14 +48,38 @@ __all__ = [
     "all_reduce",
     "all_gather",
     "reduce_scatter",
+    "release",
 ]
 
 _c10d = torch.ops._c10d_functional
 
+# NOTE: [gloo frees] A tensor handed to a gloo collective (its contiguous input, the flat output)
+# is also held by gloo's finished work until gloo's worker thread drops it, a moment after the
+# caller's wait returns. If the caller lets go first, the worker thread frees the block, outside
+# any profiler state: torch.profiler then records the allocation and never the free, and the
+# allocator seems to hold a gathered tensor that is gone (NOTE: [allocator bytes on the calling
+# thread] in fxtp/runtime/memory.py). The caller keeps the last collective's CPU buffers until the
+# next collective or the end of the forward (``release``): by then gloo has dropped its
+# references and the free is the caller's. The cost: one collective's buffers live a little longer.
+_HANDED: list[torch.Tensor] = []
+
+
+def _handed(*tensors: torch.Tensor) -> None:
+    if tensors[0].device.type == "cpu" and not torch.compiler.is_compiling():
+        _HANDED[:] = tensors
+
+
+def release() -> None:
+    """Drop the buffers kept for NOTE: [gloo frees]; ``ParallelModule.forward`` calls it last."""
+    _HANDED.clear()
+
 
 def all_reduce(t: torch.Tensor, group_name: str, op: str = "sum") -> torch.Tensor:
     """``op`` (``"sum"``, ``"max"``) of ``t`` over the group's ranks (a new tensor, no autograd)."""
-    return _c10d.wait_tensor(_c10d.all_reduce(t.contiguous(), op, group_name))
+    t = t.contiguous()
+    out = _c10d.wait_tensor(_c10d.all_reduce(t, op, group_name))
+    _handed(t, out)
+    return out
 
 
 def all_gather(
@@ -71,7 +95,9 @@ def all_gather(
     longest = shard.local_size(world_size, 0)
     if moved.shape[0] < longest:
         moved = torch.cat([moved, moved.new_zeros((longest - moved.shape[0], *moved.shape[1:]))])
-    flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(moved.contiguous(), world_size, group_name))
+    moved = moved.contiguous()
+    flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(moved, world_size, group_name))
+    _handed(moved, flat)
     per_rank = flat.chunk(world_size, dim=0)
     ranges = [local_ranges(shard, r, world_size) for r in range(world_size)]
     pieces = []
@@ -85,14 +111,18 @@ def all_gather(
 def reduce_scatter(t: torch.Tensor, dim: int, world_size: int, group_name: str) -> torch.Tensor:
     """This rank's block of the sum over the ranks of ``t``, split evenly along ``dim`` (whose
     size must divide ``world_size``): the inverse layout of :func:`all_gather` with one segment."""
-    out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(t.movedim(dim, 0).contiguous(), "sum", world_size, group_name))
+    moved = t.movedim(dim, 0).contiguous()
+    out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(moved, "sum", world_size, group_name))
+    _handed(moved, out)
     return out.movedim(0, dim)
 
 
 def _gather_tokens(t: torch.Tensor, dim: int, world_size: int, group_name: str) -> torch.Tensor:
     """All_gather of equal blocks along ``dim``, contiguous: a layer's ``reshape`` of it is then a
     view, which NOTE: [regathered activations] recognizes."""
-    flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(t.movedim(dim, 0).contiguous(), world_size, group_name))
+    moved = t.movedim(dim, 0).contiguous()
+    flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(moved, world_size, group_name))
+    _handed(moved, flat)
     return flat.movedim(0, dim).contiguous()
 
 

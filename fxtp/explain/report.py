@@ -78,6 +78,8 @@ class Report:
         # layer node -> its communication where sequence parallelism changed it (NOTE: [sequence parallelism])
         self.layer_comms: dict[str, str] = {}
         self.sequence_parallel = False  # some region is sharded on tokens
+        # regions recomputed in backward (fxtp.explain.recompute, NOTE: [recomputed regions])
+        self.recompute: tuple[dict[str, Any], ...] = ()
 
     @property
     def plan(self) -> dict[str, str]:
@@ -111,6 +113,7 @@ class Report:
             "left_out": list(self.left_out),
             "generator_check": self.generator_check,
             "sequence_parallel": self.sequence_parallel,
+            "activation_checkpointing": [dict(r) for r in self.recompute],
         }
 
     def __str__(self) -> str:
@@ -172,6 +175,12 @@ class Report:
             lines.append(
                 "sequence parallelism: the values between a rowwise layer and the next colwise one are sharded on their "
                 "tokens (reduce_scatter / all_gather instead of all_reduce); token counts must divide world_size"
+            )
+        if self.recompute:
+            names = ", ".join(r["name"] + (" (selective)" if r["selective"] else "") for r in self.recompute)
+            lines.append(
+                f"activation checkpointing: {len(self.recompute)} regions recomputed in backward, their forward collectives "
+                f"counted in the backward's above: {names}"
             )
         if self.regions:
             lines.append(f"tensor-parallel regions: {len(self.regions)} (sharded stretches between replicated values)")

@@ -317,6 +317,7 @@ class ParallelModule(nn.Module):
         try:
             with activations.saved_tensors(regather=graph.regathers):
                 outputs = graph.gm(*sharded.plain_inputs(inputs))
+            collectives.release()  # NOTE: [gloo frees] in fxtp/core/collectives.py
         except IndexError as exc:  # a lookup the single device would refuse too (ids, positions)
             raise FxtpInputError(
                 f"rank {self._rank}: an index in the inputs is out of range: {str(exc).splitlines()[0]}. fix: keep "

@@ -1,0 +1,86 @@
+"""The arguments of ``fxtp.compile`` / ``fxtp.analyze``, checked: each function returns the
+value in the form the pipeline uses or raises ``FxtpConfigError`` / ``FxtpInputError`` saying
+what was given and what is expected."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fxtp.core.errors import FxtpConfigError, FxtpInputError
+from passes.checkpointing import MODES as CHECKPOINTING
+from passes.plan import STYLES
+
+__all__ = ["Group", "check_checkpointing", "check_flag", "check_inputs", "check_plan", "check_world_size", "resolve_group"]
+
+Group = Union["dist.ProcessGroup", "torch.distributed.device_mesh.DeviceMesh", None]
+
+
+def check_flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise FxtpConfigError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_checkpointing(value: Any) -> Optional[str]:
+    if value is not None and value not in CHECKPOINTING:
+        raise FxtpConfigError(f"activation_checkpointing must be None, {' or '.join(map(repr, CHECKPOINTING))}, got {value!r}")
+    return value
+
+
+def check_world_size(world_size: Any) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise FxtpConfigError(f"world_size must be an int >= 1 (the tensor-parallel degree), got {world_size!r}")
+    return world_size
+
+
+def check_inputs(model: Any, example_inputs: Any, example_kwargs: Any) -> tuple[tuple, dict]:
+    if not isinstance(model, nn.Module):
+        raise FxtpConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if example_inputs is None and not example_kwargs:
+        raise FxtpInputError("example_inputs are required: fxtp captures the model by running it on them, e.g. example_inputs=(x,)")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
+        raise FxtpInputError(f"example_inputs must be a tuple of positional inputs, got {type(example_inputs).__name__}")
+    return tuple(example_inputs or ()), dict(example_kwargs or {})
+
+
+def check_plan(plan: Any) -> dict[str, str]:
+    if plan is None:
+        return {}
+    if not isinstance(plan, Mapping):
+        raise FxtpConfigError(f"plan must be a dict {{fqn_or_glob: style}}, got {type(plan).__name__}")
+    for key, style in plan.items():
+        if style not in STYLES:
+            raise FxtpConfigError(f"plan[{key!r}] = {style!r}: style must be one of {', '.join(STYLES)}")
+    return dict(plan)
+
+
+def resolve_group(ws: int, rank: Optional[int], group: Group) -> tuple[Optional[str], int]:
+    """(group name for the collectives or None, this rank)."""
+    if group is not None and not isinstance(group, dist.ProcessGroup) and not hasattr(group, "get_group"):
+        raise FxtpConfigError(f"group must be a ProcessGroup or a 1-D DeviceMesh, got {type(group).__name__}")
+    if group is not None and hasattr(group, "get_group"):  # DeviceMesh
+        if group.ndim != 1:
+            raise FxtpConfigError(f"group must be a 1-D DeviceMesh (the tp sub-mesh), got {group.ndim}-D; pass mesh['tp']")
+        group = group.get_group()
+    if group is None and ws > 1 and dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD
+    if group is None or ws == 1:
+        rank = 0 if rank is None else rank
+        if not 0 <= rank < ws:
+            raise FxtpConfigError(f"rank {rank} is outside world_size {ws}")
+        return None, rank
+    size = dist.get_world_size(group)
+    if size != ws:
+        sub = f", or group= a sub-group of {ws} ranks" if ws < size else ""
+        raise FxtpConfigError(f"world_size is {ws} but the process group has {size} ranks; pass world_size={size}{sub}")
+    group_rank = dist.get_rank(group)
+    if rank is not None and rank != group_rank:
+        raise FxtpConfigError(f"rank={rank} but this process is rank {group_rank} of the group; drop rank=")
+    return group.group_name, group_rank
+

@@ -1,0 +1,84 @@
+"""The report's part on activation checkpointing: the recomputed regions and their collectives.
+
+Read from the rank graph, where the regions run (NOTE: [recomputed regions] in
+fxtp/core/recompute.py): a backward reruns each region's forward collectives, so they are
+added to the backward's counts. A gathered token shard that only a region's ops use is no
+longer saved as a shard and regathered (NOTE: [regathered activations]): the recompute gathers
+it, so that all_gather is not counted twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+from torch.fx import GraphModule
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+from fxtp.core import collectives as emitted
+from fxtp.core import local_ops
+from fxtp.core.recompute import Recompute
+from fxtp.explain.counts import CollectiveStat, nbytes_of
+from passes.checkpointing import Region
+
+__all__ = ["recomputed", "add_recompute"]
+
+_KINDS = {
+    emitted.reduce_from_tp: "all_reduce",
+    emitted.gather_from_tp: "all_gather",
+    emitted.gather_from_sp: "all_gather",
+    emitted.reduce_scatter_to_sp: "reduce_scatter",
+}
+
+
+def recomputed(gm: GraphModule) -> list[tuple[str, collections.Counter, collections.Counter, int]]:
+    """Per ``Recompute`` submodule of ``gm``: its region's name, forward collectives by kind
+    (count, then bytes at the example's full sizes) and the regathered gathers it replaces."""
+    out = []
+    for module in gm.modules():
+        if not isinstance(module, Recompute):
+            continue
+        counts: collections.Counter = collections.Counter()
+        nbytes: collections.Counter = collections.Counter()
+        replaced = 0
+        graph = module.body.graph
+        returned = set(next(n for n in graph.nodes if n.op == "output").all_input_nodes)
+        for node in graph.nodes:
+            if node.op != "call_function":
+                continue
+            kind, count = (_KINDS[node.target], 1) if node.target in _KINDS else local_ops.FORWARD_COLLECTIVES.get(node.target, (None, 0))
+            if kind is None:
+                continue
+            counts[kind] += count
+            val = node.args[0].meta.get("val") if node.args and hasattr(node.args[0], "meta") else None
+            nbytes[kind] += nbytes_of(val) if node.target in _KINDS else count * 4 * optimization_hint(val.shape[0]) if val is not None else 0
+            if node.target is emitted.gather_from_sp and node.args[6] and node not in returned:
+                replaced += 1
+        out.append((module.region, counts, nbytes, replaced))
+    return out
+
+
+def add_recompute(report: Any, regions: tuple[Region, ...], gm: GraphModule) -> None:
+    """Write the regions into ``report`` (``report.recompute``) and add their reruns to its
+    backward counts."""
+    if not regions:
+        return
+    runs = {name: (counts, nbytes, replaced) for name, counts, nbytes, replaced in recomputed(gm)}
+    rows = []
+    extra: collections.Counter = collections.Counter()
+    extra_bytes: collections.Counter = collections.Counter()
+    for region in regions:
+        counts, nbytes, replaced = runs.get(region.name, (collections.Counter(), collections.Counter(), 0))
+        extra.update(counts)
+        extra_bytes.update(nbytes)
+        extra["regathered"] += replaced
+        rows.append(dataclasses.asdict(region) | {"recomputed_collectives": dict(counts)})
+    stats = []
+    for stat in report.collectives:
+        if stat.phase == "backward":
+            count = stat.count + extra[stat.kind] - (extra["regathered"] if stat.kind == "all_gather" else 0)
+            stat = CollectiveStat(stat.phase, stat.kind, count, stat.bytes + extra_bytes[stat.kind])
+        stats.append(stat)
+    report.collectives = tuple(stats)
+    report.recompute = tuple(rows)

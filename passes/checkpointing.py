@@ -1,0 +1,235 @@
+"""Activation checkpointing: which ops are recomputed in backward, and the rank graph's regions.
+
+NOTE: [recomputed regions] (fxtp/core/recompute.py) says how a region runs. This pass finds the
+regions (:func:`checkpoint_regions`, analysis: returns data) and outlines each one in the rank
+graph into a :class:`fxtp.core.recompute.Recompute` submodule (:func:`recompute_regions`, a
+rewrite of the rank graph's copy).
+
+A region is found by a predicate on ``node.meta`` that holds on the captured graph and on the
+rank graph alike (the rewrite copies the meta of every op it keeps):
+
+* ``"user"``: ``node.meta["custom"]["fxtp_checkpoint"] == tag``, the user's
+  ``torch.utils.checkpoint`` call number ``tag`` (NOTE: [checkpoint regions at capture]);
+* ``"blocks"`` / ``"selective"`` (``fxtp.compile(activation_checkpointing=...)``, as
+  torchtitan's ``apply_ac``): ``node.meta["nn_module_stack"]`` holds the block's FQN, one
+  region per child of the model's largest ``nn.ModuleList`` (its repeated blocks).
+
+Reads ``meta["custom"]``, ``meta["nn_module_stack"]``; writes nothing on the captured graph.
+In the rank graph, the ops between a region's first and last op (the collectives and slices
+the rewrite put among them included) become the body; values from before are its inputs,
+values used after its outputs::
+
+    linear = aten.linear.default(gather_from_sp, p_w1);  gelu = aten.gelu.default(linear)
+    linear_1 = aten.linear.default(gelu, p_w2);  reduce_scatter_to_sp = ...(linear_1, 1, 2, '0')
+becomes
+    fxtp_recompute_0 = self.fxtp_recompute_0(gather_from_sp, p_w1, p_w2)
+    getitem = fxtp_recompute_0[0]
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.fx import GraphModule, Node
+
+from fxtp.core import collectives, rng
+from fxtp.core.errors import FxtpConfigError
+from fxtp.core.recompute import TAG, Recompute, selective_context
+
+__all__ = ["Region", "MODES", "checkpoint_regions", "recompute_regions", "region_of", "repeated_blocks"]
+
+MODES = ("blocks", "selective")
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Region:
+    """One recomputed region.
+
+    Attributes:
+        name: the module it covers (``layers.0``), or ``checkpoint <tag> (<module>)``.
+        source: ``"user"`` (the model's own checkpoint call), ``"blocks"`` or ``"selective"``.
+        selective: an op-level policy decides what is saved (the user's ``context_fn``, or
+            fxtp's for ``"selective"``), else only the region's inputs are.
+        ops: the captured ops it holds.
+        tag: the user's checkpoint call number (``source == "user"``).
+        module: the block's FQN (``"blocks"``, ``"selective"``).
+    """
+
+    name: str
+    source: str
+    selective: bool
+    ops: int
+    tag: Optional[int] = None
+    module: Optional[str] = None
+
+
+def repeated_blocks(model: nn.Module) -> tuple[str, ...]:
+    """The FQNs of the children of ``model``'s largest ``nn.ModuleList`` (the first of the
+    largest), torchtitan's transformer blocks; ``()`` without a non-empty list."""
+    lists = [(len(m), fqn) for fqn, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return ()
+    size = max(n for n, _ in lists)
+    fqn = next(f for n, f in lists if n == size)
+    return tuple(f"{fqn}.{name}" if fqn else name for name, _ in model.get_submodule(fqn).named_children())
+
+
+def _stack(node: Node) -> list[str]:
+    return [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+
+
+def region_of(node: Node, regions: tuple[Region, ...]) -> Optional[Region]:
+    """The region ``node`` belongs to (placeholders and the output belong to none)."""
+    if node.op != "call_function":
+        return None
+    tag = (node.meta.get("custom") or {}).get(TAG)
+    paths = _stack(node)
+    for region in regions:
+        if region.tag is not None and region.tag == tag:
+            return region
+        if region.module is not None and any(p == region.module or p.startswith(region.module + ".") for p in paths):
+            return region
+    return None
+
+
+def checkpoint_regions(graph: Any, mode: Optional[str], blocks: tuple[str, ...], selective_tags: frozenset[int] = frozenset()) -> tuple[Region, ...]:
+    """The regions of the captured ``graph``: the user's checkpoint calls, or with ``mode``
+    one per block in ``blocks`` (the FQNs of the largest ``nn.ModuleList``'s children).
+
+    Raises:
+        FxtpConfigError: ``mode`` on a model that calls ``torch.utils.checkpoint`` itself, or
+            a model without repeated blocks.
+    """
+    tags: dict[int, int] = {}
+    modules: dict[int, list[str]] = {}  # per tag, the module path all its ops share
+    for node in graph.nodes:
+        tag = (node.meta.get("custom") or {}).get(TAG) if node.op == "call_function" else None
+        if tag is not None:
+            tags[tag] = tags.get(tag, 0) + 1
+            path = (_stack(node) or [""])[-1].split(".")
+            common = modules.setdefault(tag, path)
+            modules[tag] = common[:next((i for i, (a, b) in enumerate(zip(common, path)) if a != b), min(len(common), len(path)))]
+    if tags and mode is not None:
+        raise FxtpConfigError(
+            f"activation_checkpointing={mode!r}, but the model calls torch.utils.checkpoint itself ({len(tags)} regions); "
+            "fxtp recomputes those. fix: drop activation_checkpointing=, or the model's checkpoint calls"
+        )
+    if tags:
+        return tuple(Region(f"checkpoint {t} ({'.'.join(modules[t]) or 'model'})", "user", t in selective_tags, n, tag=t) for t, n in sorted(tags.items()))
+    if mode is None:
+        return ()
+    if not blocks:
+        raise FxtpConfigError(
+            f"activation_checkpointing={mode!r} checkpoints each repeated block (the children of the model's largest "
+            "nn.ModuleList), and this model has none. fix: wrap the blocks' forward in torch.utils.checkpoint.checkpoint, "
+            "or compile without activation_checkpointing="
+        )
+    regions = tuple(Region(b, mode, mode == "selective", 0, module=b) for b in blocks)
+    counts = {r.name: 0 for r in regions}
+    for node in graph.nodes:
+        r = region_of(node, regions)
+        if r is not None:
+            counts[r.name] += 1
+    return tuple(Region(r.name, r.source, r.selective, counts[r.name], module=r.module) for r in regions if counts[r.name])
+
+
+def recompute_regions(gm: GraphModule, regions: tuple[Region, ...],
+                      context_fns: Optional[dict[int, Callable[[], Any]]] = None) -> GraphModule:
+    """Outline each region of the rank graph ``gm`` into a ``Recompute`` submodule, in place
+    (``gm`` is fxtp's own rank graph); returns ``gm``. ``context_fns``: the user's selective
+    policies by checkpoint tag."""
+    for index, region in enumerate(regions):
+        span = _span(gm, region, regions)
+        if span:
+            _outline(gm, span, f"fxtp_recompute_{index}", _context(region, context_fns or {}), region.name)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _context(region: Region, context_fns: dict[int, Callable[[], Any]]) -> Optional[Callable[[], Any]]:
+    if region.source == "selective":
+        return selective_context
+    return context_fns.get(region.tag) if region.tag is not None else None
+
+
+def _span(gm: GraphModule, region: Region, regions: tuple[Region, ...]) -> list[Node]:
+    """The rank graph's ops from the region's first to its last. An op among them that is not
+    the region's and reads only values from before it (the reduce_scatter of an embedding's
+    partial sums, and the block's cast that NOTE: [deferred reduction] put before it; a slice of
+    a parameter) moves ahead of the region instead: as an input its operand would be saved
+    whole where its result is a shard. Random ops stay, so the generator draws in the captured
+    order."""
+    nodes = list(gm.graph.nodes)
+    where = [i for i, n in enumerate(nodes) if region_of(n, regions) is region]
+    if not where:
+        return []
+    span: list[Node] = []
+    for node in nodes[where[0]:where[-1] + 1]:
+        if node.op != "call_function":
+            continue
+        owner = region_of(node, regions)
+        assert owner in (None, region), f"fxtp internal error: region {region.name} interleaves {owner}"
+        inside = set(span)
+        hoist = owner is None or _cast_before_collective(node)  # NOTE: [deferred reduction] moved it past the cast
+        if hoist and not _may_draw_random_node(node) and not any(i in inside for i in node.all_input_nodes):
+            if span:
+                span[0].prepend(node)
+            continue
+        span.append(node)
+    return span
+
+
+_CASTS = frozenset({aten.to.dtype, aten._to_copy.default, aten.alias.default})
+
+
+def _cast_before_collective(node: Node) -> bool:
+    return node.target in _CASTS and all(getattr(u.target, "__module__", None) == collectives.__name__ for u in node.users)
+
+
+def _outline(gm: GraphModule, span: list[Node], name: str, context_fn: Optional[Callable[[], Any]], label: str) -> None:
+    inside = set(span)
+    inputs: list[Node] = []
+    for node in span:
+        for inp in node.all_input_nodes:
+            if inp not in inside and inp not in inputs:
+                inputs.append(inp)
+    outputs = [n for n in span if any(u not in inside for u in n.users)]
+    body_graph = type(gm.graph)()
+    env: dict[Node, Node] = {}
+    for inp in inputs:
+        env[inp] = body_graph.placeholder(inp.name)
+        env[inp].meta = dict(inp.meta)
+    for node in span:
+        env[node] = body_graph.node_copy(node, lambda n: env[n])
+    body_graph.output(tuple(env[n] for n in outputs))
+    preserve = _may_draw_random(body_graph)
+    gm.add_submodule(name, Recompute(GraphModule(gm, body_graph), context_fn, label, preserve_rng_state=preserve))
+    graph = gm.graph
+    with graph.inserting_before(span[0]):
+        call = graph.call_module(name, tuple(inputs))
+        items = [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
+    for out, item in zip(outputs, items):
+        item.meta.update({k: out.meta[k] for k in ("val", "fxtp_placement") if k in out.meta})
+        out.replace_all_uses_with(item, delete_user_cb=lambda user: user not in inside)
+    for node in reversed(span):
+        graph.erase_node(node)
+
+
+def _may_draw_random(graph: Any) -> bool:
+    """Whether a body may draw random numbers: an ATen op that does (``rng.is_random``), or any
+    call fxtp does not know to be deterministic (``fxtp.core.rng``'s draws on shards, emitted
+    local ops). Else ``torch.utils.checkpoint`` need not keep the generators' states (5 KiB on
+    the CPU per region)."""
+    return any(node.op == "call_function" and _may_draw_random_node(node) for node in graph.nodes)
+
+
+def _may_draw_random_node(node: Node) -> bool:
+    if node.target is operator.getitem or getattr(node.target, "__module__", None) == collectives.__name__:
+        return False
+    return not isinstance(node.target, torch._ops.OpOverload) or rng.is_random(node.target, node.args, node.kwargs)
