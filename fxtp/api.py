@@ -6,7 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import time
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -136,29 +136,39 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
     add_recompute(report, regions, gm)
     report.timings["rewrite_s"] = time.perf_counter() - start
     compiled = _mode_of(model)
-    graphs = {compiled: (program, gm)}
     report.modes = {compiled: "captured at compile (the model's mode)"}
+    want = parameter_placements(program, sharding)
+    copied = meta_copy(model)  # for the graphs captured on first use: other modes, sizes 0 and 1
+    graphs = {compiled: (program, gm)}
     start = time.perf_counter()
     for mode in modes:  # NOTE: [modes]
-        if mode not in graphs:
-            other = _other_mode(model, mode, ws, args, kwargs, captured, plan, rank, shapes, group_name, program, sharding, sequence,
-                                (checkpointing, blocks))
+        if mode == compiled:
+            continue
+        if copied is None:  # a model that cannot be copied: its other mode is captured now
+            other = _other_mode(model, mode, ws, args, kwargs, captured.frontend, plan, rank, shapes, group_name, want,
+                                sequence, (checkpointing, blocks))
             same = other[1].code == gm.code and input_specs(other[0]) == input_specs(program)
             graphs[mode] = graphs[compiled] if same else other
             report.modes[mode] = "captured at compile" + (": the same graph" if same else ": its own graph")
+        else:
+            report.modes[mode] = "captured at the first switch to it (pm.train() / pm.eval())"
     report.timings["modes_s"] = time.perf_counter() - start
     # The captured graphs, not the rank graphs: there a random op on a shard is fxtp's own call.
     report.generator_check = any(draws_random(prog.graph) for prog, _ in graphs.values())
-    if group_name is not None and report.generator_check:  # NOTE: [dropout across ranks]
-        sync_generators(group.get_group() if hasattr(group, "get_group") else group or dist.group.WORLD)
+    tp_group = (group.get_group() if hasattr(group, "get_group") else group or dist.group.WORLD) if group_name is not None else None
+    if tp_group is not None and report.generator_check:  # NOTE: [dropout across ranks]
+        sync_generators(tp_group)
     pm = ParallelModule(
         program, gm, sharding, report, rank=rank, world_size=ws, group_name=group_name, graphs=graphs, mode=compiled
     )
     pm._call_defaults = defaults
     bind_state_keys(pm, model)
-    if not kv_heads and (dynamic_shapes is not None or dynamic):  # NOTE: [size-1 graphs] in fxtp/runtime/variants.py
-        pm._size_graphs = _size_graphs(model, ws, captured.frontend, (report.plan, plan), rank, group_name,
-                                       parameter_placements(program, sharding), sequence, (checkpointing, blocks))
+    if copied is not None and any(mode not in graphs for mode in modes):
+        pm._mode_graphs = _mode_graphs(copied, compiled, gm.code, input_specs(program), ws, args, kwargs, captured.frontend,
+                                       plan, rank, shapes, tp_group, group_name, want, sequence, (checkpointing, blocks))
+    if copied is not None and not kv_heads and (dynamic_shapes is not None or dynamic):  # NOTE: [size-1 graphs] in fxtp/runtime/variants.py
+        pm._size_graphs = _size_graphs(copied, ws, captured.frontend, (report.plan, plan), rank, group_name, want, sequence,
+                                       (checkpointing, blocks))
     pm._generation = generation_for(model, _compile_decoder)  # NOTE: [generation]
     return pm
 
@@ -174,13 +184,17 @@ def _compile_decoder(model: nn.Module, world_size: int, example_inputs: tuple, *
 # ``pm.train()`` / ``pm.eval()`` must do what ``model.train()`` / ``model.eval()`` do, and the
 # model's Python may branch on ``self.training`` anywhere (dropout_p of an attention, batch-norm
 # statistics, Hugging Face's ``0.0 if not self.training``), so a graph captured in one mode is
-# not the other's. fxtp captures one graph per mode at compile: the model's own mode, then
-# every module in train mode and every module in eval mode (the flags are set for the capture
-# and restored; no weight is touched). A model compiled in a mixed state (a frozen batch norm)
-# keeps that graph until the first ``train()``/``eval()``. Every mode's plan must shard the
-# parameters alike (they are one set of shards); a mode that would shard one differently is an
-# ``FxtpPlanError``. The cost is one more capture at compile; the graphs are kept, so a switch
-# costs nothing.
+# not the other's. fxtp captures the model's own mode at compile, and the other mode at the
+# first switch to it: from the model's ``meta`` copy taken at compile (every module's flag set
+# for the capture; no weight held or touched, as for the size-1 graphs), planned, and bound to
+# the module's own shards. Most loops never switch, and a capture is most of a compile's time,
+# so compile captures once. Every mode's plan must shard the parameters alike (one set of
+# shards); a mode that would shard one differently is an ``FxtpPlanError`` at that switch. A
+# mode whose graph is the compiled one's shares it. A graph that draws random numbers where the
+# compiled one did not syncs the generators at that switch, a collective (every rank switches
+# at the same call). A model compiled in a mixed state (a frozen batch norm) keeps that graph
+# until the first ``train()``/``eval()``. A model that cannot be deep-copied gets its other
+# mode captured at compile. Later switches cost nothing.
 
 
 def _mode_of(model: nn.Module) -> str:
@@ -202,15 +216,43 @@ def _in_mode(model: nn.Module, training: bool) -> Iterator[None]:
 
 
 def _other_mode(
-    model, mode, ws, args, kwargs, first: Captured, plan, rank, shapes, group_name, program, sharding, sequence, recompute
+    model, mode, ws, args, kwargs, frontend: str, plan, rank, shapes, group_name, want: Mapping[str, Any], sequence, recompute
 ) -> tuple[torch.export.ExportedProgram, torch.fx.GraphModule]:
     """Capture, plan and rewrite ``model`` in ``mode``; its parameters must be sharded as in
-    the compiled mode's plan (NOTE: [modes])."""
+    the compiled mode's plan, ``want`` (``{fqn: placement}``, NOTE: [modes])."""
     with _in_mode(model, mode == "train"):
-        captured, other, _ = _analyze(model, ws, args, kwargs, first.frontend, plan, rank, shapes, report=False, sequence=sequence)
-    _check_same_shards(parameter_placements(program, sharding), captured.program, other, f"in {mode} mode",
-                       "compile in the other mode")
+        captured, other, _ = _analyze(model, ws, args, kwargs, frontend, plan, rank, shapes, report=False, sequence=sequence)
+    _check_same_shards(want, captured.program, other, f"in {mode} mode", "compile in the other mode")
     return captured.program, _recomputed(captured, other, ws, rank, group_name, recompute)
+
+
+def _mode_graphs(copied, compiled, code, specs, ws, args, kwargs, frontend, plan, rank, shapes, tp_group, group_name, want,
+                 sequence, recompute) -> Callable[[ParallelModule, str], Any]:
+    """What ``pm.train()`` / ``pm.eval()`` calls to capture a mode's graph on the first switch
+    to it (NOTE: [modes]): the pipeline on the model's ``meta`` copy ``copied`` with ``meta``
+    inputs shaped like the example, bound to the module's own parameters. Holds neither the
+    user's model nor its weights."""
+    meta_args, meta_kwargs = pytree.tree_map_only(
+        torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), (args, kwargs)
+    )
+    if isinstance(shapes, torch.export.ShapesCollection):  # keyed by the example tensors: by position instead
+        shapes = shapes.dynamic_shapes(copied, args, kwargs)
+
+    def capture_mode(pm: ParallelModule, mode: str) -> Any:
+        start = time.perf_counter()
+        program, gm = _other_mode(copied, mode, ws, meta_args, meta_kwargs, frontend, plan, rank, shapes, group_name, want,
+                                  sequence, recompute)
+        same = gm.code == code and input_specs(program) == specs
+        pm.report.modes[mode] = "captured at the first switch to it" + (": the same graph" if same else ": its own graph")
+        pm.report.timings["modes_s"] = time.perf_counter() - start
+        if same:
+            return pm.mode_graph(compiled)
+        if tp_group is not None and draws_random(program.graph) and not pm.report.generator_check:
+            pm.report.generator_check = True  # NOTE: [dropout across ranks]: every rank switches at the same call
+            sync_generators(tp_group)
+        return pm.bind_graph(program, gm)
+
+    return capture_mode
 
 
 def _recomputed(captured: Captured, sharding: ShardingPlan, ws: int, rank: int, group_name: Optional[str], recompute) -> torch.fx.GraphModule:
@@ -231,14 +273,11 @@ def _check_same_shards(want: Mapping[str, Any], program, sharding: ShardingPlan,
             )
 
 
-def _size_graphs(model, ws, how, plans, rank, group_name, want, sequence, recompute) -> Optional[SizeGraphs]:
+def _size_graphs(copied, ws, how, plans, rank, group_name, want, sequence, recompute) -> SizeGraphs:
     """What makes the graphs for sizes 0 and 1 on first use (NOTE: [size-1 graphs] in
-    fxtp/runtime/variants.py): the pipeline above on the model's ``meta`` copy. ``plans``: the
-    plans to try in order, the compiled graph's layer styles first (a layer the compiled graph
-    kept replicated stays so), then the user's ``plan=``."""
-    copied = meta_copy(model)
-    if copied is None:
-        return None
+    fxtp/runtime/variants.py): the pipeline above on the model's ``meta`` copy ``copied``.
+    ``plans``: the plans to try in order, the compiled graph's layer styles first (a layer the
+    compiled graph kept replicated stays so), then the user's ``plan=``."""
 
     def build(meta_model: nn.Module, args: tuple, kwargs: dict, mode: str):
         error: Optional[FxtpPlanError] = None

@@ -37,7 +37,7 @@ from torch.fx import GraphModule
 from fxtp.capture.shapes import InputSpec, check_inputs
 from fxtp.core.errors import FxtpError, FxtpInputError
 
-__all__ = ["SizeGraphs", "meta_copy", "differs_in_zero_one"]
+__all__ = ["SizeGraphs", "meta_copy", "differs_in_zero_one", "held"]
 
 # fxtp.api's pipeline for one more graph: (meta model, args, kwargs, mode) -> (program, rank graph)
 Build = Callable[[nn.Module, tuple, dict, str], tuple[ExportedProgram, GraphModule]]
@@ -55,6 +55,22 @@ def meta_copy(model: nn.Module) -> Optional[nn.Module]:
         return copy.deepcopy(model, memo)
     except Exception:  # noqa: BLE001 - a model that refuses deepcopy just gets no size-1 graphs
         return None
+
+
+def held(value: torch.Tensor, target: str, from_meta_copy: bool) -> torch.Tensor:
+    """``value``, a buffer or constant of a graph captured after compile; ``from_meta_copy``:
+    from the model's meta copy, by a module whose weights are real.
+
+    Raises:
+        FxtpInputError: ``value`` is then a ``meta`` tensor the compiled graph never used, so
+            fxtp holds no real value for it.
+    """
+    if from_meta_copy and value.is_meta:
+        raise FxtpInputError(
+            f"{target} is used only by a graph captured after compile (another mode, or sizes 0 and 1), from the "
+            "model's meta copy, so fxtp has no value for it. fix: compile the model in that mode, or at those sizes"
+        )
+    return value
 
 
 def differs_in_zero_one(flat: list[Any], specs: tuple[InputSpec, ...]) -> bool:
