@@ -27,6 +27,7 @@ import passes.rules  # noqa: F401  (registers the op rules)
 from fxtp.core.errors import FxtpError, FxtpPlanError
 from fxtp.core.placement import REPLICATE, Partial, Placement, Shard
 from passes.layers import (
+    MAX_SEGMENTS,
     apply_overrides,
     check_forced,
     is_output_head,
@@ -34,6 +35,9 @@ from passes.layers import (
     keep_small_embeddings,
     layer_decision,
     layer_names,
+    layer_segments,
+    refine_layout,
+    refine_uneven,
     rowwise_feeds,
     weight_numel,
     weight_of,
@@ -42,7 +46,6 @@ from passes.layers import (
 from passes.propagate import ParamPiece, PlannerState, Propagation, param_root, propagate
 from passes.registry import Conflict, LayerNote, module_of, shape_of
 from passes.rules.matmul import layer_operands
-from passes.segments import MAX_SEGMENTS, layer_segments, refine_layout, refine_uneven
 from passes.sharding_plan import LayerDecision, ShardingPlan
 
 __all__ = ["LayerDecision", "ShardingPlan", "plan_sharding", "module_of", "STYLES"]

@@ -1,4 +1,4 @@
-"""Indexing along a sharded dim: ``slice``, ``narrow``, ``select``, ``split``/``chunk``, ``unbind``.
+"""Indexing along a sharded dim: ``slice``, ``narrow``, ``select``, ``split``/``chunk``, ``unbind``, ``glu``.
 
 A fused projection (NOTE: [segments] in ``fxtp/core/placement.py``) is taken apart by
 ``chunk``/``split`` or by index (Phi-3's ``qkv[..., :q_pos]``, ``narrow``, an interleaved
@@ -20,8 +20,9 @@ from torch.fx import Node
 from fxtp.core.placement import REPLICATE, Shard, local_ranges
 from passes.registry import Conflict, Decision, LocalSize, RuleContext, register_rule, shape_of, source_line, uneven_ok
 from passes.rules._common import local_size, ndim, norm_dim
+from passes.rules.dtensor_fallback import dtensor_rule
 
-__all__ = ["split_pieces", "slice_bounds"]
+__all__ = ["split_pieces", "slice_bounds", "glu_segments"]
 
 aten = torch.ops.aten
 
@@ -191,6 +192,24 @@ def select_rule(ctx: RuleContext) -> Decision:
     return Decision(p.with_dim(p.dim - (dim < p.dim)))
 
 
+@register_rule(aten.index.Tensor)
+def index_rule(ctx: RuleContext) -> Decision:
+    """``x[..., idx, ...]`` with a tensor of positions: refused on the sharded dim (the positions
+    are global, and may fall on other ranks); elsewhere DTensor's rule (NOTE: [DTensor fallback])."""
+    x, indices = ctx.node.args[:2]
+    p = ctx.placement(x)
+    if isinstance(p, Shard) and p.dim < len(indices) and indices[p.dim] is not None:
+        where = source_line(ctx.node)
+        raise Conflict(
+            "indexes-sharded-dim",
+            f"index with a tensor of positions along the sharded dim {p.dim} (segments {list(p.segments)})",
+            "none needed: fxtp keeps the producing layer replicated; to shard it, take whole segments with a slice "
+            f"or split{f' at {where}' if where else ''}; a part every rank needs whole (the one kv head of multi-query "
+            "attention) can be its own nn.Linear, which stays replicated beside the sharded rest",
+        )
+    return dtensor_rule(aten.index.Tensor, ctx)
+
+
 def split_pieces(shard: Shard, sizes: list[int], ws: int) -> list[Shard]:
     """Segments of each split piece; raise Conflict (with a refinement) if a piece cuts a segment."""
     bounds = set(_cuts(shard.segments))
@@ -263,3 +282,55 @@ def unbind_rule(ctx: RuleContext) -> Decision:
         raise Conflict("indexes-sharded-dim", f"unbind of the sharded dim {dim}", _whole_index_fix(ctx, "unbind"))
     return Decision((p.with_dim(p.dim - (dim < p.dim)),) * n)
 
+
+# NOTE: [glu of a fused projection]
+# ``glu``: a gated linear unit on a fused projection (Dauphin et al. 2017; torchtitan's w12).
+#
+# ``glu(x, dim)`` splits ``dim`` into halves ``a | b`` and returns ``a * sigmoid(b)``: element
+# ``i`` of the output pairs ``x[i]`` with ``x[i + n/2]``. On another dim a shard flows through.
+# On the halved dim the rank's local ``glu`` pairs the first half of its local block with the
+# second half, which is right exactly when the segments (NOTE: [segments]) are the same in both
+# halves: a fused ``w12`` projection sharded with segments ``(h, h)`` gives each rank
+# ``[w1_r | w2_r]``, and the output is sharded with segments ``(h,)``. Any other layout raises a
+# Conflict whose ``refine`` proposes the common refinement of the segments and their mirror
+# image across the middle, so the planner re-cuts the producing layer.
+
+
+def glu_segments(segments: tuple[int, ...]) -> tuple[int, ...]:
+    """The coarsest refinement of ``segments`` whose first half equals its second half.
+
+    Example: ``(256,)`` -> ``(128, 128)``; ``(64, 192)`` -> ``(64, 64, 64, 64)``.
+    """
+    total = sum(segments)
+    half = total // 2
+    bounds, acc = {0, half, total}, 0
+    for seg in segments:
+        acc += seg
+        bounds.add(acc)
+    bounds |= {b + half for b in bounds if b < half} | {b - half for b in bounds if b > half}
+    cuts = sorted(bounds)
+    return tuple(b - a for a, b in zip(cuts, cuts[1:]))
+
+
+@register_rule(aten.glu.default)
+def glu_rule(ctx: RuleContext) -> Decision:
+    """NOTE: [glu of a fused projection]."""
+    x = ctx.node.args[0]
+    dim = ctx.node.args[1] if len(ctx.node.args) > 1 else ctx.node.kwargs.get("dim", -1)
+    p = ctx.placement(x)
+    if not isinstance(p, Shard):
+        return Decision(REPLICATE)
+    if norm_dim(dim, ndim(x)) != p.dim:
+        return Decision(p)
+    k = len(p.segments)
+    if k % 2 == 0 and p.segments[: k // 2] == p.segments[k // 2 :]:
+        return Decision(Shard(p.dim, p.segments[: k // 2]))
+    refined = glu_segments(p.segments)
+    ok = all(s % ctx.world_size == 0 for s in refined)
+    raise Conflict(
+        "split-crosses-shard" if ok else "not-divisible",
+        f"glu halves dim {p.dim} of size {shape_of(x)[p.dim]}, which crosses the shard of segments {list(p.segments)} "
+        f"at world_size {ctx.world_size}",
+        "use a world_size that divides both halves, or keep the producing layer replicated",
+        refine=refined if ok else None,
+    )
