@@ -264,9 +264,11 @@ def test_split_misaligned_refines_to_common_refinement():
 
 @pytest.mark.parametrize("sizes, ws", [([64, 64, 64], 3), ([96, 96], 64), ([63, 129], 2)])
 def test_split_not_divisible(sizes, ws):
+    """No even layout: the split asks for its pieces as segments split unevenly (NOTE: [uneven shards])."""
     c = conflict_of(split_pieces, S(0, 192), sizes, ws)
     assert c.code == "not-divisible"
     assert c.refine is None
+    assert (c.unit_segments, c.unit) == (tuple(sizes), 1)
 
 
 # --------------------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ def _refined(ctx: RuleContext, p: Shard, cuts: set[int], what: str) -> Conflict:
         "indexes-sharded-dim" if even else "not-divisible",
         f"{what} cuts the segments {list(p.segments)} of the sharded dim {p.dim} (pieces {list(refined)} at world_size {ws})",
         _fix(ctx, refined, what),
-        refine=refined if even or units else None,
+        refine=refined if even else None,
         unit=None if even or not units else p.unit,
         unit_segments=None if even or not units else refined,
     )
@@ -231,7 +231,7 @@ def split_pieces(shard: Shard, sizes: list[int], ws: int) -> list[Shard]:
         "split-crosses-shard" if ok else "not-divisible",
         f"split sizes {sizes} cross the shard boundaries of segments {list(shard.segments)} at world_size {ws}",
         "use a world_size that divides every split size, or keep the producing layer replicated",
-        refine=refined if ok or units else None,
+        refine=refined if ok else None,
         unit=shard.unit if units else None,
         unit_segments=refined if units else None,
     )
