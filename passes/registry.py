@@ -18,6 +18,8 @@ Registering an op twice is an error (DTensor's registry silently overwrites; we 
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -44,6 +46,8 @@ __all__ = [
     "registered_ops",
     "is_tensor_node",
     "shape_of",
+    "module_of",
+    "source_line",
 ]
 
 # An op, or the qualified name of an op from an optional library (``"transformers::grouped_mm_fallback"``),
@@ -131,6 +135,8 @@ class Conflict(Exception):
         unit: a split granularity (NOTE: [uneven shards]) for the producing layers' output
             that would make the rule succeed: the head size where a view splits heads that do
             not divide the world size.
+        unit_segments: the segments under which ``unit`` applies (default: the layer's current
+            ones): an uneven layout, where ``refine`` proposes even ones.
     """
 
     def __init__(
@@ -143,6 +149,7 @@ class Conflict(Exception):
         culprits: Optional[Sequence[Node]] = None,
         blame: Optional[Sequence[Node]] = None,
         unit: Optional[int] = None,
+        unit_segments: Optional[tuple[int, ...]] = None,
     ) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
@@ -152,6 +159,7 @@ class Conflict(Exception):
         self.culprits = tuple(culprits) if culprits is not None else None
         self.blame = tuple(blame) if blame is not None else None
         self.unit = unit
+        self.unit_segments = unit_segments
 
 
 class RuleContext:
@@ -261,6 +269,16 @@ def module_of(node: Node) -> str:
         return ""
     path = list(stack.values())[-1][0]
     return str(path)
+
+
+def source_line(node: Node) -> str:
+    """The user's source line that made ``node``, as ``file.py:LINE `code` `` (the innermost frame
+    of export's ``meta["stack_trace"]``), or ``""`` when the capture recorded none."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n[ \t]*([^\n]*)', node.meta.get("stack_trace") or "")
+    if not frames:
+        return ""
+    path, line, code = frames[-1]
+    return f"{os.path.basename(path)}:{line} `{code.strip()}`"
 
 
 def shape_of(node: Node) -> tuple[int, ...]:

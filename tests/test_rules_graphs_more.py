@@ -160,7 +160,7 @@ def test_glu_halves_not_divisible_keep_the_producer_replicated():
 
 
 def test_glu_segments():
-    from passes.rules.glu import glu_segments
+    from passes.rules.indexing import glu_segments
 
     assert glu_segments((256,)) == (128, 128)
     assert glu_segments((128, 128)) == (128, 128)
