@@ -14,7 +14,16 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.export.graph_signature import InputKind
 
-from fxtp.arguments import Group, check_checkpointing, check_flag, check_inputs, check_plan, check_world_size, resolve_group
+from fxtp.arguments import (
+    Group,
+    check_checkpointing,
+    check_flag,
+    check_inputs,
+    check_plan,
+    check_strategy,
+    check_world_size,
+    resolve_group,
+)
 from fxtp.capture.hf_defaults import call_defaults, spec_with_defaults
 # `_capture`: the frontend where an argument named `capture` (the user's choice) shadows it
 from fxtp.capture.frontends import FRONTENDS, Captured, auto_dynamic_shapes, capture, capture as _capture, written_state
@@ -54,6 +63,7 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
     dynamic_shapes: Any = None,
     sequence_parallel: bool = False,
     activation_checkpointing: Optional[str] = None,
+    strategy: Any = None,
 ) -> ParallelModule:
     """Turn ``model`` into this rank's part of a ``world_size``-way tensor-parallel model.
 
@@ -89,13 +99,18 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
             full mode; ``"selective"``: per block, matmul and attention outputs are saved and
             the rest recomputed (torchtitan's op-level selective mode). NOTE: [recomputed
             regions] in fxtp/core/recompute.py; the report lists the regions.
+        strategy: a ``fxtp.ParallelPlan`` (``fxtp.plan``): its tensor-parallel part is applied,
+            ``world_size`` must be its ``tp`` (``group``: the tp sub-mesh), and its
+            ``sequence_parallel``, ``activation_checkpointing`` and layer styles are used
+            (``plan=`` entries override layer styles; the other two must be left unset or agree).
+            FSDP2 over the ``dp`` sub-mesh is the caller's: ``fully_shard(pm, mesh=mesh["dp"])``.
 
     Returns:
         A :class:`ParallelModule`: same call signature and outputs as ``model``. Its
         ``train()``/``eval()`` switch the graph like the model's own switch (NOTE: [modes]).
 
     Raises:
-        FxtpConfigError: bad ``world_size``, ``capture``, ``plan`` or ``group``.
+        FxtpConfigError: bad ``world_size``, ``capture``, ``plan``, ``group`` or ``strategy``.
         FxtpInputError: example inputs whose shapes or dtypes do not fit the model (values are
             not checked: an id out of range compiles and raises at the first call).
         FxtpCaptureError: no frontend could capture the model.
@@ -108,9 +123,12 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
         torch.testing.assert_close(pm(x), model(x))
         print(pm.report)
     """
-    return _compile(model, world_size, example_inputs, example_kwargs, rank, group, capture, plan, dynamic, dynamic_shapes,
-                    modes=("train", "eval"), sequence=check_flag("sequence_parallel", sequence_parallel),
-                    checkpointing=check_checkpointing(activation_checkpointing))
+    sequence, checkpointing, overrides = check_strategy(
+        strategy, check_world_size(world_size), check_flag("sequence_parallel", sequence_parallel),
+        check_checkpointing(activation_checkpointing), check_plan(plan),
+    )
+    return _compile(model, world_size, example_inputs, example_kwargs, rank, group, capture, overrides or plan, dynamic,
+                    dynamic_shapes, modes=("train", "eval"), sequence=sequence, checkpointing=checkpointing)
 
 
 def _compile(model, world_size, example_inputs, example_kwargs, rank, group, capture, plan, dynamic, dynamic_shapes, *,

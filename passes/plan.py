@@ -28,6 +28,7 @@ from fxtp.core.errors import FxtpError, FxtpPlanError
 from fxtp.core.placement import REPLICATE, Partial, Placement, Shard
 from passes.layers import (
     MAX_SEGMENTS,
+    RepeatedBlocks,
     apply_overrides,
     check_forced,
     is_output_head,
@@ -38,7 +39,9 @@ from passes.layers import (
     layer_segments,
     refine_layout,
     refine_uneven,
+    mirror_blocks,
     rowwise_feeds,
+    snapshot,
     weight_numel,
     weight_of,
     weight_placeholder,
@@ -84,10 +87,13 @@ def plan_sharding(
     keep_renormed_tables(graph, layers, state, param_names)
     terminal = _terminal_layers(graph, layers)
     max_rounds = (MAX_SEGMENTS + 5) * len(layers) + 8
+    blocks = RepeatedBlocks.of(graph)  # NOTE: [repeated blocks decided alike] in passes/layers.py
     for rounds in range(1, max_rounds + 1):
         res = propagate(graph, state, world_size, param_names)
+        before = {n.name: snapshot(state, n.name) for n in layers}
         if not _resolve(res, state, world_size, param_names, {n.name: names[n] for n in layers}, param_fqns, terminal):
             break
+        mirror_blocks(state, before, blocks, layers)
     else:  # pragma: no cover - demotions and refinements only grow
         raise FxtpError(f"internal: planning did not converge in {max_rounds} rounds; please report this model")
     feeds = rowwise_feeds(layers, names, res, param_names)
