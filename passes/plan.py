@@ -39,6 +39,7 @@ from passes.layers import (
     weight_of,
     weight_placeholder,
 )
+from passes.kv_heads import grouped_kv_layers
 from passes.propagate import ParamPiece, PlannerState, Propagation, param_root, propagate
 from passes.registry import Conflict, LayerNote, module_of, shape_of
 from passes.rules.matmul import layer_operands
@@ -78,6 +79,10 @@ def plan_sharding(
     apply_overrides(overrides or {}, layers, names, state)
     keep_small_embeddings(layers, state, param_names)
     keep_renormed_tables(graph, layers, state, param_names)
+    if world_size > 1:  # NOTE: [grouped shards]: the k/v projections hold the kv heads their ranks read
+        for name, (unit, group) in grouped_kv_layers(graph, layers, world_size).items():
+            if state.forced.get(name) in (None, "colwise") and name not in state.demoted:
+                state.units[name], state.groups[name] = unit, group
     terminal = _terminal_layers(graph, layers)
     max_rounds = (_MAX_SEGMENTS + 5) * len(layers) + 8
     for rounds in range(1, max_rounds + 1):

@@ -12,6 +12,8 @@ For each node, in order:
 * a random op on a sharded value (a train-mode dropout, ``bernoulli``, an attention's
   ``dropout_p``) draws this rank's slice of one global mask (``fxtp.core.rng.sharded_call``,
   NOTE: [dropout across ranks]);
+* a parameter held as a grouped shard (NOTE: [grouped shards]) is used through
+  ``copy_to_holders``, which sums its gradient over the ranks that hold it;
 * a ``Partial`` output gets ``g`` (all_reduce) right after it and the bias added after that
   (under sequence parallelism a reduce_scatter, NOTE: [sequence parallelism])::
 
@@ -122,6 +124,14 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
         gathered = gather(value, action.placement)
         return enter(gathered) if action.enter else gathered
 
+    for name, placement in plan.params.items():  # NOTE: [grouped shards]: gradients summed over the holders
+        held = nodes.get(name)
+        if held is not None and placement.overlaps and getattr(held.meta.get("val"), "requires_grad", False):
+            ranges = tuple(local_ranges(placement, rank, ws))
+            with after(held):
+                summed = graph.call_function(collectives.copy_to_holders, (held, placement.dim, ranges, placement.size, group_name))
+            held.replace_all_uses_with(summed, delete_user_cb=lambda user: user is not summed)
+            summed.meta["fxtp_placement"] = str(placement)
     for node in list(old_name):
         name = old_name[node]
         placement = plan.placements.get(name)

@@ -11,7 +11,9 @@ region:
   rowwise layer's partial sums: the summed output is replicated, so is its gradient.
 
 :func:`gather_from_tp` (all_gather forward, local slice backward) is used only where a user
-plan forces a shard into a consumer that needs the whole tensor.
+plan forces a shard into a consumer that needs the whole tensor. :func:`copy_to_holders` is
+``f`` for a parameter whose units several ranks hold (NOTE: [grouped shards] in
+``fxtp/core/placement.py``).
 
 Sequence parallelism (Korthikanti et al. 2022, section 4.2.2; NOTE: [sequence parallelism] in
 passes/sequence.py) replaces ``g`` by :func:`reduce_scatter_to_sp` (reduce_scatter forward,
@@ -40,6 +42,7 @@ from fxtp.core.placement import Shard, local_ranges
 
 __all__ = [
     "copy_to_tp",
+    "copy_to_holders",
     "reduce_from_tp",
     "gather_from_tp",
     "reduce_scatter_to_sp",
@@ -142,6 +145,25 @@ class _CopyToTP(Function):
         return all_reduce(grad, ctx.group_name), None
 
 
+class _CopyToHolders(Function):
+    @staticmethod
+    def forward(ctx, x, dim, ranges, size, group_name):  # type: ignore[override]
+        ctx.args = (dim, ranges, size, group_name)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        dim, ranges, size, group_name = ctx.args
+        full = grad.new_zeros((*grad.shape[:dim], size, *grad.shape[dim + 1:]))
+        pos = 0
+        for start, length in ranges:
+            full.narrow(dim, start, length).copy_(grad.narrow(dim, pos, length))
+            pos += length
+        full = all_reduce(full, group_name)
+        pieces = [full.narrow(dim, start, length) for start, length in ranges]
+        return (torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0].contiguous()), None, None, None, None
+
+
 class _ReduceFromTP(Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group_name: str) -> torch.Tensor:  # type: ignore[override]
@@ -205,6 +227,29 @@ class _ScatterToSP(Function):
 def copy_to_tp(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Megatron's ``f``: identity forward, all_reduce backward. Same shape and dtype as ``x``."""
     return _CopyToTP.apply(x, group_name)
+
+
+def copy_to_holders(x: torch.Tensor, dim: int, ranges: tuple[tuple[int, int], ...], size: int, group_name: str) -> torch.Tensor:
+    """``f`` on a parameter held as a grouped shard (NOTE: [grouped shards] in
+    ``fxtp/core/placement.py``): identity forward; backward, each unit's gradient summed over the
+    ranks that hold it. Each rank holds in its gradient the part its own query heads give.
+
+    The sum is one all_reduce over the whole tensor-parallel group of a zero tensor of the global
+    size along ``dim`` into which each rank puts its rows (a rank that does not hold a unit adds
+    zeros): exact, no sub-groups to create (they would need every rank of the job), and a
+    grouped parameter's bytes, once per backward (the holders' sub-group reductions would move
+    about as much when the kv heads are shared by most ranks, as they are when few).
+
+    Args:
+        x: this rank's rows of the parameter: ``ranges`` along ``dim``, concatenated.
+        ranges: ``(start, length)`` of each of them in the global parameter (``local_ranges``).
+        size: the global size of ``dim``.
+        group_name: the tensor-parallel process group.
+
+    Returns:
+        ``x`` (a view), whose gradient is the sum over the holders.
+    """
+    return _CopyToHolders.apply(x, dim, ranges, size, group_name)
 
 
 def reduce_from_tp(x: torch.Tensor, group_name: str) -> torch.Tensor:

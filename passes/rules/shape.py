@@ -14,8 +14,9 @@ from typing import Optional
 import torch
 
 from fxtp.core.placement import REPLICATE, Shard
-from passes.registry import Conflict, Decision, LocalSize, RuleContext, register_rule, shape_of, uneven_ok
+from passes.registry import Conflict, Decision, LocalSize, RuleContext, overlap_ok, register_rule, shape_of, uneven_ok
 from passes.rules._common import activation_placement, local_size, local_sizes, ndim, norm_dim
+from passes.rules.repeat import repeat_kv_decision, repeats_kv_heads
 
 __all__ = ["view_placement", "group_dims"]
 
@@ -72,12 +73,16 @@ def view_placement(shard: Shard, in_shape: tuple[int, ...], out_shape: tuple[int
     """
     group = next(g for g in group_dims(in_shape, out_shape) if shard.dim in g[0])
     ins, outs = group
+    if ins == [shard.dim] and len(outs) == 1:
+        return shard.with_dim(outs[0])
     big_in = [i for i in ins if in_shape[i] != 1]
     big_out = [o for o in outs if out_shape[o] != 1]
     if big_in == [shard.dim] and len(big_out) == 1:
+        if shard.overlaps and shard.size == shard.unit == out_shape[big_out[0]] and big_out[0] - 1 in outs:
+            return Shard(big_out[0] - 1, (1,), 1, shard.groups)  # one kv head of E: (.., E) -> (.., 1, E)
         return shard.with_dim(big_out[0])
     if shard.unit != 1 or not shard.divisible(ws):
-        return _uneven_view(shard, in_shape, out_shape, big_in, big_out, ws)
+        return _uneven_view(shard, in_shape, out_shape, ins, big_out, ws)
     s = shard.segments[0]
     if any(seg != s for seg in shard.segments):
         raise Conflict(
@@ -133,15 +138,17 @@ def _head_unit(shard: Shard, out_shape, big_in: list[int], big_out: list[int], w
     return inner
 
 
-def _uneven_view(shard: Shard, in_shape, out_shape, big_in: list[int], big_out: list[int], ws: int) -> Shard:
+def _uneven_view(shard: Shard, in_shape, out_shape, ins: list[int], big_out: list[int], ws: int) -> Shard:
     """NOTE: [uneven views]."""
+    big_in = [i for i in ins if in_shape[i] != 1]
     if len(shard.segments) == 1 and big_in == [shard.dim] and len(big_out) >= 2:
         inner = math.prod(out_shape[o] for o in big_out[1:])
         if shard.unit % inner == 0:
-            return Shard(big_out[0], (out_shape[big_out[0]],), shard.unit // inner)
-    if len(shard.segments) == 1 and len(big_out) == 1 and big_in and big_in[0] == shard.dim:
-        inner = math.prod(in_shape[i] for i in big_in[1:])
-        return Shard(big_out[0], (shard.size * inner,), shard.unit * inner)
+            return Shard(big_out[0], (out_shape[big_out[0]],), shard.unit // inner, shard.groups)
+    outer = [i for i in ins if i < shard.dim]
+    if len(shard.segments) == 1 and len(big_out) == 1 and shard.dim in ins and all(in_shape[i] == 1 for i in outer):
+        inner = math.prod(in_shape[i] for i in ins if i > shard.dim)
+        return Shard(big_out[0], (shard.size * inner,), shard.unit * inner, shard.groups)
     raise Conflict(
         "not-divisible",
         f"view {list(in_shape)} -> {list(out_shape)} regroups a dim sharded unevenly ({shard}, size {shard.size}) "
@@ -176,6 +183,8 @@ def _view_decision(ctx: RuleContext, size_arg: Optional[int]) -> Decision:
     p = ctx.placement(x)
     if not isinstance(p, Shard):
         return Decision(REPLICATE)
+    if p.overlaps and size_arg is not None and repeats_kv_heads(p, shape_of(x), ctx.out_shape):
+        return repeat_kv_decision(ctx, x, p, merged=True)
     out = view_placement(p, shape_of(x), ctx.out_shape, ctx.world_size)
     if size_arg is None:
         return Decision(out)
@@ -185,6 +194,7 @@ def _view_decision(ctx: RuleContext, size_arg: Optional[int]) -> Decision:
 
 
 @register_rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+@overlap_ok
 @uneven_ok
 def view_rule(ctx: RuleContext) -> Decision:
     """``view(x, size)``: sizes become the local output shape (no ``-1`` left)."""
@@ -192,6 +202,7 @@ def view_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.unsqueeze.default, aten.flatten.using_ints)
+@overlap_ok
 @uneven_ok
 def squeeze_rule(ctx: RuleContext) -> Decision:
     """Dim-only views: the args name dims, not sizes, so nothing is rewritten."""
@@ -199,6 +210,7 @@ def squeeze_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+@overlap_ok
 @uneven_ok
 def global_squeeze_rule(ctx: RuleContext) -> Decision:
     """``squeeze``: only dims of global size 1. A sharded dim whose local size is 1 (4 heads
@@ -219,6 +231,7 @@ def global_squeeze_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.unflatten.int)
+@overlap_ok
 @uneven_ok
 def unflatten_rule(ctx: RuleContext) -> Decision:
     """``unflatten(x, dim, sizes)``: sizes become local."""
@@ -234,6 +247,7 @@ def unflatten_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.transpose.int)
+@overlap_ok
 @uneven_ok
 def transpose_rule(ctx: RuleContext) -> Decision:
     x, d0, d1 = ctx.node.args
@@ -247,6 +261,7 @@ def transpose_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.t.default, aten.numpy_T.default)
+@overlap_ok
 @uneven_ok
 def t_rule(ctx: RuleContext) -> Decision:
     p = ctx.placement(ctx.node.args[0])
@@ -256,6 +271,7 @@ def t_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.permute.default)
+@overlap_ok
 @uneven_ok
 def permute_rule(ctx: RuleContext) -> Decision:
     x, dims = ctx.node.args
@@ -267,6 +283,7 @@ def permute_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.select.int)
+@overlap_ok
 @uneven_ok
 def select_rule(ctx: RuleContext) -> Decision:
     x, dim, _ = ctx.node.args
@@ -280,6 +297,7 @@ def select_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.slice.Tensor)
+@overlap_ok
 @uneven_ok
 def slice_rule(ctx: RuleContext) -> Decision:
     x = ctx.node.args[0]
@@ -293,6 +311,7 @@ def slice_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.expand.default)
+@overlap_ok
 @uneven_ok
 def expand_rule(ctx: RuleContext) -> Decision:
     """``expand(x, sizes)``: the sharded dim keeps its local size."""
@@ -338,6 +357,7 @@ def _split_pieces(shard: Shard, sizes: list[int], ws: int) -> list[Shard]:
 
 
 @register_rule(aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default)
+@overlap_ok
 @uneven_ok
 def split_rule(ctx: RuleContext) -> Decision:
     """Split along the sharded dim works segment-wise (fused QKV); sizes become local."""
@@ -350,6 +370,8 @@ def split_rule(ctx: RuleContext) -> Decision:
     dim = norm_dim(ctx.node.args[2] if len(ctx.node.args) > 2 else ctx.node.kwargs.get("dim", 0), ndim(x))
     if dim != p.dim:
         return Decision((p,) * n)
+    if p.overlaps:
+        raise Conflict("split-crosses-shard", f"split of kv heads held by several ranks ({p})", "keep the kv projections replicated")
     sizes = [int(v.shape[dim]) for v in pieces_val]
     pieces = _split_pieces(p, sizes, ctx.world_size)
     local = [local_size(piece, ctx.world_size) for piece in pieces]
@@ -370,6 +392,7 @@ def split_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.unbind.int)
+@overlap_ok
 @uneven_ok
 def unbind_rule(ctx: RuleContext) -> Decision:
     x = ctx.node.args[0]
@@ -384,6 +407,7 @@ def unbind_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.cat.default)
+@overlap_ok
 @uneven_ok
 def cat_rule(ctx: RuleContext) -> Decision:
     """Cat along the sharded dim concatenates segments; along another dim the shard is kept."""
@@ -396,6 +420,8 @@ def cat_rule(ctx: RuleContext) -> Decision:
     if any(p.dim != shards[0].dim for p in shards):
         raise Conflict("layout-mismatch", "cat of tensors sharded on different dims", "keep one producer replicated")
     if shards[0].dim == dim:
+        if any(p.overlaps for p in shards):
+            raise Conflict("layout-mismatch", "cat along kv heads held by several ranks", "keep the kv projections replicated")
         if len(shards) != len(tensors):
             raise Conflict("layout-mismatch", "cat along the sharded dim of sharded and replicated tensors", "keep the producers replicated")
         if len({p.unit for p in shards}) > 1:
