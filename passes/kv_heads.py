@@ -56,18 +56,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Collection, Optional
+from typing import Collection, Mapping, Optional
 
 import torch
 from torch.fx import Graph, Node
 
 from fxtp.core import local_ops
-from fxtp.core.placement import Shard
+from fxtp.core.placement import Placement, Shard
 from passes.sharding_plan import KvHeads, ShardingPlan
 from passes.propagate import EdgeAction
-from passes.registry import LocalSize, ShardStart, is_tensor_node, shape_of
+from passes.registry import LocalSize, ShardStart, is_tensor_node, module_of, shape_of
 
-__all__ = ["KvHeads", "keep_needed_kv_heads", "grouped_kv_layers", "kv_reads"]
+__all__ = ["KvHeads", "keep_needed_kv_heads", "grouped_kv_layers", "kv_reads", "held_together"]
 
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
@@ -95,6 +95,20 @@ def grouped_kv_layers(graph: Graph, layers: Collection[Node], world_size: int) -
     return {name: hint for name, hint in found.items() if name not in refused}
 
 
+def held_together(params: Mapping[str, Placement], owners: Mapping[str, Collection[str]], nodes: Mapping[str, Node]) -> tuple[tuple[str, ...], ...]:
+    """The parameters of ``params`` held as grouped shards, in groups whose gradients one
+    all_reduce sums over their holders (``ShardingPlan.holders``): those of the layers called
+    by one module (an attention's k and v projections, weights and biases), whose gradients are
+    ready together. ``owners``: parameter -> the layer nodes that shard it."""
+    groups: dict[str, list[str]] = {}
+    for name, placement in params.items():
+        if isinstance(placement, Shard) and placement.overlaps:
+            owner = min(owners.get(name, ()), default=None)
+            key = module_of(nodes[owner]).rpartition(".")[0] if owner in nodes else name
+            groups.setdefault(key, []).append(name)
+    return tuple(tuple(names) for names in groups.values())
+
+
 def kv_reads(node: Node) -> list[tuple[Node, int, int]]:
     """``(kv value, heads dim, group)`` for each kv value ``node`` repeats for grouped-query
     attention, ``group`` query heads per kv head: ``scaled_dot_product_attention(q, k, v,
@@ -115,7 +129,7 @@ def kv_reads(node: Node) -> list[tuple[Node, int, int]]:
         expand = node.args[0]
         if not (isinstance(expand, Node) and expand.target is aten.expand.default):
             return []
-        unsqueeze = expand.args[0]
+        unsqueeze = _whole(expand.args[0])  # x[:, :, None, :, :] keeps its full slices under dynamic shapes
         if not (isinstance(unsqueeze, Node) and unsqueeze.target is aten.unsqueeze.default and is_tensor_node(unsqueeze.args[0])):
             return []
         x, (shape, out) = unsqueeze.args[0], (shape_of(expand), shape_of(node))
@@ -124,6 +138,13 @@ def kv_reads(node: Node) -> list[tuple[Node, int, int]]:
             return []
         return [(x, d, shape[d + 1])]
     return []
+
+
+def _whole(node: object) -> object:
+    """``node`` without the slices around it that keep every element (``x[:, :]``)."""
+    while isinstance(node, Node) and node.target is aten.slice.Tensor and is_tensor_node(node.args[0]) and shape_of(node) == shape_of(node.args[0]):
+        node = node.args[0]
+    return node
 
 
 def _nearest_layer(value: Node, layers: frozenset[Node]) -> Optional[Node]:

@@ -39,7 +39,7 @@ from passes.layers import (
     weight_of,
     weight_placeholder,
 )
-from passes.kv_heads import grouped_kv_layers
+from passes.kv_heads import grouped_kv_layers, held_together
 from passes.propagate import ParamPiece, PlannerState, Propagation, param_root, propagate
 from passes.registry import Conflict, LayerNote, module_of, shape_of
 from passes.rules.matmul import layer_operands
@@ -108,6 +108,7 @@ def plan_sharding(
         },
         layers=decisions,
         rounds=rounds,
+        holders=held_together(state.params, state.param_owners, {n.name: n for n in layers}),
     )
 
 

@@ -27,6 +27,7 @@ For each node, in order:
 from __future__ import annotations
 
 import copy
+import operator
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -124,14 +125,18 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
         gathered = gather(value, action.placement)
         return enter(gathered) if action.enter else gathered
 
-    for name, placement in plan.params.items():  # NOTE: [grouped shards]: gradients summed over the holders
-        held = nodes.get(name)
-        if held is not None and placement.overlaps and getattr(held.meta.get("val"), "requires_grad", False):
-            ranges = tuple(local_ranges(placement, rank, ws))
-            with after(held):
-                summed = graph.call_function(collectives.copy_to_holders, (held, placement.dim, ranges, placement.size, group_name))
-            held.replace_all_uses_with(summed, delete_user_cb=lambda user: user is not summed)
-            summed.meta["fxtp_placement"] = str(placement)
+    for names in plan.holders:  # NOTE: [grouped shards]: gradients summed over the holders, one all_reduce per group
+        held = [nodes[n] for n in names if getattr(nodes[n].meta.get("val"), "requires_grad", False)]
+        if held:
+            shards = [plan.params[old_name[p]] for p in held]
+            layout = tuple((s.dim, tuple(local_ranges(s, rank, ws)), s.size) for s in shards)
+            with after(held[0]):
+                summed = graph.call_function(collectives.copy_to_holders, (held, layout, group_name))
+            for i, (p, shard) in enumerate(zip(held, shards)):
+                with graph.inserting_after(summed):
+                    piece = graph.call_function(operator.getitem, (summed, i))
+                p.replace_all_uses_with(piece, delete_user_cb=lambda user: user is not summed)
+                piece.meta["fxtp_placement"] = str(shard)
     for node in list(old_name):
         name = old_name[node]
         placement = plan.placements.get(name)

@@ -147,21 +147,30 @@ class _CopyToTP(Function):
 
 class _CopyToHolders(Function):
     @staticmethod
-    def forward(ctx, x, dim, ranges, size, group_name):  # type: ignore[override]
-        ctx.args = (dim, ranges, size, group_name)
-        return x.view_as(x)
+    def forward(ctx, layout, group_name, *tensors):  # type: ignore[override]
+        ctx.layout, ctx.group_name = layout, group_name
+        ctx.meta = [(t.shape, t.dtype, t.device) for t in tensors]
+        return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        dim, ranges, size, group_name = ctx.args
-        full = grad.new_zeros((*grad.shape[:dim], size, *grad.shape[dim + 1:]))
-        pos = 0
-        for start, length in ranges:
-            full.narrow(dim, start, length).copy_(grad.narrow(dim, pos, length))
-            pos += length
-        full = all_reduce(full, group_name)
-        pieces = [full.narrow(dim, start, length) for start, length in ranges]
-        return (torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0].contiguous()), None, None, None, None
+    def backward(ctx, *grads):  # type: ignore[override]
+        fulls = []
+        for grad, (shape, dtype, device), (dim, ranges, size) in zip(grads, ctx.meta, ctx.layout):
+            full = torch.zeros((*shape[:dim], size, *shape[dim + 1:]), dtype=dtype, device=device)
+            pos = 0
+            for start, length in ranges:
+                if grad is not None:
+                    full.narrow(dim, start, length).copy_(grad.narrow(dim, pos, length))
+                pos += length
+            fulls.append(full)
+        flat = all_reduce(torch.cat([f.reshape(-1).to(fulls[0].dtype) for f in fulls]), ctx.group_name)
+        out, offset = [], 0
+        for full, (dim, ranges, _) in zip(fulls, ctx.layout):
+            summed = flat[offset:offset + full.numel()].view(full.shape).to(full.dtype)
+            offset += full.numel()
+            pieces = [summed.narrow(dim, start, length) for start, length in ranges]
+            out.append(torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0].contiguous())
+        return (None, None, *out)
 
 
 class _ReduceFromTP(Function):
@@ -229,27 +238,30 @@ def copy_to_tp(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return _CopyToTP.apply(x, group_name)
 
 
-def copy_to_holders(x: torch.Tensor, dim: int, ranges: tuple[tuple[int, int], ...], size: int, group_name: str) -> torch.Tensor:
-    """``f`` on a parameter held as a grouped shard (NOTE: [grouped shards] in
+def copy_to_holders(
+    tensors: list[torch.Tensor], layout: tuple[tuple[int, tuple[tuple[int, int], ...], int], ...], group_name: str
+) -> tuple[torch.Tensor, ...]:
+    """``f`` on parameters held as grouped shards (NOTE: [grouped shards] in
     ``fxtp/core/placement.py``): identity forward; backward, each unit's gradient summed over the
     ranks that hold it. Each rank holds in its gradient the part its own query heads give.
 
-    The sum is one all_reduce over the whole tensor-parallel group of a zero tensor of the global
-    size along ``dim`` into which each rank puts its rows (a rank that does not hold a unit adds
-    zeros): exact, no sub-groups to create (they would need every rank of the job), and a
-    grouped parameter's bytes, once per backward (the holders' sub-group reductions would move
-    about as much when the kv heads are shared by most ranks, as they are when few).
+    The sum is one all_reduce over the whole tensor-parallel group, for all of ``tensors`` (an
+    attention's k and v projections), of zero tensors of their global sizes into which each rank
+    puts its rows (a rank that does not hold a unit adds zeros): exact, no sub-groups to create
+    (they would need every rank of the job), and the parameters' global bytes once per backward
+    (the holders' sub-group reductions would move about as much when, as here, the kv heads are
+    shared by most ranks or each by a few ranks of a ring).
 
     Args:
-        x: this rank's rows of the parameter: ``ranges`` along ``dim``, concatenated.
-        ranges: ``(start, length)`` of each of them in the global parameter (``local_ranges``).
-        size: the global size of ``dim``.
+        tensors: this rank's rows of each parameter (its ``local_ranges``, concatenated).
+        layout: per tensor ``(dim, ranges, size)``: the grouped dim, the ``(start, length)`` of
+            each of its local ranges in the global parameter, and the global size of ``dim``.
         group_name: the tensor-parallel process group.
 
     Returns:
-        ``x`` (a view), whose gradient is the sum over the holders.
+        ``tensors`` (views), whose gradients are the sums over the holders.
     """
-    return _CopyToHolders.apply(x, dim, ranges, size, group_name)
+    return _CopyToHolders.apply(layout, group_name, *tensors)
 
 
 def reduce_from_tp(x: torch.Tensor, group_name: str) -> torch.Tensor:
