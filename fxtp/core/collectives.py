@@ -38,7 +38,7 @@ from torch.autograd import Function
 
 from fxtp.core import activations
 from fxtp.core.errors import FxtpInputError
-from fxtp.core.placement import Shard, local_ranges
+from fxtp.core.placement import Shard, local_ranges, owned_ranges
 
 __all__ = [
     "copy_to_tp",
@@ -86,23 +86,26 @@ def all_reduce(t: torch.Tensor, group_name: str, op: str = "sum") -> torch.Tenso
 
 
 def all_gather(
-    t: torch.Tensor, dim: int, segments: tuple[int, ...], world_size: int, group_name: str, unit: int = 1
+    t: torch.Tensor, dim: int, segments: tuple[int, ...], world_size: int, group_name: str, unit: int = 1,
+    groups: tuple[int, ...] = (),
 ) -> torch.Tensor:
     """The full tensor from every rank's shard along ``dim`` (layout: NOTE: [segments]).
 
-    Uneven shards (NOTE: [uneven shards]): each rank pads its piece to rank 0's size (the
-    largest), the padded pieces are all_gathered, and each rank's real rows are narrowed out.
+    Uneven shards (NOTE: [uneven shards]): each rank pads its piece to the largest, the padded
+    pieces are all_gathered, and each rank's real rows are narrowed out. Grouped shards (NOTE:
+    [grouped shards]): ``t`` is the part the rank owns (``placement.owned_part``).
     """
-    shard = Shard(dim, tuple(segments), unit)
+    shard = Shard(dim, tuple(segments), unit, tuple(groups))
+    held = owned_ranges if shard.overlaps else local_ranges
     moved = t.movedim(dim, 0)
-    longest = shard.local_size(world_size, 0)
+    ranges = [held(shard, r, world_size) for r in range(world_size)]
+    longest = max(sum(length for _, length in r) for r in ranges)
     if moved.shape[0] < longest:
         moved = torch.cat([moved, moved.new_zeros((longest - moved.shape[0], *moved.shape[1:]))])
     moved = moved.contiguous()
     flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(moved, world_size, group_name))
     _handed(moved, flat)
     per_rank = flat.chunk(world_size, dim=0)
-    ranges = [local_ranges(shard, r, world_size) for r in range(world_size)]
     pieces = []
     for i in range(len(segments)):
         for r in range(world_size):

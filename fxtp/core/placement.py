@@ -48,7 +48,7 @@ from typing import Optional, Union
 import torch
 
 __all__ = ["Replicate", "Shard", "Partial", "Placement", "shard_tensor", "local_ranges", "is_sharded", "REPLICATE",
-           "kv_unit_range", "owned_ranges"]
+           "kv_unit_range", "owned_ranges", "owned_part"]
 
 
 @dataclass(frozen=True)
@@ -196,3 +196,16 @@ def shard_tensor(full: torch.Tensor, placement: Placement, rank: int, world_size
         raise ValueError(f"tensor of shape {tuple(full.shape)} does not match {placement}")
     pieces = [full.detach().narrow(placement.dim, start, length) for start, length in local_ranges(placement, rank, world_size)]
     return torch.cat(pieces, dim=placement.dim).clone() if len(pieces) > 1 else pieces[0].clone()
+
+
+def owned_part(local: torch.Tensor, shard: Shard, rank: int, world_size: int) -> torch.Tensor:
+    """The rows of rank ``rank``'s ``local`` tensor (its :func:`local_ranges` along ``shard.dim``,
+    concatenated) that it owns (:func:`owned_ranges`): ``local`` itself unless ``shard`` is
+    grouped; over the ranks these tile the whole tensor once (NOTE: [grouped shards])."""
+    if not shard.overlaps:
+        return local
+    pieces, pos = [], 0
+    for (start, length), (first, count) in zip(local_ranges(shard, rank, world_size), owned_ranges(shard, rank, world_size)):
+        pieces.append(local.narrow(shard.dim, pos + first - start, count))
+        pos += length
+    return torch.cat(pieces, shard.dim) if len(pieces) > 1 else pieces[0]
