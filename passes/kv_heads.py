@@ -14,8 +14,9 @@ A static KV cache is a state ``(B, Hkv, S, E)`` written in place by ``index_copy
 cache_position, k)`` and read by the attention (NOTE: [sharded state] in
 ``passes/rules/variants.py``). When the kv heads divide world_size, the k/v projections are
 colwise and the cache is stored sharded by its heads. When they do not (2 kv heads on 4 ranks,
-one kv head: MQA), the projections stay whole and so, without this pass, does the cache on every
-rank, though rank ``r``'s query heads ``[q0, q0 + n)`` attend with kv heads ``[q0 // g,
+one kv head: MQA), the projections hold the kv heads their ranks read (NOTE: [grouped shards])
+and the cache is stored so by the rules. Where that layout is refused, the projections stay
+whole and so, without this pass, does the cache on every rank, though rank ``r``'s query heads ``[q0, q0 + n)`` attend with kv heads ``[q0 // g,
 ceil((q0 + n) / g))`` only (``g = Hq // Hkv``, ``local_ops.kv_head_range``). At 8 query heads,
 2 kv heads and world_size 4, ranks 0 and 1 keep kv head 0 and ranks 2 and 3 kv head 1: half the
 cache each. At 6 query heads and 3 kv heads on 2 ranks, rank 0 keeps kv heads 0, 1 and rank 1
