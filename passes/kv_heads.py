@@ -78,19 +78,23 @@ def grouped_kv_layers(graph: Graph, layers: Collection[Node], world_size: int) -
     """``{layer: (unit, group)}`` for the layers among ``layers`` that compute the kv heads of a
     grouped-query attention whose kv heads do not divide ``world_size``: their output is
     ``Hkv`` heads of ``unit`` features, read by ``group`` query heads each (NOTE: [grouped
-    shards]). A layer is the one layer nearest the kv value the attention repeats
-    (:func:`kv_reads`); kv heads that divide ``world_size`` are sharded as they are, and fewer
-    query heads than ranks leave a rank without any. Reads ``node.meta["val"]``."""
+    shards]). A layer is the one layer nearest the kv value ``(..., Hkv, S, E)`` the attention
+    repeats (:func:`kv_reads`), with ``Hkv * E`` outputs; kv heads that divide ``world_size`` are
+    sharded as they are, and fewer query heads than ranks leave a rank without any. Reads
+    ``node.meta["val"]``."""
     layer_set = frozenset(layers)
     found: dict[str, tuple[int, int]] = {}
     refused: set[str] = set()
     for node in graph.nodes:
         for value, dim, group in kv_reads(node):
-            heads = shape_of(value)[dim]
+            shape = shape_of(value)
+            heads = shape[dim]
+            if dim != len(shape) - 3 or heads % world_size == 0 or heads * group < world_size:
+                continue  # (..., Hkv, S, E) only; kv heads that divide are sharded as they are
             layer = _nearest_layer(value, layer_set)
-            if heads % world_size == 0 or heads * group < world_size or layer is None or shape_of(layer)[-1] % heads:
-                continue
-            hint = (shape_of(layer)[-1] // heads, group)
+            if layer is None or shape_of(layer)[-1] != heads * shape[-1]:
+                continue  # the layer's output must be the Hkv heads of E (no fused projection)
+            hint = (shape[-1], group)
             if found.setdefault(layer.name, hint) != hint:
                 refused.add(layer.name)  # read as kv heads in two ways: no one layout
     return {name: hint for name, hint in found.items() if name not in refused}

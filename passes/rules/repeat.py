@@ -5,6 +5,10 @@ neuronx-nemo-megatron, tpu-inference). Input index ``i`` becomes outputs ``[i*n,
 a rank's block of the input dim becomes its block of the output dim: a segment ``s`` becomes a
 segment ``s*n`` (NOTE: [segments]) and the op runs locally; a global ``output_size`` is
 dropped (``fxtp.core.local_ops.repeat_interleave``). A shard on another dim flows through. Tensor ``repeats`` (``self_Tensor``) are not handled here.
+
+On kv heads held as a grouped shard (NOTE: [grouped shards] in ``fxtp/core/placement.py``) the
+repeat, and Hugging Face's ``repeat_kv`` (expand + reshape, the view rule asks here), give each
+rank its query heads' kv heads: NOTE: [repeated kv heads] below.
 """
 
 from __future__ import annotations
