@@ -125,18 +125,19 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
         gathered = gather(value, action.placement)
         return enter(gathered) if action.enter else gathered
 
+    anchor = last_placeholder
     for names in plan.holders:  # NOTE: [grouped shards]: gradients summed over the holders, one all_reduce per group
         held = [nodes[n] for n in names if getattr(nodes[n].meta.get("val"), "requires_grad", False)]
         if held:
             shards = [plan.params[old_name[p]] for p in held]
             layout = tuple((s.dim, tuple(local_ranges(s, rank, ws)), s.size) for s in shards)
-            with after(held[0]):
-                summed = graph.call_function(collectives.copy_to_holders, (held, layout, group_name))
+            with graph.inserting_after(anchor):
+                summed = anchor = graph.call_function(collectives.copy_to_holders, (held, layout, group_name))
             for i, (p, shard) in enumerate(zip(held, shards)):
-                with graph.inserting_after(summed):
-                    piece = graph.call_function(operator.getitem, (summed, i))
-                p.replace_all_uses_with(piece, delete_user_cb=lambda user: user is not summed)
-                piece.meta["fxtp_placement"] = str(shard)
+                with graph.inserting_after(anchor):
+                    anchor = graph.call_function(operator.getitem, (summed, i))
+                p.replace_all_uses_with(anchor, delete_user_cb=lambda user: user is not summed)
+                anchor.meta["fxtp_placement"] = str(shard)
     for node in list(old_name):
         name = old_name[node]
         placement = plan.placements.get(name)
