@@ -46,6 +46,7 @@ from passes.layers import (
     weight_of,
     weight_placeholder,
 )
+from passes.kv_heads import grouped_kv_layers, held_together
 from passes.propagate import ParamPiece, PlannerState, Propagation, param_root, propagate
 from passes.registry import Conflict, LayerNote, module_of, shape_of
 from passes.rules.matmul import layer_operands
@@ -85,6 +86,10 @@ def plan_sharding(
     apply_overrides(overrides or {}, layers, names, state)
     keep_small_embeddings(layers, state, param_names)
     keep_renormed_tables(graph, layers, state, param_names)
+    if world_size > 1:  # NOTE: [grouped shards]: the k/v projections hold the kv heads their ranks read
+        for name, (unit, group) in grouped_kv_layers(graph, layers, world_size).items():
+            if state.forced.get(name) in (None, "colwise") and name not in state.demoted:
+                state.units[name], state.groups[name] = unit, group
     terminal = _terminal_layers(graph, layers)
     max_rounds = (MAX_SEGMENTS + 5) * len(layers) + 8
     blocks = RepeatedBlocks.of(graph)  # NOTE: [repeated blocks decided alike] in passes/layers.py
@@ -113,6 +118,7 @@ def plan_sharding(
         },
         layers=decisions,
         rounds=rounds,
+        holders=held_together(state.params, state.param_owners, {n.name: n for n in layers}),
     )
 
 

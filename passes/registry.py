@@ -36,6 +36,8 @@ __all__ = [
     "LocalSize",
     "uneven_ok",
     "takes_uneven",
+    "overlap_ok",
+    "takes_overlap",
     "GroupName",
     "LayerNote",
     "LayerState",
@@ -210,6 +212,7 @@ class LayerState:
     slice_input: bool = False  # rowwise on a replicated input sliced locally, NOTE: [rowwise fallback]
     whole_input: Optional[LayerNote] = None  # why its input must arrive replicated, NOTE: [tied uses]
     unit: int = 1  # split granularity of its output (whole heads), NOTE: [uneven shards]
+    group: int = 1  # its output holds kv heads read in groups of this many query heads, NOTE: [grouped shards]
 
 
 Rule = Callable[[RuleContext], Decision]
@@ -243,6 +246,21 @@ def uneven_ok(fn: Rule) -> Rule:
 
 def takes_uneven(rule: Optional[Rule]) -> bool:
     return bool(getattr(rule, "fxtp_uneven", False))
+
+
+def overlap_ok(fn: Rule) -> Rule:
+    """Mark ``fn`` (already ``uneven_ok``) as handling grouped shards, whose units several ranks
+    hold (NOTE: [grouped shards] in ``fxtp/core/placement.py``): it keeps ``Shard.groups`` on
+    its output, or turns the kv units into the query heads that read them, and never sums over
+    the grouped dim (the holders would count a unit twice). The planner refuses a grouped shard
+    to any other rule (``not-divisible``)."""
+    assert takes_uneven(fn), f"{fn.__name__}: mark it uneven_ok first"
+    fn.fxtp_overlap = True  # type: ignore[attr-defined]
+    return fn
+
+
+def takes_overlap(rule: Optional[Rule]) -> bool:
+    return bool(getattr(rule, "fxtp_overlap", False))
 
 
 def get_rule(op: OpKey) -> Optional[Rule]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from fxtp.core.errors import FxtpInputError
+from fxtp.core.placement import kv_unit_range
 
 __all__ = [
     "vocab_parallel_embedding",
@@ -14,6 +15,7 @@ __all__ = [
     "index_copy_kv_heads",
     "kv_head_range",
     "repeat_interleave",
+    "repeat_kv_heads",
 ]
 
 
@@ -129,12 +131,11 @@ def kv_heads_of(
 
 def kv_head_range(q_start: int, q_count: int, group: int) -> tuple[int, int]:
     """``(start, length)`` of the kv heads that query heads ``[q_start, q_start + q_count)``
-    attend with, ``group`` query heads per kv head (NOTE: [kv heads kept by the ranks that need
-    them] in ``passes/kv_heads.py``): at 8 query heads, 2 kv heads, world_size 4, rank 1's heads
-    2, 3 give ``(0, 1)``; at 6 query heads, 3 kv heads, world_size 2, rank 0's heads 0..2 give
-    ``(0, 2)``."""
-    start = q_start // group
-    return start, -(-(q_start + q_count) // group) - start
+    attend with, ``group`` query heads per kv head (NOTE: [grouped shards] in
+    ``fxtp/core/placement.py``, which defines it: :func:`~fxtp.core.placement.kv_unit_range`):
+    at 8 query heads, 2 kv heads, world_size 4, rank 1's heads 2, 3 give ``(0, 1)``; at 6 query
+    heads, 3 kv heads, world_size 2, rank 0's heads 0..2 give ``(0, 2)``."""
+    return kv_unit_range(q_start, q_count, group)
 
 
 def index_copy_kv_heads(
@@ -188,6 +189,24 @@ def repeat_interleave(x: torch.Tensor, repeats: int, dim: int, output_size: "int
             local output is ``x.shape[dim] * repeats``).
     """
     return torch.ops.aten.repeat_interleave.self_int(x, repeats, dim)
+
+
+def repeat_kv_heads(x: torch.Tensor, dim: int, q_start: int, q_count: int, group: int, merged: bool) -> torch.Tensor:
+    """This rank's query heads' kv heads, from the kv heads it holds (NOTE: [repeated kv heads]
+    in ``passes/rules/repeat.py``).
+
+    Args:
+        x: the kv heads :func:`kv_head_range` ``(q_start, q_count, group)`` along ``dim``:
+            ``(..., h, group, ...)`` expanded (``merged``, Hugging Face's ``repeat_kv`` before its
+            reshape) or ``(..., h, ...)`` (``repeat_interleave``).
+        q_start, q_count: this rank's first query head and number of query heads.
+        group: query heads per kv head.
+
+    Returns:
+        ``(..., q_count, ...)``, contiguous: row ``j`` is kv head ``(q_start + j) // group``.
+    """
+    repeated = x.flatten(dim, dim + 1) if merged else torch.ops.aten.repeat_interleave.self_int(x, group, dim)
+    return repeated.narrow(dim, q_start % group, q_count).contiguous()
 
 
 # NOTE: [vocab-parallel cross entropy]

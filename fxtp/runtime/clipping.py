@@ -5,7 +5,8 @@ parameters] in fxtp/runtime/sharded.py), but it all_reduces once per sharded par
 after FSDP2's ``fully_shard`` (whose DTensor parameters span the data-parallel mesh only), it
 would miss the tensor-parallel dim. :func:`clip_grad_norm_` sums every rank's share once:
 
-* a tensor-parallel shard counts on every rank (its elements are on that rank only);
+* a tensor-parallel shard counts on every rank (its elements are on that rank only; of a grouped
+  shard, NOTE: [grouped shards], the rows the rank owns);
 * a replicated parameter counts on tensor-parallel rank 0 only (every rank holds it);
 * under FSDP2 each rank counts its data-parallel block of the above, and the one all_reduce
   spans the data-parallel x tensor-parallel ranks (the default group, which must be exactly those).
@@ -23,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fxtp.core.errors import FxtpConfigError
-from fxtp.core.placement import REPLICATE, Shard
+from fxtp.core.placement import REPLICATE, Shard, owned_part
 from fxtp.runtime.sharded import local_tensor, resolve_group
 
 __all__ = ["clip_grad_norm_"]
@@ -76,7 +77,10 @@ def clip_grad_norm_(pm: nn.Module, max_norm: float, norm_type: float = 2.0, *, e
             continue
         grad = p.grad
         grads.append(grad.to_local() if isinstance(grad, DTensor) else local_tensor(grad))
-        if isinstance(pm.placements.get(fqn, REPLICATE), Shard) or pm._rank == 0:
+        placement = pm.placements.get(fqn, REPLICATE)
+        if isinstance(placement, Shard) and placement.overlaps and not isinstance(grad, DTensor):
+            counted.append(owned_part(grads[-1], placement, pm._rank, pm._world_size))  # NOTE: [grouped shards]
+        elif isinstance(placement, Shard) or pm._rank == 0:
             counted.append(grads[-1])
     group = _group(pm, [p.grad for p in pm.parameters() if p.grad is not None])
     device = grads[0].device if grads else torch.device("cpu")

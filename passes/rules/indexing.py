@@ -18,7 +18,7 @@ import torch
 from torch.fx import Node
 
 from fxtp.core.placement import REPLICATE, Shard, local_ranges
-from passes.registry import Conflict, Decision, LocalSize, RuleContext, register_rule, shape_of, source_line, uneven_ok
+from passes.registry import Conflict, Decision, LocalSize, RuleContext, overlap_ok, register_rule, shape_of, source_line, uneven_ok
 from passes.rules._common import local_size, ndim, norm_dim
 from passes.rules.dtensor_fallback import dtensor_rule
 
@@ -120,6 +120,7 @@ def _strided(ctx: RuleContext, x: Node, p: Shard, a: int, b: int, step: int, dim
 
 
 @register_rule(aten.slice.Tensor)
+@overlap_ok
 @uneven_ok
 def slice_rule(ctx: RuleContext) -> Decision:
     """``x[..., start:end:step]``: on the sharded dim, a run of whole segments (NOTE: [slices of segments])."""
@@ -132,6 +133,8 @@ def slice_rule(ctx: RuleContext) -> Decision:
     n = shape_of(x)[dim]
     if dim != p.dim or n == ctx.out_shape[dim]:
         return Decision(p)
+    if p.overlaps:  # NOTE: [grouped shards]: kv units several ranks hold are taken whole, not cut
+        raise Conflict("indexes-sharded-dim", f"slice of kv heads held by several ranks ({p})", "keep the kv projections replicated")
     bounds = slice_bounds(n, *(list(rest[1:]) + [None] * (3 - len(rest[1:]))))
     if bounds is None:
         raise Conflict("indexes-sharded-dim", f"slice of the sharded dim {dim} with bounds that depend on a dynamic size",
@@ -148,6 +151,7 @@ def slice_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.narrow.default)
+@overlap_ok
 @uneven_ok
 def narrow_rule(ctx: RuleContext) -> Decision:
     """``x.narrow(dim, start, length)``: as ``x[start:start + length]`` on that dim."""
@@ -159,6 +163,8 @@ def narrow_rule(ctx: RuleContext) -> Decision:
     n = shape_of(x)[dim]
     if dim != p.dim or n == ctx.out_shape[dim]:
         return Decision(p)
+    if p.overlaps:  # NOTE: [grouped shards]: kv units several ranks hold are taken whole, not cut
+        raise Conflict("indexes-sharded-dim", f"narrow of kv heads held by several ranks ({p})", "keep the kv projections replicated")
     if not isinstance(start, int) or not isinstance(length, int):
         raise Conflict("indexes-sharded-dim", f"narrow of the sharded dim {dim} with a dynamic start or length",
                        _fix(ctx, p.segments, "narrow"))
@@ -180,6 +186,7 @@ def _whole_index_fix(ctx: RuleContext, what: str) -> str:
 
 
 @register_rule(aten.select.int)
+@overlap_ok
 @uneven_ok
 def select_rule(ctx: RuleContext) -> Decision:
     x, dim, _ = ctx.node.args
@@ -238,6 +245,7 @@ def split_pieces(shard: Shard, sizes: list[int], ws: int) -> list[Shard]:
 
 
 @register_rule(aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default)
+@overlap_ok
 @uneven_ok
 def split_rule(ctx: RuleContext) -> Decision:
     """Split along the sharded dim works segment-wise (fused QKV); sizes become local."""
@@ -250,6 +258,8 @@ def split_rule(ctx: RuleContext) -> Decision:
     dim = norm_dim(ctx.node.args[2] if len(ctx.node.args) > 2 else ctx.node.kwargs.get("dim", 0), ndim(x))
     if dim != p.dim:
         return Decision((p,) * n)
+    if p.overlaps:  # NOTE: [grouped shards]: kv units several ranks hold are taken whole, not cut
+        raise Conflict("indexes-sharded-dim", f"split of kv heads held by several ranks ({p})", "keep the kv projections replicated")
     sizes = [int(v.shape[dim]) for v in pieces_val]
     pieces = split_pieces(p, sizes, ctx.world_size)
     local = [local_size(piece, ctx.world_size) for piece in pieces]
@@ -270,6 +280,7 @@ def split_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.unbind.int)
+@overlap_ok
 @uneven_ok
 def unbind_rule(ctx: RuleContext) -> Decision:
     x = ctx.node.args[0]

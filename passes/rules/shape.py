@@ -14,8 +14,9 @@ from typing import Optional
 import torch
 
 from fxtp.core.placement import REPLICATE, Shard
-from passes.registry import Conflict, Decision, RuleContext, register_rule, shape_of, uneven_ok
+from passes.registry import Conflict, Decision, RuleContext, overlap_ok, register_rule, shape_of, uneven_ok
 from passes.rules._common import activation_placement, local_size, local_sizes, ndim, norm_dim
+from passes.rules.repeat import repeat_kv_decision, repeats_kv_heads
 
 __all__ = ["view_placement", "group_dims"]
 
@@ -72,12 +73,16 @@ def view_placement(shard: Shard, in_shape: tuple[int, ...], out_shape: tuple[int
     """
     group = next(g for g in group_dims(in_shape, out_shape) if shard.dim in g[0])
     ins, outs = group
+    if ins == [shard.dim] and len(outs) == 1:
+        return shard.with_dim(outs[0])
     big_in = [i for i in ins if in_shape[i] != 1]
     big_out = [o for o in outs if out_shape[o] != 1]
     if big_in == [shard.dim] and len(big_out) == 1:
+        if shard.overlaps and shard.size == shard.unit == out_shape[big_out[0]] and big_out[0] - 1 in outs:
+            return Shard(big_out[0] - 1, (1,), 1, shard.groups)  # one kv head of E: (.., E) -> (.., 1, E)
         return shard.with_dim(big_out[0])
     if shard.unit != 1 or not shard.divisible(ws):
-        return _uneven_view(shard, in_shape, out_shape, big_in, big_out, ws)
+        return _uneven_view(shard, in_shape, out_shape, ins, big_out, ws)
     s = shard.segments[0]
     if any(seg != s for seg in shard.segments):
         raise Conflict(
@@ -149,16 +154,17 @@ def _head_unit(shard: Shard, out_shape, big_in: list[int], big_out: list[int], w
     return inner
 
 
-def _uneven_view(shard: Shard, in_shape, out_shape, big_in: list[int], big_out: list[int], ws: int) -> Shard:
+def _uneven_view(shard: Shard, in_shape, out_shape, ins: list[int], big_out: list[int], ws: int) -> Shard:
     """NOTE: [uneven views]."""
+    big_in = [i for i in ins if in_shape[i] != 1]
     dims = _segment_dims(shard, out_shape, big_in, big_out)
-    if dims is not None and (len(dims) >= 2 or len(shard.segments) > 1):
+    if dims is not None and (len(dims) >= 2 or len(shard.segments) > 1) and not (shard.overlaps and len(shard.segments) > 1):
         inner = math.prod(out_shape[o] for o in dims[1:])
         if shard.unit % inner == 0:
-            return Shard(dims[0], (out_shape[dims[0]],), shard.unit // inner)
+            return Shard(dims[0], (out_shape[dims[0]],), shard.unit // inner, shard.groups)
     if len(shard.segments) == 1 and len(big_out) == 1 and big_in and big_in[0] == shard.dim:
         inner = math.prod(in_shape[i] for i in big_in[1:])
-        return Shard(big_out[0], (shard.size * inner,), shard.unit * inner)
+        return Shard(big_out[0], (shard.size * inner,), shard.unit * inner, shard.groups)
     unit = _head_unit(shard, out_shape, big_in, big_out, ws)
     outer = None  # one segment per element of the outermost split dim
     if unit is None and len(shard.segments) == 1 and big_in == [shard.dim] and len(big_out) >= 2:
@@ -199,6 +205,8 @@ def _view_decision(ctx: RuleContext, size_arg: Optional[int]) -> Decision:
     p = ctx.placement(x)
     if not isinstance(p, Shard):
         return Decision(REPLICATE)
+    if p.overlaps and size_arg is not None and repeats_kv_heads(p, shape_of(x), ctx.out_shape):
+        return repeat_kv_decision(ctx, x, p, merged=True)
     out = view_placement(p, shape_of(x), ctx.out_shape, ctx.world_size)
     if size_arg is None:
         return Decision(out)
@@ -208,6 +216,7 @@ def _view_decision(ctx: RuleContext, size_arg: Optional[int]) -> Decision:
 
 
 @register_rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+@overlap_ok
 @uneven_ok
 def view_rule(ctx: RuleContext) -> Decision:
     """``view(x, size)``: sizes become the local output shape (no ``-1`` left)."""
@@ -215,6 +224,7 @@ def view_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.unsqueeze.default, aten.flatten.using_ints)
+@overlap_ok
 @uneven_ok
 def squeeze_rule(ctx: RuleContext) -> Decision:
     """Dim-only views: the args name dims, not sizes, so nothing is rewritten."""
@@ -222,6 +232,7 @@ def squeeze_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+@overlap_ok
 @uneven_ok
 def global_squeeze_rule(ctx: RuleContext) -> Decision:
     """``squeeze``: only dims of global size 1. A sharded dim whose local size is 1 (4 heads
@@ -242,6 +253,7 @@ def global_squeeze_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.unflatten.int)
+@overlap_ok
 @uneven_ok
 def unflatten_rule(ctx: RuleContext) -> Decision:
     """``unflatten(x, dim, sizes)``: sizes become local."""
@@ -257,6 +269,7 @@ def unflatten_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.transpose.int)
+@overlap_ok
 @uneven_ok
 def transpose_rule(ctx: RuleContext) -> Decision:
     x, d0, d1 = ctx.node.args
@@ -270,6 +283,7 @@ def transpose_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.t.default, aten.numpy_T.default)
+@overlap_ok
 @uneven_ok
 def t_rule(ctx: RuleContext) -> Decision:
     p = ctx.placement(ctx.node.args[0])
@@ -279,6 +293,7 @@ def t_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.permute.default)
+@overlap_ok
 @uneven_ok
 def permute_rule(ctx: RuleContext) -> Decision:
     x, dims = ctx.node.args
@@ -290,6 +305,7 @@ def permute_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.expand.default)
+@overlap_ok
 @uneven_ok
 def expand_rule(ctx: RuleContext) -> Decision:
     """``expand(x, sizes)``: the sharded dim keeps its local size."""
@@ -303,6 +319,7 @@ def expand_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.cat.default)
+@overlap_ok
 @uneven_ok
 def cat_rule(ctx: RuleContext) -> Decision:
     """Cat along the sharded dim concatenates segments; along another dim the shard is kept."""
@@ -315,6 +332,8 @@ def cat_rule(ctx: RuleContext) -> Decision:
     if any(p.dim != shards[0].dim for p in shards):
         raise Conflict("layout-mismatch", "cat of tensors sharded on different dims", "keep one producer replicated")
     if shards[0].dim == dim:
+        if any(p.overlaps for p in shards):
+            raise Conflict("layout-mismatch", "cat along kv heads held by several ranks", "keep the kv projections replicated")
         if len(shards) != len(tensors):
             raise Conflict("layout-mismatch", "cat along the sharded dim of sharded and replicated tensors", "keep the producers replicated")
         if len({p.unit for p in shards}) > 1:
