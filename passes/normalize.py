@@ -12,6 +12,9 @@ the user's model):
 * ``histc`` of an integer tensor (what Hugging Face's grouped_mm experts trace on a non-CPU
   device: CPU's ``histc`` takes floating inputs only) counts a float32 copy instead, which gives
   the same counts for values below 2**24 (expert ids), on every device.
+* Attention operands (``attention_forms.py``, NOTE: [attention operands]): Hugging Face's traced
+  ``repeat_kv`` becomes ``enable_gqa=True``, and a boolean mask several attentions read is
+  converted to its additive float form once.
 
     Matches:  arange = aten.arange.start(0, 16, device=device(type='cpu'), pin_memory=False)
               to_3 = aten.to.device(b_rotary_emb_inv_freq, device(type='meta'), torch.float32)
@@ -32,6 +35,8 @@ from typing import Any
 
 import torch
 from torch.fx import Graph, Node
+
+from passes.attention_forms import normalize_attention
 
 __all__ = ["normalize"]
 
@@ -56,6 +61,7 @@ def normalize(graph: Graph) -> Graph:
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is aten.histc.default:
             _count_as_float(graph, node)
+    normalize_attention(graph)
     graph.lint()
     return graph
 
