@@ -30,8 +30,7 @@ from fxtp.capture.shapes import input_specs, specialized_shapes
 from passes.dynamic import plan_symbols
 from passes.kv_heads import keep_needed_kv_heads
 from passes.checkpointing import checkpoint_regions, recompute_regions, repeated_blocks
-from passes.attention_forms import causal_attention
-from passes.normalize import normalize
+from passes.normalize import causal_attention, normalize
 from passes.partial import defer_reductions
 from passes.plan import ShardingPlan, plan_sharding
 from passes.rewrite import rewrite

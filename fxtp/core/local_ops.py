@@ -88,7 +88,7 @@ def vocab_parallel_embedding(
 
 # NOTE: [causal masks]
 # A traced Hugging Face model hands its attentions a boolean mask even where the eager model
-# calls ``is_causal=True`` without one (NOTE: [attention operands] in passes/attention_forms.py),
+# calls ``is_causal=True`` without one (NOTE: [attention operands] in passes/normalize.py),
 # and ATen converts that mask into an additive float mask per attention and saves it for
 # backward: ``(B, 1, T, T)`` floats per layer, on every rank (4 B * T**2 per sequence: 64 MiB a
 # layer at T = 4096). :func:`attention` checks the mask's values instead: when it is exactly
