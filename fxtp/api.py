@@ -39,7 +39,7 @@ from fxtp.capture.shapes import input_specs, specialized_shapes
 from passes.dynamic import plan_symbols
 from passes.kv_heads import keep_needed_kv_heads
 from passes.checkpointing import checkpoint_regions, recompute_regions, repeated_blocks
-from passes.normalize import normalize
+from passes.normalize import causal_attention, normalize
 from passes.partial import defer_reductions
 from passes.plan import ShardingPlan, plan_sharding
 from passes.rewrite import rewrite
@@ -316,8 +316,12 @@ def _size_graphs(copied, ws, how, plans, rank, group_name, want, sequence, recom
 
 def _rewrite(program, sharding: ShardingPlan, ws: int, rank: int, group_name: Optional[str]) -> torch.fx.GraphModule:
     if ws == 1:
-        return copy.deepcopy(program.graph_module)
-    return rewrite(program.graph_module, sharding, rank=rank, group_name=group_name or "")
+        gm = copy.deepcopy(program.graph_module)
+    else:
+        gm = rewrite(program.graph_module, sharding, rank=rank, group_name=group_name or "")
+    causal_attention(gm.graph)  # NOTE: [causal masks] in fxtp/core/local_ops.py
+    gm.recompile()
+    return gm
 
 
 def _shapes_spec(args: tuple, kwargs: dict, dynamic: bool, dynamic_shapes: Any) -> Any:
@@ -340,20 +344,28 @@ def analyze(
     dynamic_shapes: Any = None,
     rank: int = 0,
     sequence_parallel: bool = False,
+    activation_checkpointing: Optional[str] = None,
 ) -> Report:
     """The :class:`Report` ``compile`` would give, without creating any shard.
 
     Works on models on the ``meta`` device. Arguments and errors as in :func:`compile`
     (one mode: the model's); ``rank``: the rank the report is for (its parameter bytes: uneven
-    shards hold more on the first ranks, NOTE: [uneven shards]).
+    shards hold more on the first ranks, NOTE: [uneven shards]). The report lists the regions
+    recomputed in backward (the model's ``torch.utils.checkpoint`` calls, or those
+    ``activation_checkpointing=`` makes) and counts their collectives again in the backward.
     """
     ws = check_world_size(world_size)
+    checkpointing = check_checkpointing(activation_checkpointing)
     args, kwargs = check_inputs(model, example_inputs, example_kwargs)
     defaults, left_out = call_defaults(model, kwargs)  # NOTE: [Hugging Face call defaults]
     kwargs |= defaults
     shapes = _shapes_spec(args, kwargs, dynamic, spec_with_defaults(dynamic_shapes, defaults))
-    report = _analyze(model, ws, args, kwargs, capture, plan, rank, shapes,
-                      sequence=check_flag("sequence_parallel", sequence_parallel))[2]
+    captured, sharding, report = _analyze(model, ws, args, kwargs, capture, plan, rank, shapes,
+                                          sequence=check_flag("sequence_parallel", sequence_parallel))
+    regions = checkpoint_regions(captured.program.graph, checkpointing, repeated_blocks(model), frozenset(captured.context_fns))
+    if regions:  # the rank graph of a meta model holds meta tensors: nothing is materialized
+        gm = recompute_regions(_rewrite(captured.program, sharding, ws, rank, None), regions, captured.context_fns)
+        add_recompute(report, regions, gm)
     report.left_out = left_out
     return report
 

@@ -10,6 +10,7 @@ from fxtp.core.placement import kv_unit_range
 __all__ = [
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
+    "attention",
     "grouped_query_attention",
     "grouped_query_attention_local_kv",
     "index_copy_kv_heads",
@@ -87,6 +88,50 @@ def vocab_parallel_embedding(
     return out.masked_fill(outside.unsqueeze(-1), 0)
 
 
+# NOTE: [causal masks]
+# A traced Hugging Face model hands its attentions a boolean mask even where the eager model
+# calls ``is_causal=True`` without one (NOTE: [attention operands] in passes/normalize.py),
+# and ATen converts that mask into an additive float mask per attention and saves it for
+# backward: ``(B, 1, T, T)`` floats per layer, on every rank (4 B * T**2 per sequence: 64 MiB a
+# layer at T = 4096). :func:`attention` checks the mask's values instead: when it is exactly
+# ``tril(ones(L, S))`` (broadcast over the leading dims), the result of ``is_causal=True`` is the
+# same softmax over the same keys, so it calls that and nothing mask-shaped is saved. The answer
+# is kept on the mask tensor, so the layers that share one mask pay one comparison per forward
+# (and one device-to-host read). Under ``torch.compile`` the mask is used as it is (the check
+# would break the graph).
+
+
+def _causal(mask: torch.Tensor, length: int, source: int) -> bool:
+    """Whether the boolean ``mask`` is ``tril(ones(length, source))`` broadcast (NOTE: [causal masks])."""
+    known = mask.__dict__.get("_fxtp_causal")
+    if known is None:
+        known = (mask.dim() >= 2 and tuple(mask.shape[-2:]) == (length, source) and mask.device.type != "meta"
+                 and torch.equal(mask, torch.ones(length, source, dtype=torch.bool, device=mask.device).tril().expand(mask.shape)))
+        mask.__dict__["_fxtp_causal"] = known
+    return known
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: "torch.Tensor | None" = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: "float | None" = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention``, run with ``is_causal=True`` and no mask when the boolean
+    ``attn_mask`` is exactly the causal mask (NOTE: [causal masks]); arguments, shapes and result
+    as in ``torch.nn.functional.scaled_dot_product_attention``."""
+    if (attn_mask is not None and attn_mask.dtype == torch.bool and not is_causal and not attn_mask.requires_grad
+            and not torch.compiler.is_compiling() and _causal(attn_mask, query.shape[-2], key.shape[-2])):
+        attn_mask, is_causal = None, True
+    return torch.ops.aten.scaled_dot_product_attention.default(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                                               enable_gqa=enable_gqa)
+
+
 def grouped_query_attention(
     q_start: int,
     group: int,
@@ -116,7 +161,7 @@ def grouped_query_attention(
         ``(q_start + j) // group``, as on one device.
     """
     key, value = kv_heads_of(q_start, group, query, key, value)
-    return torch.ops.aten.scaled_dot_product_attention.default(query, key, value, attn_mask, dropout_p, is_causal, scale=scale)
+    return attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale)
 
 
 def kv_heads_of(

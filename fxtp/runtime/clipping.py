@@ -10,11 +10,25 @@ would miss the tensor-parallel dim. :func:`clip_grad_norm_` sums every rank's sh
 * a replicated parameter counts on tensor-parallel rank 0 only (every rank holds it);
 * under FSDP2 each rank counts its data-parallel block of the above, and the one all_reduce
   spans the data-parallel x tensor-parallel ranks (the default group, which must be exactly those).
+
+NOTE: [clipping under FSDP2]
+FSDP2's ``fully_shard(pm, mesh=mesh["dp"])`` replaces every parameter by its own DTensor over the
+data-parallel mesh, made from the rank's tensor-parallel shard as a plain tensor. torch's
+``clip_grad_norm_`` and ``get_total_norm`` on those reduce over the data-parallel mesh only, so
+each tensor-parallel rank gets the norm of its own shards (too small) and clips by its own
+coefficient, and replicated parameters drift apart. DTensor would express the 2-D layout
+(``(Shard(0), Shard(d))`` on a ``(dp, tp)`` mesh, torchtitan's parameters) only if fxtp's
+parameters were tensor-parallel DTensors before ``fully_shard``, which they are not (NOTE:
+[sharded parameters] says why), and a DTensor gradient's reductions cannot be intercepted. So
+the first forward of a ``ParallelModule`` wrapped by ``fully_shard`` with sharded parameters
+warns (:func:`warn_under_fsdp`, an :class:`FsdpClippingWarning`) that torch's whole-tensor
+utilities would be per-rank there, and points to :func:`clip_grad_norm_`, which is exact.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from typing import Optional
 
@@ -27,7 +41,31 @@ from fxtp.core.errors import FxtpConfigError
 from fxtp.core.placement import REPLICATE, Shard, owned_part
 from fxtp.runtime.sharded import local_tensor, resolve_group
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "FsdpClippingWarning", "warn_under_fsdp"]
+
+
+class FsdpClippingWarning(UserWarning):
+    """torch's whole-tensor utilities on FSDP2's parameters of a ``ParallelModule`` would miss
+    the tensor-parallel dim (NOTE: [clipping under FSDP2])."""
+
+
+def warn_under_fsdp(pm: nn.Module) -> bool:
+    """Warn once when ``pm`` is wrapped by FSDP2's ``fully_shard`` and has sharded parameters
+    (NOTE: [clipping under FSDP2]); returns whether it is so wrapped (nothing left to check)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(pm, FSDPModule):
+        return False
+    sharded = [fqn for fqn, p in pm.placements.items() if isinstance(p, Shard)]
+    if sharded and pm._world_size > 1:
+        warnings.warn(
+            f"fxtp: this ParallelModule is wrapped by FSDP2's fully_shard, whose DTensor parameters span the "
+            f"data-parallel mesh only; {len(sharded)} parameters (e.g. {sharded[0]!r}) are also sharded over the "
+            f"tensor-parallel group ({pm._world_size} ranks), so torch.nn.utils.clip_grad_norm_, get_total_norm or a "
+            "norm of these parameters would give each tensor-parallel rank its own shards' value and clip it by its own "
+            "coefficient (NOTE: [clipping under FSDP2]). fix: clip with pm.clip_grad_norm_(max_norm), the norm over "
+            "both dims in one all_reduce", FsdpClippingWarning, stacklevel=3)
+    return True
 
 
 def _group(pm: nn.Module, grads: list[torch.Tensor]) -> Optional[dist.ProcessGroup]:

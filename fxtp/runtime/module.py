@@ -126,6 +126,7 @@ class ParallelModule(nn.Module):
         self._size_graphs: Optional[SizeGraphs] = None  # set by fxtp.compile (NOTE: [size-1 graphs])
         # (module, mode) -> that mode's ModeGraph, captured on the first switch to it; set by fxtp.compile (NOTE: [modes])
         self._mode_graphs: Optional[Callable[["ParallelModule", str], ModeGraph]] = None
+        self._fsdp_warned = False
         self._call_defaults: dict[str, Any] = {}  # keywords a call gets unless it gives them (NOTE: [Hugging Face call defaults])
         self._fxtp_constants = nn.Module()
         self._constant_targets: dict[str, str] = {}  # fxtp's name of a constant -> the model's
@@ -327,6 +328,8 @@ class ParallelModule(nn.Module):
                 "process group was initialized when fxtp.compile ran, so it can only be inspected. fix: call "
                 "torch.distributed.init_process_group(...) (or pass group=) before fxtp.compile, on every rank"
             )
+        if not self._fsdp_warned:  # NOTE: [clipping under FSDP2] in fxtp/runtime/clipping.py
+            self._fsdp_warned = clipping.warn_under_fsdp(self)
         graph = self._graphs[self._mode]
         flat = self._flatten(graph, args, kwargs)
         graph = self._graph_for(graph, flat)
