@@ -96,8 +96,10 @@ def test_tiny_uneven_gqa_trains_exactly(rank_pools, ws):
             shapes = rank_result["local_shapes"]
             assert shapes["q.weight"] == (q_count * hd, hidden) and shapes["o.weight"] == (hidden, q_count * hd)
             assert shapes["k.weight"] == shapes["v.weight"] == (kv * hd, hidden), (heads, ws, rank)
-        if repeat != "enable_gqa":
+        if repeat == "interleave":
             assert "repeat_kv_heads" in r["code"]  # a per-rank start into the repeated heads
+        elif repeat == "expand":  # Hugging Face's repeat_kv runs as enable_gqa on the rank's own kv heads
+            assert "grouped_query_attention_local_kv" in r["code"]
 
 
 def _hf_eager(name: str):
