@@ -6,7 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import time
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from fxtp.explain.recompute import add_recompute
 from fxtp.explain.report import Report, build_report, parameter_placements
 from fxtp.core.rng import draws_random, sync_generators
 from fxtp.runtime.module import ParallelModule
-from fxtp.runtime.variants import SizeGraphs, meta_copy
+from fxtp.runtime.variants import SizeGraphs, in_mode, meta_copy, mode_of
 from fxtp.capture.shapes import input_specs, specialized_shapes
 from passes.dynamic import plan_symbols
 from passes.kv_heads import keep_needed_kv_heads
@@ -153,7 +153,7 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
     gm = recompute_regions(_rewrite(program, sharding, ws, rank, group_name), regions, captured.context_fns)
     add_recompute(report, regions, gm)
     report.timings["rewrite_s"] = time.perf_counter() - start
-    compiled = _mode_of(model)
+    compiled = mode_of(model)
     report.modes = {compiled: "captured at compile (the model's mode)"}
     want = parameter_placements(program, sharding)
     copied = meta_copy(model)  # for the graphs captured on first use: other modes, sizes 0 and 1
@@ -199,38 +199,18 @@ def _compile_decoder(model: nn.Module, world_size: int, example_inputs: tuple, *
 
 
 # NOTE: [modes]
-# ``pm.train()`` / ``pm.eval()`` must do what ``model.train()`` / ``model.eval()`` do, and the
-# model's Python may branch on ``self.training`` anywhere (dropout_p of an attention, batch-norm
-# statistics, Hugging Face's ``0.0 if not self.training``), so a graph captured in one mode is
-# not the other's. fxtp captures the model's own mode at compile, and the other mode at the
-# first switch to it: from the model's ``meta`` copy taken at compile (every module's flag set
-# for the capture; no weight held or touched, as for the size-1 graphs), planned, and bound to
-# the module's own shards. Most loops never switch, and a capture is most of a compile's time,
-# so compile captures once. Every mode's plan must shard the parameters alike (one set of
-# shards); a mode that would shard one differently is an ``FxtpPlanError`` at that switch. A
-# mode whose graph is the compiled one's shares it. A graph that draws random numbers where the
-# compiled one did not syncs the generators at that switch, a collective (every rank switches
-# at the same call). A model compiled in a mixed state (a frozen batch norm) keeps that graph
-# until the first ``train()``/``eval()``. A model that cannot be deep-copied gets its other
-# mode captured at compile. Later switches cost nothing.
-
-
-def _mode_of(model: nn.Module) -> str:
-    flags = {m.training for m in model.modules()}
-    return "mixed" if len(flags) > 1 else ("train" if flags.pop() else "eval")
-
-
-@contextlib.contextmanager
-def _in_mode(model: nn.Module, training: bool) -> Iterator[None]:
-    """Every module's ``training`` flag set for the block, then restored one by one."""
-    saved = [(m, m.training) for m in model.modules()]
-    try:
-        for m, _ in saved:
-            m.training = training
-        yield
-    finally:
-        for m, flag in saved:
-            m.training = flag
+# ``pm.train()`` / ``pm.eval()`` must do what ``model.train()`` / ``model.eval()`` do, and the model's Python may
+# branch on ``self.training`` anywhere (dropout_p of an attention, batch-norm statistics, Hugging Face's ``0.0 if not
+# self.training``), so a graph captured in one mode is not the other's. fxtp captures the model's own mode at compile,
+# and the other mode at the first switch to it: from the model's ``meta`` copy taken at compile (every module's flag
+# set for the capture; no weight held or touched, as for the size-1 graphs), planned, and bound to the module's own
+# shards. Most loops never switch, and a capture is most of a compile's time, so compile captures once. Every mode's
+# plan must shard the parameters alike (one set of shards); a mode that would shard one differently is an
+# ``FxtpPlanError`` at that switch. A mode whose graph is the compiled one's shares it. A graph that draws random
+# numbers where the compiled one did not syncs the generators at that switch, a collective (every rank switches at the
+# same call). A model compiled in a mixed state (a frozen batch norm) keeps that graph until the first
+# ``train()``/``eval()``. A model that cannot be deep-copied gets its other mode captured at compile. Later switches
+# cost nothing.
 
 
 def _other_mode(
@@ -238,7 +218,7 @@ def _other_mode(
 ) -> tuple[torch.export.ExportedProgram, torch.fx.GraphModule]:
     """Capture, plan and rewrite ``model`` in ``mode``; its parameters must be sharded as in
     the compiled mode's plan, ``want`` (``{fqn: placement}``, NOTE: [modes])."""
-    with _in_mode(model, mode == "train"):
+    with in_mode(model, mode == "train"):
         captured, other, _ = _analyze(model, ws, args, kwargs, frontend, plan, rank, shapes, report=False, sequence=sequence)
     _check_same_shards(want, captured.program, other, f"in {mode} mode", "compile in the other mode")
     return captured.program, _recomputed(captured, other, ws, rank, group_name, recompute)
@@ -301,7 +281,7 @@ def _size_graphs(copied, ws, how, plans, rank, group_name, want, sequence, recom
         error: Optional[FxtpPlanError] = None
         for plan in plans:
             try:
-                with contextlib.nullcontext() if mode == "mixed" else _in_mode(meta_model, mode == "train"):
+                with contextlib.nullcontext() if mode == "mixed" else in_mode(meta_model, mode == "train"):
                     captured, sharding, _ = _analyze(meta_model, ws, args, kwargs, how, plan, rank,
                                                      auto_dynamic_shapes(args, kwargs), report=False, sequence=sequence)
                 _check_same_shards(want, captured.program, sharding, "for these input sizes", "call with the compiled sizes")

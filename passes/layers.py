@@ -336,21 +336,18 @@ def next_segments(layer: Node, state: PlannerState, hint: Optional[tuple[int, ..
             return seg
     return None
 # NOTE: [repeated blocks decided alike]
-# A planning round acts only on rejections that are not downstream of an earlier rejection of
-# the same round (the earlier one's stand-in placement may have caused them, passes/plan.py).
-# In a stack of identical blocks every block is downstream of the first, so each block's layout
-# refinements waited for every earlier block's, one round each: rounds grew with the layer count
-# and each round propagates the whole graph, so planning was quadratic in the depth (a Llama
-# whose kv heads do not divide the world size: 59 rounds at 8 layers, 115 at 16).
-# Identical blocks that see identical inputs get identical decisions, so, as meta-pytorch/
-# autoparallel groups repeated blocks to solve them once, a step the planner takes for a layer
-# of one block (a new segment layout, a demotion, a sliced input) is taken in the same round for
-# the same layer of every later identical block that has had the same history so far; the
-# copy's note names its own node. A block whose context differs still gets its own rejections in
-# later rounds, acted on as before, and the last, clean round checks the whole plan.
-# Identical: the same module list, and the same sequence of (op, output shape) over the block's
-# nodes; a node's block is the first integer-indexed module on its ``nn_module_stack`` path.
-# ``RepeatedBlocks.of`` reads ``node.meta["nn_module_stack"]`` and ``node.meta["val"]``.
+# A planning round acts only on rejections that are not downstream of an earlier rejection of the same round (the
+# earlier one's stand-in placement may have caused them, passes/plan.py). In a stack of identical blocks every block
+# is downstream of the first, so each block's layout refinements waited for every earlier block's, one round each:
+# rounds grew with the layer count and each round propagates the whole graph, so planning was quadratic in the depth
+# (a Llama whose kv heads do not divide the world size: 59 rounds at 8 layers, 115 at 16). Identical blocks that see
+# identical inputs get identical decisions, so, as meta-pytorch/ autoparallel groups repeated blocks to solve them
+# once, a step the planner takes for a layer of one block (a new segment layout, a demotion, a sliced input) is taken
+# in the same round for the same layer of every later identical block that has had the same history so far; the copy's
+# note names its own node. A block whose context differs still gets its own rejections in later rounds, acted on as
+# before, and the last, clean round checks the whole plan. Identical: the same module list, and the same sequence of
+# (op, output shape) over the block's nodes; a node's block is the first integer-indexed module on its
+# ``nn_module_stack`` path. ``RepeatedBlocks.of`` reads ``node.meta["nn_module_stack"]`` and ``node.meta["val"]``.
 
 _INDEXED = re.compile(r"(?:^|\.)(?P<index>\d+)(?:\.|$)")
 

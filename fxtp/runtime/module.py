@@ -240,12 +240,8 @@ class ParallelModule(nn.Module):
         return self._graphs[mode]
 
     def bind_graph(self, program: ExportedProgram, gm: GraphModule) -> ModeGraph:
-        """``gm`` (the rank graph of ``program``, captured from the model's ``meta`` copy) made a
-        ``ModeGraph`` on this module's parameters, buffers and constants.
-
-        Raises:
-            FxtpInputError: ``program`` uses a parameter the compiled graph does not.
-        """
+        """``gm`` (the rank graph of ``program``, captured from the model's ``meta`` copy) made a ``ModeGraph`` on
+        this module's parameters, buffers and constants; ``FxtpInputError`` if it uses a parameter the compiled one does not."""
         return ModeGraph.of(program, gm, self._bind(program, None, share_constants=True))
 
     def _register(self, fqn: str, value: torch.Tensor, persistent: bool = True) -> None:

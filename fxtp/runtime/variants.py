@@ -23,10 +23,11 @@ runs meanwhile. Later calls of that kind cost one more ``check_inputs``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.utils._pytree as pytree
@@ -37,10 +38,29 @@ from torch.fx import GraphModule
 from fxtp.capture.shapes import InputSpec, check_inputs
 from fxtp.core.errors import FxtpError, FxtpInputError
 
-__all__ = ["SizeGraphs", "meta_copy", "differs_in_zero_one", "held"]
+__all__ = ["SizeGraphs", "meta_copy", "differs_in_zero_one", "held", "in_mode", "mode_of"]
 
 # fxtp.api's pipeline for one more graph: (meta model, args, kwargs, mode) -> (program, rank graph)
 Build = Callable[[nn.Module, tuple, dict, str], tuple[ExportedProgram, GraphModule]]
+
+
+def mode_of(model: nn.Module) -> str:
+    """``"train"``, ``"eval"``, or ``"mixed"`` (NOTE: [modes] in fxtp/api.py)."""
+    flags = {m.training for m in model.modules()}
+    return "mixed" if len(flags) > 1 else ("train" if flags.pop() else "eval")
+
+
+@contextlib.contextmanager
+def in_mode(model: nn.Module, training: bool) -> Iterator[None]:
+    """Every module's ``training`` flag set for the block, then restored one by one."""
+    saved = [(m, m.training) for m in model.modules()]
+    try:
+        for m, _ in saved:
+            m.training = training
+        yield
+    finally:
+        for m, flag in saved:
+            m.training = flag
 
 
 def meta_copy(model: nn.Module) -> Optional[nn.Module]:
