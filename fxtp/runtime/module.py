@@ -155,6 +155,7 @@ class ParallelModule(nn.Module):
         inputs: list[tuple[str, str]] = []
         known = {target: key for key, target in self._constant_targets.items()} if share_constants else {}
         written = written_state(program)
+        from_meta = share_constants and self._holds_values()  # once, not per buffer
         for spec in program.graph_signature.input_specs:
             if spec.kind == InputKind.PARAMETER:
                 if placements is not None:
@@ -172,7 +173,7 @@ class ParallelModule(nn.Module):
             elif spec.kind == InputKind.BUFFER:
                 if not self._has(spec.target):
                     source = program.state_dict if spec.persistent else program.constants
-                    value = self._local_state(spec.arg.name, held(source[spec.target], spec.target, share_constants and self._holds_values()))
+                    value = self._local_state(spec.arg.name, held(source[spec.target], spec.target, from_meta))
                     self._register(spec.target, value, persistent=bool(spec.persistent))
                 if spec.arg.name in written:
                     self.written_state.add(spec.target)
@@ -181,7 +182,7 @@ class ParallelModule(nn.Module):
                 inputs.append(("buffer", known[spec.target]))
             elif spec.kind == InputKind.CONSTANT_TENSOR:
                 key = f"c{len(self._fxtp_constants._buffers)}"
-                value = held(program.constants[spec.target], spec.target, share_constants and self._holds_values())
+                value = held(program.constants[spec.target], spec.target, from_meta)
                 self._fxtp_constants.register_buffer(key, self._local_state(spec.arg.name, value), persistent=False)
                 self._constant_targets[f"_fxtp_constants.{key}"] = spec.target
                 if spec.arg.name in written:

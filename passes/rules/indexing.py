@@ -133,8 +133,7 @@ def slice_rule(ctx: RuleContext) -> Decision:
     n = shape_of(x)[dim]
     if dim != p.dim or n == ctx.out_shape[dim]:
         return Decision(p)
-    if p.overlaps:  # NOTE: [grouped shards]: kv units several ranks hold are taken whole, not cut
-        raise Conflict("indexes-sharded-dim", f"slice of kv heads held by several ranks ({p})", "keep the kv projections replicated")
+    _refuse_grouped(p, "slice")
     bounds = slice_bounds(n, *(list(rest[1:]) + [None] * (3 - len(rest[1:]))))
     if bounds is None:
         raise Conflict("indexes-sharded-dim", f"slice of the sharded dim {dim} with bounds that depend on a dynamic size",
@@ -163,8 +162,7 @@ def narrow_rule(ctx: RuleContext) -> Decision:
     n = shape_of(x)[dim]
     if dim != p.dim or n == ctx.out_shape[dim]:
         return Decision(p)
-    if p.overlaps:  # NOTE: [grouped shards]: kv units several ranks hold are taken whole, not cut
-        raise Conflict("indexes-sharded-dim", f"narrow of kv heads held by several ranks ({p})", "keep the kv projections replicated")
+    _refuse_grouped(p, "narrow")
     if not isinstance(start, int) or not isinstance(length, int):
         raise Conflict("indexes-sharded-dim", f"narrow of the sharded dim {dim} with a dynamic start or length",
                        _fix(ctx, p.segments, "narrow"))
@@ -175,6 +173,12 @@ def narrow_rule(ctx: RuleContext) -> Decision:
     i, j = cuts.index(a), cuts.index(a + length)
     out = Shard(p.dim, p.segments[i:j], p.unit)
     return Decision(out, local_args=(x, dim_arg, _prefix_size(p, i, ctx.world_size), local_size(out, ctx.world_size)))
+
+
+def _refuse_grouped(p: Shard, what: str) -> None:
+    """NOTE: [grouped shards]: kv units several ranks hold are taken whole, never cut on their dim."""
+    if p.overlaps:
+        raise Conflict("indexes-sharded-dim", f"{what} of kv heads held by several ranks ({p})", "keep the kv projections replicated")
 
 
 def _whole_index_fix(ctx: RuleContext, what: str) -> str:
@@ -258,8 +262,7 @@ def split_rule(ctx: RuleContext) -> Decision:
     dim = norm_dim(ctx.node.args[2] if len(ctx.node.args) > 2 else ctx.node.kwargs.get("dim", 0), ndim(x))
     if dim != p.dim:
         return Decision((p,) * n)
-    if p.overlaps:  # NOTE: [grouped shards]: kv units several ranks hold are taken whole, not cut
-        raise Conflict("indexes-sharded-dim", f"split of kv heads held by several ranks ({p})", "keep the kv projections replicated")
+    _refuse_grouped(p, "split")
     sizes = [int(v.shape[dim]) for v in pieces_val]
     pieces = split_pieces(p, sizes, ctx.world_size)
     local = [local_size(piece, ctx.world_size) for piece in pieces]
