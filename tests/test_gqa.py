@@ -19,14 +19,14 @@ from fxtp.core.placement import kv_unit_range, local_ranges, Shard
 pytest.importorskip("transformers")
 
 
-def _published(name: str) -> torch.nn.Module:
+def _published(name: str, layers: int = 2) -> torch.nn.Module:
     """Qwen2.5-7B (Qwen/Qwen2.5-7B/config.json: hidden 3584, 28 heads, 4 kv heads, MLP 18944,
     vocab 152064, untied) and StarCoder2-7B (bigcode/starcoder2-7b/config.json: hidden 4608, 36
-    heads, 4 kv heads, MLP 18432, vocab 49152, biases), bf16, with ``num_hidden_layers`` cut to 2
-    (every block is the same; the embeddings then weigh more than at full depth)."""
+    heads, 4 kv heads, MLP 18432, vocab 49152, biases), bf16, with ``num_hidden_layers`` cut to
+    ``layers`` (every block is the same; at 2 the embeddings weigh more than at full depth)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, Starcoder2Config, Starcoder2ForCausalLM
 
-    common = dict(num_hidden_layers=2, num_key_value_heads=4, use_cache=False, tie_word_embeddings=False, dtype=torch.bfloat16)
+    common = dict(num_hidden_layers=layers, num_key_value_heads=4, use_cache=False, tie_word_embeddings=False, dtype=torch.bfloat16)
     if name == "qwen2.5-7b":
         cls, cfg = Qwen2ForCausalLM, Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
                                                  max_position_embeddings=32768, rms_norm_eps=1e-6, **common)
