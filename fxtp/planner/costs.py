@@ -33,9 +33,13 @@ not hide.
   parallelism's all_gather + reduce_scatter pairs move the same bytes, Korthikanti et al.
   2022, section 4.2.2), 1 more under sequence parallelism (the backward's 2 all_gathers of
   saved shards, NOTE: [regathered activations]), 2 more when a recomputed forward runs them
-  again (``"blocks"``); outside the blocks, the all_reduces fxtp's plan of the analyzed graph
-  inserts there (e.g. a vocab-sharded embedding's forward and a colwise head's backward; a
-  replicated one has none). Not overlapped:
+  again (``"blocks"``); outside the blocks, what the collectives fxtp's plan of the analyzed
+  graph inserts there send (e.g. a vocab-sharded embedding's forward all_reduce, the gather
+  of a colwise head's logits and its backward all_reduce; a replicated one has none), scaled
+  from the example's tokens to the micro-batch's (``ParamShapes.outside_sent``; priced from
+  the plan without sequence parallelism; with it, the head's saved input is gathered again in
+  backward, and each rank's gradients of the replicated norm weights are partial sums, an
+  all_reduce of them per backward in the activations' dtype). Not overlapped:
   Megatron's tensor-parallel collectives sit between dependent matmuls (Narayanan et al.
   2021, section 3.3).
 - FSDP2: per micro-batch (gradient accumulation does not skip its reduce_scatter by default)
@@ -118,8 +122,10 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
         compute = (shape.matmul_params * 2 + 4 * shape.layers * shape.hidden * work.seq) * tokens / rate
         recompute, per_block = 0.0, 2
     payload = b * work.seq * shape.hidden * work.activation_bytes
-    outside = params.outside_reduces() // (1 if work.training else 2)  # forward's half in inference
-    tp_bytes = int(choice.accumulation * (shape.layers * per_block + outside) * 2 * (tp - 1) / tp * payload)
+    outside = sum(params.outside_sent) if work.training else params.outside_sent[0]  # per payload byte
+    if sp and work.training:  # the head input's regather; the norms' partial gradients, all_reduced
+        outside += (tp - 1) / tp + 2 * (tp - 1) / tp * shape.norm_params * work.activation_bytes / payload
+    tp_bytes = round(choice.accumulation * (shape.layers * per_block * 2 * (tp - 1) / tp + outside) * payload)
     tp_bw = hw.intra_node_bw if tp <= work.devices_per_node else hw.inter_node_bw
     fsdp_bytes = 0
     if work.training and dp > 1:
@@ -152,7 +158,7 @@ def _memory(choice: Choice, shape: TransformerShape, params: ParamShapes, work: 
         acts = shape.layers * shape.block_activations(b, work.seq, tp, sp=sp, ac=ac, e=e)
         if ac == "blocks":  # the block being recomputed holds its full activations
             acts += shape.block_activations(b, work.seq, tp, sp=sp, ac=None, e=e)
-        acts += shape.other_activations(b, work.seq, tp, e=e)
+        acts += shape.other_activations(b, work.seq, tp, sp=sp, e=e) + shape.loss_activations(b, work.seq, tp)
         out = {
             "params": _MASTER * elements,
             "grads": _GRAD * elements,

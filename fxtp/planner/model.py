@@ -7,11 +7,17 @@ and GPT-2-style models run today instead of their GPT-3 block. Per block, for a 
 ``b`` sequences of ``s`` tokens, hidden ``h``, ``a`` query and ``g`` kv heads, MLP width ``f``,
 activations of ``e`` bytes (2: bf16 autocast or an FSDP2 ``param_dtype=bf16``):
 
-- each of the 2 norms saves its input and its output (the next linears' input): ``4 sbh e``;
-  Korthikanti's LayerNorm terms, RMSNorm saves the same.
-- attention: q ``sbh e``, k and v ``2 sbh e g/a`` (GQA), the output projection's input
-  ``sbh e`` and, with SDPA, the attention's output (SDPA saves it for backward; the projection
-  reads a contiguous copy) ``sbh e``.
+- each of the 2 norms: a fused ``nn.LayerNorm`` (GPT-2) saves its input, and its output is
+  the next linears' input: ``2 sbh e`` (Korthikanti's LayerNorm terms count the input).
+  Hugging Face's RMSNorm (Llama, Qwen2, Mistral: ``LlamaRMSNorm.forward``) runs as ops in fp32:
+  ``pow`` saves the fp32 input, ``weight *`` the normalized value, and the output is the next
+  linears' input: ``(4 + 2e) sbh`` bytes (``3 sbh e`` in fp32, ``4 sbh e`` in bf16). Counted
+  with ``saved_tensors_hooks`` on the single device and checked against the allocator
+  (tests/test_plan_run.py).
+- attention: q ``sbh e``, k and v ``2 sbh e g/a`` (GQA), and the attention's output ``sbh e``,
+  which SDPA saves and the output projection reads without a copy (SDPA's flash kernel
+  returns it in ``(b, s, heads, d)`` memory order; eager attention's is a contiguous copy
+  only the projection saves).
   Korthikanti's ``5as/h`` term (the ``s x s`` scores, softmax and dropout) is not stored by
   SDPA's flash/memory-efficient kernels (Dao et al. 2022, FlashAttention, section 3.1), which
   keep a logsumexp of ``4 abs`` bytes instead; ``attn_implementation="eager"`` keeps the
@@ -22,12 +28,14 @@ activations of ``e`` bytes (2: bf16 autocast or an FSDP2 ``param_dtype=bf16``):
   add ``2 sbh`` bytes a block).
 
 Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) divides the attention and MLP terms by
-``tp`` (heads and MLP columns are sharded; kv heads too when ``g`` divides by ``tp``, else each
-rank keeps all ``g``); sequence parallelism divides the norm terms by ``tp`` as well
+``tp`` (heads and MLP columns are sharded; kv heads too when ``g`` divides by ``tp``, a rank
+keeps the one group its query heads read when ``tp`` is a multiple of ``g``, NOTE: [grouped
+shards] in fxtp/core/placement.py, else all ``g``); sequence parallelism divides the norm terms by ``tp`` as well
 (Korthikanti section 4.2.2; fxtp saves a colwise layer's gathered input as its shard, NOTE:
 [regathered activations]). Outside the blocks: the head's input (``sbh e``) and the loss's
 saved log-softmax in fp32 (``4 sbV / tp`` with the head colwise and the loss on its shards) and,
-at the start of backward, its gradient (as much again).
+at the start of backward, its gradient (as much again); the final norm as a block's (``/tp``
+with sequence parallelism, and so is the head's input, saved as its shard).
 
 Activation checkpointing: ``"blocks"`` (each block under ``torch.utils.checkpoint``) keeps a
 block's input only (``sbh e``, ``/tp`` with sequence parallelism) and holds one block's full
@@ -66,6 +74,10 @@ class TransformerShape:
         hidden, layers, heads, kv_heads, intermediate, vocab: the config's sizes.
         gated_mlp: a SwiGLU-style MLP (three matrices of width ``intermediate``).
         flash: attention by SDPA (no ``s x s`` activations saved); False for ``"eager"``.
+        fused_norms: the block's norms are ``nn.LayerNorm`` (one saved input); else they run
+            as ops in fp32, as Hugging Face's RMSNorm (NOTE: [activation bytes]).
+        norm_params: parameters of the norms, whole model (replicated: under sequence
+            parallelism each rank's gradient of them is partial, NOTE: [cost model]).
         matmul_params: parameters that run in matmuls, whole model (NOTE: [FLOPs]).
         block_params: parameters of one block, whole (not sharded).
     """
@@ -80,6 +92,8 @@ class TransformerShape:
     flash: bool
     matmul_params: int
     block_params: int
+    fused_norms: bool = True
+    norm_params: int = 0
 
     @classmethod
     def of(cls, model: nn.Module, blocks_fqn: str) -> "TransformerShape":
@@ -116,6 +130,8 @@ class TransformerShape:
             flash=getattr(config, "_attn_implementation", "sdpa") != "eager",
             matmul_params=_matmul_params(model),
             block_params=sum(p.numel() for p in block.parameters()),
+            fused_norms=all(isinstance(m, nn.LayerNorm) for m in block.modules() if _is_norm(m)),
+            norm_params=sum(p.numel() for m in model.modules() if _is_norm(m) for p in m.parameters(recurse=False)),
         )
 
     def flops_per_token(self, seq: int, ac: Optional[str] = None) -> float:
@@ -133,24 +149,44 @@ class TransformerShape:
         sbh = batch * seq * self.hidden * e
         if ac == "blocks":
             return sbh // tp if sp else sbh
-        kv = self.kv_heads / tp if self.kv_heads % tp == 0 else self.kv_heads
-        q_k_v = sbh * (1 + 2 * kv * tp / self.heads)  # kv / tp of the heads per rank, as q's
+        q_k_v = sbh * (1 + 2 * self._kv_per_rank(tp) * tp / self.heads)  # /tp below
         core = ac != "selective"  # the attention op's own saved tensors, unless it is recomputed
-        out = sbh + (sbh if self.flash and core else 0)  # the output projection's input (+ SDPA's output)
+        out = sbh  # the attention's output, the output projection's input
         scores = e * self.heads * batch * seq * seq if not self.flash and core else 0
         lse = 4 * self.heads * batch * seq if self.flash and core else 0
         mlp = (4 if self.gated_mlp else 2) * batch * seq * self.intermediate * e
-        norms = 4 * sbh
+        norms = 2 * self._norm(batch, seq, e)
         return int((norms / tp if sp else norms) + (q_k_v + out + scores + lse + mlp) / tp)
 
-    def other_activations(self, batch: int, seq: int, tp: int, *, e: int = 2) -> int:
-        """Bytes saved outside the blocks: the head's input and the loss (NOTE: [activation bytes])."""
-        return batch * seq * self.hidden * e + 2 * 4 * batch * seq * self.vocab // tp
+    def _kv_per_rank(self, tp: int) -> int:
+        """Kv heads a rank holds: ``g / tp`` sharded, one group's when ``tp`` is a multiple of ``g``
+        (NOTE: [grouped shards] in passes/kv_heads.py), else all ``g``."""
+        g = self.kv_heads
+        return g // tp if g % tp == 0 else 1 if tp % g == 0 and self.heads % tp == 0 else g
+
+    def _norm(self, batch: int, seq: int, e: int) -> int:
+        """Bytes one norm saves, its output (the next linears' input) included."""
+        return batch * seq * self.hidden * (2 * e if self.fused_norms else 4 + 2 * e)
+
+    def other_activations(self, batch: int, seq: int, tp: int, *, sp: bool, e: int = 2) -> int:
+        """Bytes saved outside the blocks but the loss: the final norm and the head's input
+        (NOTE: [activation bytes])."""
+        saved = self._norm(batch, seq, e)  # its output is the head's input
+        return saved // tp if sp else saved
+
+    def loss_activations(self, batch: int, seq: int, tp: int) -> int:
+        """The loss's fp32 log-softmax of vocab-sharded logits and, as backward starts, its
+        gradient (NOTE: [activation bytes])."""
+        return 2 * 4 * batch * seq * self.vocab // tp
 
     def kv_cache(self, batch: int, seq: int, tp: int, *, e: int = 2) -> int:
         """Bytes of a KV cache for ``batch`` sequences of ``seq`` tokens on one rank (heads sharded)."""
         kv = self.kv_heads // tp if self.kv_heads % tp == 0 else self.kv_heads
         return 2 * self.layers * batch * seq * kv * (self.hidden // self.heads) * e
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
 
 
 def _matmul_params(model: nn.Module) -> int:

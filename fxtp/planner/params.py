@@ -46,14 +46,10 @@ class ParamShapes:
     block: tuple[Piece, ...]
     n_blocks: int
     analyzed_blocks: int  # the depth fxtp analyzed (2 when extrapolated)
-    all_reduces: int = 0  # the analyzed graph's, forward + backward, as the plan inserts them
+    # Bytes a rank sends outside the blocks, forward and backward, in ring collectives (NOTE:
+    # [cost model] in fxtp/planner/costs.py), per byte of one (batch, seq, hidden) activation
+    outside_sent: tuple[float, float] = (0.0, 0.0)
     styles: tuple[tuple[str, str], ...] = ()  # the analyzed graph's layer styles as plan= entries
-
-    def outside_reduces(self) -> int:
-        """All_reduces outside the blocks per forward and backward: the analyzed graph's less
-        Megatron's 4 per analyzed block (NOTE: [cost model]; a block above that floor would be
-        counted here once per analyzed block, not per block)."""
-        return max(0, self.all_reduces - 4 * self.analyzed_blocks)
 
     def bytes(self) -> int:
         """Rank 0's parameter bytes in the model's own dtypes (what ``Report.param_bytes_per_rank`` says)."""
@@ -123,10 +119,22 @@ def _to_meta(tree: Any) -> Any:
     return pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), tree)
 
 
+def _payload(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Bytes of one ``(batch, seq, hidden)`` activation of the example (token ids in, the
+    model's floating dtype): the unit the outside collectives are priced in; 0 when unknown."""
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    ids = next((t for t in (*args, kwargs.get("input_ids")) if isinstance(t, torch.Tensor)), None)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if not isinstance(hidden, int) or ids is None or ids.is_floating_point() or dtype is None:
+        return 0
+    return ids.numel() * hidden * dtype.itemsize
+
+
 def parameter_shapes(
     model: nn.Module, tps: tuple[int, ...], example_inputs: tuple[Any, ...], example_kwargs: dict[str, Any]
 ) -> dict[int, ParamShapes]:
-    """Rank 0's parameter shapes at each tensor-parallel degree in ``tps`` (NOTE: [repeated blocks]).
+    """Rank 0's parameter shapes at each tensor-parallel degree in ``tps`` (NOTE: [repeated blocks]),
+    with the bytes the plan's collectives send outside the blocks (``ParamShapes.outside_sent``).
 
     Raises:
         FxtpError: as ``fxtp.analyze`` (capture, inputs).
@@ -143,15 +151,18 @@ def parameter_shapes(
     elif blocks is not None:
         depth = blocks.count
     program, plans = plan_world_sizes(analyzed, tps, inputs, example_kwargs=kwargs)
-    out = _collect(program, plans, blocks, depth)
+    payload = _payload(model, example_inputs, example_kwargs)
+    out = _collect(program, plans, blocks, depth, payload)
     if out is None:  # the two blocks were planned differently: count the real model's
         program, plans = plan_world_sizes(model, tps, example_inputs, example_kwargs=example_kwargs)
-        out = _collect(program, plans, blocks, blocks.count)
+        out = _collect(program, plans, blocks, blocks.count, payload)
     assert out is not None
     return out
 
 
-def _collect(program: Any, plans: dict[int, Any], blocks: Optional[Blocks], depth: int) -> Optional[dict[int, ParamShapes]]:
+def _collect(
+    program: Any, plans: dict[int, Any], blocks: Optional[Blocks], depth: int, payload: int
+) -> Optional[dict[int, ParamShapes]]:
     """Rank 0's pieces per degree, blocks grouped; None where ``depth`` is short of the model's
     and its blocks 0 and 1 got different shards (extrapolating would be wrong)."""
     from fxtp.explain.counts import collectives, grad_inputs
@@ -160,7 +171,7 @@ def _collect(program: Any, plans: dict[int, Any], blocks: Optional[Blocks], dept
     nodes, needs_grad = {n.name: n for n in program.graph.nodes}, grad_inputs(program)
     out = {}
     for tp, plan in plans.items():
-        reduces = sum(c.count for c in collectives(program, plan, nodes, needs_grad) if c.kind == "all_reduce")
+        outside = _outside_sent(collectives(program, plan, nodes, needs_grad), tp, depth if blocks is not None else 0, payload)
         seen: set[int] = set()
         other: list[Piece] = []
         per_block: dict[int, list[Piece]] = {}
@@ -178,16 +189,31 @@ def _collect(program: Any, plans: dict[int, Any], blocks: Optional[Blocks], dept
         extrapolated = blocks is not None and 0 < depth < blocks.count
         styles = _styles(plan, blocks.fqn if extrapolated else None)
         if blocks is None or not depth:
-            out[tp] = ParamShapes(tp, tuple(other), (), 0, 0, reduces, styles)
+            out[tp] = ParamShapes(tp, tuple(other), (), 0, 0, outside, styles)
         elif extrapolated:
             first, counted = (tuple(per_block.get(i, ())) for i in (0, 1))
             if first != counted or styles is None:
                 return None
-            out[tp] = ParamShapes(tp, tuple(other), counted, blocks.count, depth, reduces, styles)
+            out[tp] = ParamShapes(tp, tuple(other), counted, blocks.count, depth, outside, styles)
         else:
             pieces = tuple(other + [p for i in sorted(per_block) for p in per_block[i]])
-            out[tp] = ParamShapes(tp, pieces, (), 0, depth, reduces, styles)
+            out[tp] = ParamShapes(tp, pieces, (), 0, depth, outside, styles)
     return out
+
+
+def _outside_sent(stats: Any, tp: int, depth: int, payload: int) -> tuple[float, float]:
+    """Bytes a rank sends per forward and backward outside the ``depth`` analyzed blocks, per
+    payload byte: the plan's collectives as ring collectives (an all_reduce ``2 (t-1)/t`` of its
+    bytes, an all_gather or reduce_scatter ``(t-1)/t``) less Megatron's 2 all_reduces of one
+    payload per block and phase (NOTE: [cost model]; a block above that floor would be counted
+    here once per analyzed block, not per block)."""
+    if tp == 1 or not payload:
+        return (0.0, 0.0)
+    sent = {"forward": 0.0, "backward": 0.0}
+    for stat in stats:
+        sent[stat.phase] += (2 if stat.kind == "all_reduce" else 1) * (tp - 1) / tp * stat.bytes
+    floor = depth * 2 * 2 * (tp - 1) / tp * payload
+    return (max(0.0, sent["forward"] - floor) / payload, max(0.0, sent["backward"] - floor) / payload)
 
 
 def _styles(plan: Any, blocks_fqn: Optional[str]) -> Optional[tuple[tuple[str, str], ...]]:
