@@ -72,7 +72,7 @@ def _predicted_and_counted(batch: int, seq: int) -> dict:
     start = time.perf_counter()
     for sp in (ws == 4,):
         e = estimate(Choice(ws, 1, sp, None, batch, 1), shape, params, HARDWARE["h100"], work)
-        pm = fxtp.compile(model, ws, (ids,), sequence_parallel=sp)
+        pm = fxtp.compile(model, ws, (ids,), sequence_parallel=sp, dynamic=False)
         pm(ids).logits.float().pow(2).mean().backward()  # lazily made state exists from here on
         with CommDebugMode() as comm, _SentBytes() as sent:
             pm(ids).logits.float().pow(2).mean().backward()
