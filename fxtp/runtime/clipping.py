@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fxtp.core.errors import FxtpConfigError
-from fxtp.core.placement import REPLICATE, Shard, owned_part
+from fxtp.core.placement import REPLICATE, Shard, local_ranges, owned_part, owned_ranges
 from fxtp.runtime.sharded import local_tensor, resolve_group
 
 __all__ = ["clip_grad_norm_", "FsdpClippingWarning", "warn_under_fsdp"]
@@ -116,9 +116,9 @@ def clip_grad_norm_(pm: nn.Module, max_norm: float, norm_type: float = 2.0, *, e
         grad = p.grad
         grads.append(grad.to_local() if isinstance(grad, DTensor) else local_tensor(grad))
         placement = pm.placements.get(fqn, REPLICATE)
-        if isinstance(placement, Shard) and placement.overlaps and not isinstance(grad, DTensor):
-            counted.append(owned_part(grads[-1], placement, pm._rank, pm._world_size))  # NOTE: [grouped shards]
-        elif isinstance(placement, Shard) or pm._rank == 0:
+        if isinstance(placement, Shard):
+            counted.append(_owned(grads[-1], grad, placement, pm._rank, pm._world_size))
+        elif pm._rank == 0:
             counted.append(grads[-1])
     group = _group(pm, [p.grad for p in pm.parameters() if p.grad is not None])
     device = grads[0].device if grads else torch.device("cpu")
@@ -154,6 +154,27 @@ def clip_grad_norm_(pm: nn.Module, max_norm: float, norm_type: float = 2.0, *, e
                 for t in tensors:
                     t.mul_(scale)
     return total
+
+
+def _owned(local: torch.Tensor, grad: torch.Tensor, placement: Shard, rank: int, world_size: int) -> torch.Tensor:
+    """The elements of this rank's gradient ``local`` that it counts: all of a shard; of a
+    grouped shard (NOTE: [grouped shards]) the rows the tensor-parallel rank owns, and under
+    FSDP2 (``grad`` a DTensor whose ``local`` is this data-parallel rank's ``torch.chunk`` block of
+    dim 0 of the tensor-parallel shard) those of them inside its block."""
+    if not placement.overlaps:
+        return local
+    dim = placement.dim % local.dim()
+    if not isinstance(grad, DTensor) or dim != 0:
+        return owned_part(local, placement, rank, world_size)
+    rows, pos = [], 0
+    for (start, length), (first, count) in zip(local_ranges(placement, rank, world_size), owned_ranges(placement, rank, world_size)):
+        rows.append(torch.arange(pos + first - start, pos + first - start + count))
+        pos += length
+    owned = torch.cat(rows)
+    block = -(-grad.shape[0] // grad.device_mesh.size())  # fully_shard's blocks: torch.chunk of dim 0
+    low = grad.device_mesh.get_local_rank() * block
+    keep = owned[(owned >= low) & (owned < low + local.shape[0])] - low
+    return local.index_select(0, keep.to(local.device))
 
 
 def _by_device(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
