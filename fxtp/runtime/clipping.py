@@ -23,6 +23,9 @@ parameters were tensor-parallel DTensors before ``fully_shard``, which they are 
 the first forward of a ``ParallelModule`` wrapped by ``fully_shard`` with sharded parameters
 warns (:func:`warn_under_fsdp`, an :class:`FsdpClippingWarning`) that torch's whole-tensor
 utilities would be per-rank there, and points to :func:`clip_grad_norm_`, which is exact.
+``fxtp.runtime.dtensor_params.to_dtensor_parameters(pm, mesh["tp"])`` before ``fully_shard``
+makes them tensor-parallel DTensors where a placement can express them, and FSDP2 then makes
+2-D ones over which torch's utilities are exact (NOTE: [DTensor parameters for FSDP2]; no warning).
 """
 
 from __future__ import annotations
@@ -57,7 +60,9 @@ def warn_under_fsdp(pm: nn.Module) -> bool:
     if not isinstance(pm, FSDPModule):
         return False
     sharded = [fqn for fqn, p in pm.placements.items() if isinstance(p, Shard)]
-    if sharded and pm._world_size > 1:
+    on_tp = any(isinstance(p, DTensor) and (p.device_mesh.ndim == 2 or p.device_mesh.get_group().group_name == pm._group_name)
+                for p in pm.parameters())  # NOTE: [DTensor parameters for FSDP2]: torch's clipping is exact
+    if sharded and pm._world_size > 1 and not on_tp:
         warnings.warn(
             f"fxtp: this ParallelModule is wrapped by FSDP2's fully_shard, whose DTensor parameters span the "
             f"data-parallel mesh only; {len(sharded)} parameters (e.g. {sharded[0]!r}) are also sharded over the "
@@ -72,7 +77,8 @@ def _group(pm: nn.Module, grads: list[torch.Tensor]) -> Optional[dist.ProcessGro
     """The group the total norm is reduced over: the tensor-parallel one, or, under FSDP2, the
     default group when it holds exactly the data-parallel x tensor-parallel ranks."""
     tp = pm._world_size if pm._group_name is not None else 1
-    dp = max((g.device_mesh.size() for g in grads if isinstance(g, DTensor)), default=1)
+    # FSDP2's mesh: dp, or (dp, tp) over DTensor parameters (NOTE: [DTensor parameters for FSDP2])
+    dp = max((g.device_mesh.size(0) for g in grads if isinstance(g, DTensor)), default=1)
     if dp == 1:
         return resolve_group(pm._group_name) if tp > 1 else None
     if dist.get_world_size() != dp * tp:
