@@ -69,7 +69,8 @@ def warn_under_fsdp(pm: nn.Module) -> bool:
             f"tensor-parallel group ({pm._world_size} ranks), so torch.nn.utils.clip_grad_norm_, get_total_norm or a "
             "norm of these parameters would give each tensor-parallel rank its own shards' value and clip it by its own "
             "coefficient (NOTE: [clipping under FSDP2]). fix: clip with pm.clip_grad_norm_(max_norm), the norm over "
-            "both dims in one all_reduce", FsdpClippingWarning, stacklevel=3)
+            "both dims in one all_reduce, or call fxtp.runtime.dtensor_params.to_dtensor_parameters(pm, mesh['tp']) "
+            "before fully_shard (NOTE: [DTensor parameters for FSDP2])", FsdpClippingWarning, stacklevel=3)
     return True
 
 

@@ -22,10 +22,11 @@ runs meanwhile. Later calls of that kind cost one more ``check_inputs``.
 
 NOTE: [low-precision graphs]
 A dtype is traced into the graph too (a norm's ``to(float32)`` upcast and its cast back to the
-input's dtype), so a call whose floating inputs, or whose module's floating parameters, come in
-another dtype than at compile gets a graph of its own the same way: captured from the meta copy
-with those parameters cast to their dtype now and inputs of the call's dtypes, kept per
-(mode, size class, input dtypes, parameter dtypes). That is FSDP2's mixed precision:
+input's dtype), so a call on a module whose floating parameters now come in another dtype than
+at compile (and so may its floating inputs) gets a graph of its own the same way: captured from
+the meta copy with those parameters cast to their dtype now and inputs of the call's dtypes,
+kept per (mode, size class, input dtypes, parameter dtypes). An input of another dtype on the
+compiled parameters is refused as before. That is FSDP2's mixed precision:
 ``fully_shard(pm, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))`` keeps the
 float32 shards (the optimizer's master weights) and runs the forward on bf16 parameters and
 inputs. Buffers keep their dtype, as FSDP2 leaves them.
@@ -178,6 +179,8 @@ class SizeGraphs:
                 or what the new graph's own ``check_inputs`` says.
         """
         dtypes = _cast_parameters(module, self.model)
+        if not dtypes and any(isinstance(v, torch.Tensor) and v.dtype != spec.dtype for v, spec in zip(flat, compiled.specs)):
+            raise refused  # another input dtype on the compiled parameters: the caller's mistake
         key = (mode, _size_class(flat), tuple(v.dtype if isinstance(v, torch.Tensor) else None for v in flat),
                tuple(sorted(dtypes.items())))
         if key not in self.graphs:
