@@ -20,7 +20,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from cases import Attention
 
 import fxtp
