@@ -24,6 +24,18 @@ values used after its outputs::
 becomes
     fxtp_recompute_0 = self.fxtp_recompute_0(gather_from_sp, p_w1, p_w2)
     getitem = fxtp_recompute_0[0]
+
+NOTE: [size-only region inputs]
+A region keeps its inputs for backward, so a tensor the model makes before its blocks and hands
+to each of them stays allocated until the last backward. When that tensor is made from sizes and
+constants alone by deterministic ATen ops (:func:`_from_sizes`: a traced Hugging Face causal mask,
+bool ``(B, 1, T, T)``, built from ``arange(T)``; position ids), the region recomputes it instead:
+the ops that make it are copied into the body (their size and device operands become the
+body's inputs), and the outer copies, once nothing else reads them, are erased. The eager single
+device makes no such mask (``is_causal``, NOTE: [attention operands] in passes/normalize.py), so
+keeping it would be bytes fxtp alone holds: 16,384 B per rank on a tiny Llama (batch 4, seq 64),
+over the bound (the checkpointed single device's / ws + 10%) at ws 4. A tensor read from a
+parameter, a buffer or an input is kept as an input (saving it costs the bytes it already has).
 """
 
 from __future__ import annotations
@@ -195,17 +207,28 @@ def _cast_before_collective(node: Node) -> bool:
 def _outline(gm: GraphModule, span: list[Node], name: str, context_fn: Optional[Callable[[], Any]], label: str) -> None:
     inside = set(span)
     inputs: list[Node] = []
+    remade: dict[Node, bool] = {}
     for node in span:
         for inp in node.all_input_nodes:
-            if inp not in inside and inp not in inputs:
+            if inp not in inside and inp not in inputs and not _from_sizes(inp, remade):
                 inputs.append(inp)
+    needed: set[Node] = set()
+    todo = [i for node in span for i in node.all_input_nodes if i not in inside and remade.get(i)]
+    while todo:
+        node = todo.pop()
+        if node not in needed:
+            needed.add(node)
+            todo.extend(i for i in node.all_input_nodes if remade.get(i))
+    recomputed = [n for n in gm.graph.nodes if n in needed]  # NOTE: [size-only region inputs]
+    for node in recomputed:
+        inputs.extend(i for i in node.all_input_nodes if not remade.get(i) and i not in inputs)
     outputs = [n for n in span if any(u not in inside for u in n.users)]
     body_graph = type(gm.graph)()
     env: dict[Node, Node] = {}
     for inp in inputs:
         env[inp] = body_graph.placeholder(inp.name)
         env[inp].meta = dict(inp.meta)
-    for node in span:
+    for node in [*recomputed, *span]:
         env[node] = body_graph.node_copy(node, lambda n: env[n])
     body_graph.output(tuple(env[n] for n in outputs))
     preserve = _may_draw_random(body_graph)
@@ -219,6 +242,24 @@ def _outline(gm: GraphModule, span: list[Node], name: str, context_fn: Optional[
         out.replace_all_uses_with(item, delete_user_cb=lambda user: user not in inside)
     for node in reversed(span):
         graph.erase_node(node)
+    for node in reversed(recomputed):  # the ones no other op reads any more
+        if not node.users:
+            graph.erase_node(node)
+
+
+def _from_sizes(node: Node, memo: dict[Node, bool]) -> bool:
+    """Whether ``node`` is a tensor made from sizes and constants alone, by deterministic ATen
+    ops (a causal mask, position ids): a region recomputes it rather than keep it
+    (NOTE: [size-only region inputs]). Non-tensor inputs (sizes, a device) may come from anywhere."""
+    if node not in memo:
+        memo[node] = False  # until shown otherwise (and for cycles, which a graph has none of)
+        memo[node] = (
+            node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and isinstance(node.meta.get("val"), torch.Tensor) and not node.meta["val"].requires_grad
+            and not _may_draw_random_node(node)
+            and all(_from_sizes(i, memo) for i in node.all_input_nodes if isinstance(i.meta.get("val"), torch.Tensor))
+        )
+    return memo[node]
 
 
 def _may_draw_random(graph: Any) -> bool:

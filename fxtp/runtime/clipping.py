@@ -23,6 +23,9 @@ parameters were tensor-parallel DTensors before ``fully_shard``, which they are 
 the first forward of a ``ParallelModule`` wrapped by ``fully_shard`` with sharded parameters
 warns (:func:`warn_under_fsdp`, an :class:`FsdpClippingWarning`) that torch's whole-tensor
 utilities would be per-rank there, and points to :func:`clip_grad_norm_`, which is exact.
+``fxtp.runtime.dtensor_params.to_dtensor_parameters(pm, mesh["tp"])`` before ``fully_shard``
+makes them tensor-parallel DTensors where a placement can express them, and FSDP2 then makes
+2-D ones over which torch's utilities are exact (NOTE: [DTensor parameters for FSDP2]; no warning).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fxtp.core.errors import FxtpConfigError
-from fxtp.core.placement import REPLICATE, Shard, owned_part
+from fxtp.core.placement import REPLICATE, Shard, local_ranges, owned_part, owned_ranges
 from fxtp.runtime.sharded import local_tensor, resolve_group
 
 __all__ = ["clip_grad_norm_", "FsdpClippingWarning", "warn_under_fsdp"]
@@ -57,14 +60,17 @@ def warn_under_fsdp(pm: nn.Module) -> bool:
     if not isinstance(pm, FSDPModule):
         return False
     sharded = [fqn for fqn, p in pm.placements.items() if isinstance(p, Shard)]
-    if sharded and pm._world_size > 1:
+    on_tp = any(isinstance(p, DTensor) and (p.device_mesh.ndim == 2 or p.device_mesh.get_group().group_name == pm._group_name)
+                for p in pm.parameters())  # NOTE: [DTensor parameters for FSDP2]: torch's clipping is exact
+    if sharded and pm._world_size > 1 and not on_tp:
         warnings.warn(
             f"fxtp: this ParallelModule is wrapped by FSDP2's fully_shard, whose DTensor parameters span the "
             f"data-parallel mesh only; {len(sharded)} parameters (e.g. {sharded[0]!r}) are also sharded over the "
             f"tensor-parallel group ({pm._world_size} ranks), so torch.nn.utils.clip_grad_norm_, get_total_norm or a "
             "norm of these parameters would give each tensor-parallel rank its own shards' value and clip it by its own "
             "coefficient (NOTE: [clipping under FSDP2]). fix: clip with pm.clip_grad_norm_(max_norm), the norm over "
-            "both dims in one all_reduce", FsdpClippingWarning, stacklevel=3)
+            "both dims in one all_reduce, or call fxtp.runtime.dtensor_params.to_dtensor_parameters(pm, mesh['tp']) "
+            "before fully_shard (NOTE: [DTensor parameters for FSDP2])", FsdpClippingWarning, stacklevel=3)
     return True
 
 
@@ -72,7 +78,8 @@ def _group(pm: nn.Module, grads: list[torch.Tensor]) -> Optional[dist.ProcessGro
     """The group the total norm is reduced over: the tensor-parallel one, or, under FSDP2, the
     default group when it holds exactly the data-parallel x tensor-parallel ranks."""
     tp = pm._world_size if pm._group_name is not None else 1
-    dp = max((g.device_mesh.size() for g in grads if isinstance(g, DTensor)), default=1)
+    # FSDP2's mesh: dp, or (dp, tp) over DTensor parameters (NOTE: [DTensor parameters for FSDP2])
+    dp = max((g.device_mesh.size(0) for g in grads if isinstance(g, DTensor)), default=1)
     if dp == 1:
         return resolve_group(pm._group_name) if tp > 1 else None
     if dist.get_world_size() != dp * tp:
@@ -116,9 +123,9 @@ def clip_grad_norm_(pm: nn.Module, max_norm: float, norm_type: float = 2.0, *, e
         grad = p.grad
         grads.append(grad.to_local() if isinstance(grad, DTensor) else local_tensor(grad))
         placement = pm.placements.get(fqn, REPLICATE)
-        if isinstance(placement, Shard) and placement.overlaps and not isinstance(grad, DTensor):
-            counted.append(owned_part(grads[-1], placement, pm._rank, pm._world_size))  # NOTE: [grouped shards]
-        elif isinstance(placement, Shard) or pm._rank == 0:
+        if isinstance(placement, Shard):
+            counted.append(_owned(grads[-1], grad, placement, pm._rank, pm._world_size))
+        elif pm._rank == 0:
             counted.append(grads[-1])
     group = _group(pm, [p.grad for p in pm.parameters() if p.grad is not None])
     device = grads[0].device if grads else torch.device("cpu")
@@ -154,6 +161,27 @@ def clip_grad_norm_(pm: nn.Module, max_norm: float, norm_type: float = 2.0, *, e
                 for t in tensors:
                     t.mul_(scale)
     return total
+
+
+def _owned(local: torch.Tensor, grad: torch.Tensor, placement: Shard, rank: int, world_size: int) -> torch.Tensor:
+    """The elements of this rank's gradient ``local`` that it counts: all of a shard; of a
+    grouped shard (NOTE: [grouped shards]) the rows the tensor-parallel rank owns, and under
+    FSDP2 (``grad`` a DTensor whose ``local`` is this data-parallel rank's ``torch.chunk`` block of
+    dim 0 of the tensor-parallel shard) those of them inside its block."""
+    if not placement.overlaps:
+        return local
+    dim = placement.dim % local.dim()
+    if not isinstance(grad, DTensor) or dim != 0:
+        return owned_part(local, placement, rank, world_size)
+    rows, pos = [], 0
+    for (start, length), (first, count) in zip(local_ranges(placement, rank, world_size), owned_ranges(placement, rank, world_size)):
+        rows.append(torch.arange(pos + first - start, pos + first - start + count))
+        pos += length
+    owned = torch.cat(rows)
+    block = -(-grad.shape[0] // grad.device_mesh.size())  # fully_shard's blocks: torch.chunk of dim 0
+    low = grad.device_mesh.get_local_rank() * block
+    keep = owned[(owned >= low) & (owned < low + local.shape[0])] - low
+    return local.index_select(0, keep.to(local.device))
 
 
 def _by_device(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:

@@ -288,7 +288,7 @@ class ParallelModule(nn.Module):
         except FxtpInputError as exc:
             if self._size_graphs is None or not differs_in_zero_one(flat, graph.specs):
                 raise
-            return self._size_graphs.graph_for(self.report, self._mode, graph, flat, exc, self.bind_graph)
+            return self._size_graphs.graph_for(self.report, self._mode, graph, flat, exc, self.bind_graph, self)
         return graph
 
     def _input_slots(self, graph: "ModeGraph") -> list[tuple[Optional[nn.Module], str]]:

@@ -59,6 +59,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.distributed_c10d import _resolve_process_group  # NOTE: [group by name]: private, wrapped here only
 
 from fxtp.core.errors import FxtpRuntimeError
@@ -127,8 +128,11 @@ def plain_inputs(inputs: list[Any]) -> list[Any]:
     """The rank graph's inputs with sharded parameters as plain aliases (autograd reaches the
     parameters through them). Run eagerly: a ``torch.compile``d graph calls its kernels on its
     inputs outside any context fxtp enters, so they must be plain tensors (it runs before any
-    op, so ``torch._dynamo.explain(pm)`` still counts one graph and no break)."""
-    return [local_tensor(t) if isinstance(t, ShardedTensor) else t for t in inputs]
+    op, so ``torch._dynamo.explain(pm)`` still counts one graph and no break). A DTensor
+    parameter (NOTE: [DTensor parameters for FSDP2] in fxtp/runtime/dtensor_params.py) enters
+    as its ``to_local()``."""
+    return [local_tensor(t) if isinstance(t, ShardedTensor) else t.to_local() if isinstance(t, DTensor) else t
+            for t in inputs]
 
 
 def _wrap(t: Any, layout: ShardLayout) -> Any:

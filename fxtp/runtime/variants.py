@@ -19,6 +19,17 @@ set of shards), rewritten for the rank, bound to the module's own parameters and
 per (mode, which dims are 0, 1 or more) and noted in ``report.shape_notes``. Every rank of the
 group captures the same graph at the same call (the ranks get the same shapes); no collective
 runs meanwhile. Later calls of that kind cost one more ``check_inputs``.
+
+NOTE: [low-precision graphs]
+A dtype is traced into the graph too (a norm's ``to(float32)`` upcast and its cast back to the
+input's dtype), so a call on a module whose floating parameters now come in another dtype than
+at compile (and so may its floating inputs) gets a graph of its own the same way: captured from
+the meta copy with those parameters cast to their dtype now and inputs of the call's dtypes,
+kept per (mode, size class, input dtypes, parameter dtypes). An input of another dtype on the
+compiled parameters is refused as before. That is FSDP2's mixed precision:
+``fully_shard(pm, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))`` keeps the
+float32 shards (the optimizer's master weights) and runs the forward on bf16 parameters and
+inputs. Buffers keep their dtype, as FSDP2 leaves them.
 """
 
 from __future__ import annotations
@@ -96,20 +107,34 @@ def held(value: torch.Tensor, target: str, from_meta_copy: bool) -> torch.Tensor
 def differs_in_zero_one(flat: list[Any], specs: tuple[InputSpec, ...]) -> bool:
     """Whether ``flat`` misses ``specs`` in a size torch.export specializes (NOTE: [size-1
     graphs]): some tensor has a 0 or 1 in a dynamic dim whose range starts above it, or another
-    size in a dim the example fixed at 0 or 1, and nothing else misses (ranks, dtypes, the
-    other static sizes and ranges' upper ends agree)."""
+    size in a dim the example fixed at 0 or 1, or another floating dtype (NOTE: [low-precision
+    graphs]), and nothing else misses (ranks, the other dtypes and static sizes, and ranges'
+    upper ends agree)."""
     found = False
     for value, spec in zip(flat, specs):
         if not spec.is_tensor:
             continue
-        if not isinstance(value, torch.Tensor) or value.dim() != len(spec.dims) or value.dtype != spec.dtype:
+        if not isinstance(value, torch.Tensor) or value.dim() != len(spec.dims):
             return False
+        if value.dtype != spec.dtype:  # NOTE: [low-precision graphs]
+            if not (value.dtype.is_floating_point and spec.dtype is not None and spec.dtype.is_floating_point):
+                return False
+            found = True
         for size, dim in zip(value.shape, spec.dims):
             if dim.dynamic and size < dim.lo and size in (0, 1) or not dim.dynamic and dim.size in (0, 1) and size != dim.size:
                 found = True
             elif not dim.dynamic and size != dim.size or dim.dynamic and dim.hi is not None and size > dim.hi:
                 return False  # another misfit: check_inputs says which
     return found
+
+
+def _cast_parameters(module: nn.Module, model: nn.Module) -> dict[str, torch.dtype]:
+    """``{fqn: dtype}`` of ``module``'s floating parameters whose dtype now is not the one of
+    ``model``'s (the meta copy's, as compiled): FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``
+    hands the forward parameters cast to that dtype (NOTE: [low-precision graphs])."""
+    compiled = dict(model.named_parameters())
+    return {fqn: p.dtype for fqn, p in module.named_parameters()
+            if fqn in compiled and p.dtype != compiled[fqn].dtype and p.dtype.is_floating_point}
 
 
 def _size_class(flat: list[Any]) -> tuple:
@@ -143,30 +168,41 @@ class SizeGraphs:
     graphs: dict[tuple, Union[Any, FxtpError]] = field(default_factory=dict)  # (mode, size class) -> ModeGraph
 
     def graph_for(self, report: Any, mode: str, compiled: Any, flat: list[Any], refused: FxtpInputError,
-                  bind: Callable[[ExportedProgram, GraphModule], Any]) -> Any:
+                  bind: Callable[[ExportedProgram, GraphModule], Any], module: nn.Module) -> Any:
         """The graph for a call ``check_inputs`` refused with ``refused`` on the ``compiled``
-        graph (a ``ModeGraph``): one kept for its size class, else one captured now, made a
-        ``ModeGraph`` by ``bind`` and noted in ``report``.
+        graph (a ``ModeGraph``): one kept for its size class, input dtypes and the dtypes of
+        ``module``'s parameters now, else one captured now, made a ``ModeGraph`` by ``bind`` and
+        noted in ``report``.
 
         Raises:
             FxtpInputError: ``refused``, with why no graph could be captured for these sizes;
                 or what the new graph's own ``check_inputs`` says.
         """
-        key = (mode, _size_class(flat))
+        dtypes = _cast_parameters(module, self.model)
+        if not dtypes and any(isinstance(v, torch.Tensor) and v.dtype != spec.dtype for v, spec in zip(flat, compiled.specs)):
+            raise refused  # another input dtype on the compiled parameters: the caller's mistake
+        key = (mode, _size_class(flat), tuple(v.dtype if isinstance(v, torch.Tensor) else None for v in flat),
+               tuple(sorted(dtypes.items())))
         if key not in self.graphs:
             args, kwargs = pytree.tree_unflatten(
                 [torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v for v in flat],
                 compiled.in_spec,
             )
+            model = self.model
+            if dtypes:  # NOTE: [low-precision graphs]
+                model = copy.deepcopy(model)
+                for fqn, dtype in dtypes.items():
+                    model.get_parameter(fqn).data = model.get_parameter(fqn).data.to(dtype)
             try:
-                program, gm = self.build(self.model, args, kwargs, mode)
+                program, gm = self.build(model, args, kwargs, mode)
             except FxtpError as exc:
                 self.graphs[key] = exc
             else:
                 self.graphs[key] = bind(program, gm)
+                what = [_describe(flat, compiled.specs)] + [f"parameters in {d}" for d in sorted({str(d) for d in dtypes.values()})]
                 report.shape_notes += (
-                    f"{_describe(flat, compiled.specs)} ({mode} mode): a graph of its own, captured at the first such "
-                    "call and kept (torch.export specializes sizes 0 and 1)",
+                    f"{'; '.join(w for w in what if w)} ({mode} mode): a graph of its own, captured at the first such "
+                    "call and kept (torch.export specializes sizes 0 and 1; a dtype is traced into the graph)",
                 )
         graph = self.graphs[key]
         if isinstance(graph, FxtpError):
