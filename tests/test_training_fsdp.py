@@ -35,7 +35,7 @@ def _loop(mixed_precision: bool) -> dict:
     torch.manual_seed(0)
     ref = Attention(32, 4, 1, repeat="enable_gqa")  # 1 kv head, 2 tp ranks: both hold it
     local = X.chunk(2)[mesh["dp"].get_local_rank()]
-    pm = fxtp.compile(copy.deepcopy(ref), 2, (local,), group=mesh["tp"])
+    pm = fxtp.compile(copy.deepcopy(ref), 2, (local,), group=mesh["tp"], dynamic=False)
     grouped = pm.placements["k.weight"].overlaps
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
     fully_shard(pm, mesh=mesh["dp"], **({"mp_policy": policy} if policy else {}))
@@ -79,7 +79,7 @@ def _torch_clipping_on_dtensors() -> dict:
     local = X.chunk(2)[mesh["dp"].get_local_rank()]
     torch.manual_seed(0)
     ref = Attention(32, 4, 2)  # 2 kv heads: every sharded parameter one even segment
-    pm = fxtp.compile(copy.deepcopy(ref), 2, (local,), group=mesh["tp"])
+    pm = fxtp.compile(copy.deepcopy(ref), 2, (local,), group=mesh["tp"], dynamic=False)
     to_dtensor_parameters(pm, mesh["tp"])
     fully_shard(pm, mesh=mesh["dp"])
     meshes = {p.device_mesh.ndim for p in pm.parameters()}
@@ -99,7 +99,7 @@ def _torch_clipping_on_dtensors() -> dict:
                 o.zero_grad()
     for fqn, p in pm.named_parameters():  # a 2-D DTensor's full tensor is the whole parameter
         torch.testing.assert_close(p.detach().full_tensor(), ref.get_parameter(fqn).detach(), msg=lambda m, fqn=fqn: f"{fqn}: {m}")
-    grouped = fxtp.compile(Attention(32, 4, 1, repeat="enable_gqa"), 2, (local,), group=mesh["tp"])
+    grouped = fxtp.compile(Attention(32, 4, 1, repeat="enable_gqa"), 2, (local,), group=mesh["tp"], dynamic=False)
     with pytest.raises(fxtp.FxtpConfigError, match="'k.weight'.*pm.clip_grad_norm_"):
         to_dtensor_parameters(grouped, mesh["tp"])
     return {"meshes": meshes, "norms": norms}
