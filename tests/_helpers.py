@@ -89,10 +89,10 @@ def compare_training(
     steps on both. Also checks the user's model was not mutated by compile. Returns the plan, the
     collectives counted in the first forward and backward (and the shapes the forward's
     all_reduces took), the parameters' placements, the report and the rank's graph code.
-    ``rtol``/``atol``: tolerances
-    (default: ``assert_close``'s for the dtype). ``dynamic``: passed to ``fxtp.compile``; static
-    by default, since only the example's shapes run here and a static capture costs a third to
-    a half of a dynamic one (tests of dynamic shapes: :func:`compare_shapes`, ``dynamic=True``)."""
+    ``rtol``/``atol``: tolerances (default: ``assert_close``'s for the dtype). ``dynamic``:
+    passed to ``fxtp.compile``; static by default, since only the example's shapes run here and
+    a static capture costs a third to a half of a dynamic one (dynamic shapes are checked by
+    :func:`compare_shapes` and the tests that call another shape)."""
     tol = {"rtol": rtol, "atol": atol} if rtol is not None else {}
     ws, rank = dist.get_world_size(), dist.get_rank()
     ref = copy.deepcopy(model)
