@@ -126,7 +126,7 @@ def differential(spec: Spec, steps: int = 2, lr: float = 0.1) -> Outcome:
     inputs64 = tuple(t.double() if t.is_floating_point() else t for t in inputs)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     try:
-        pm = fxtp.compile(model, ws, inputs, sequence_parallel=spec.sequence_parallel,
+        pm = fxtp.compile(model, ws, inputs, sequence_parallel=spec.sequence_parallel, dynamic=spec.dynamic,
                           activation_checkpointing=spec.checkpointing if spec.checkpointing in ("blocks", "selective") else None)
     except fxtp.FxtpError as e:
         return Outcome("rejected", "compile", f"{type(e).__name__}: {e}")

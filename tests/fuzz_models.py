@@ -134,6 +134,7 @@ class Spec:
     # "user": each block runs under torch.utils.checkpoint; "blocks" / "selective": compile with
     # activation_checkpointing= that (NOTE: [recomputed regions])
     checkpointing: str = "none"
+    dynamic: bool = False  # compile with dynamic=True (symbolic batch/sequence); static: a third of its capture time
 
 
 def features(spec: Spec) -> set[str]:
@@ -157,7 +158,7 @@ def features(spec: Spec) -> set[str]:
         out |= {f"embed.{f.name}" for f in dataclasses.fields(spec.embed) if getattr(spec.embed, f.name) not in (None, False)}
     if spec.head != "none":
         out.add(f"head:{spec.head}")
-    for flag in ("loss", "train", "also_hidden", "sequence_parallel", "clip"):
+    for flag in ("loss", "train", "also_hidden", "sequence_parallel", "clip", "dynamic"):
         if getattr(spec, flag):
             out.add(flag)
     if spec.checkpointing != "none":

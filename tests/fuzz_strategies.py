@@ -136,4 +136,5 @@ def specs(draw: st.DrawFn, exclude: frozenset[str] = frozenset()) -> Spec:
         sequence_parallel=draw(_flag("sequence_parallel", exclude)),
         clip=draw(_flag("clip", exclude)),
         checkpointing=draw(_pick("checkpointing", ("none", "user", "blocks", "selective"), exclude)),
+        dynamic=draw(_flag("dynamic", exclude)),
     )

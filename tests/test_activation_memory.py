@@ -103,7 +103,7 @@ def _figures(build, single_checkpointed):
     figures = {"single": measure(copy.deepcopy(model)), "single_ac": measure(single_checkpointed(copy.deepcopy(model)))}
     for key, kwargs in (("tp", {}), ("tp_sp", {"sequence_parallel": True}),
                         ("tp_sp_ac", {"sequence_parallel": True, "activation_checkpointing": "blocks"})):
-        figures[key] = measure(fxtp.compile(model, ws, inputs, **kwargs))
+        figures[key] = measure(fxtp.compile(model, ws, inputs, dynamic=False, **kwargs))
     return figures
 
 
@@ -158,11 +158,11 @@ def test_activation_checkpointing_is_checked():
 
 def test_report_lists_the_recomputed_regions():
     model, inputs = _reference()
-    pm = fxtp.compile(model, 1, inputs, activation_checkpointing="selective")
+    pm = fxtp.compile(model, 1, inputs, activation_checkpointing="selective", dynamic=False)
     regions = pm.report.to_dict()["activation_checkpointing"]
     assert [r["name"] for r in regions] == ["layers.0", "layers.1"] and all(r["selective"] for r in regions), regions
     assert "activation checkpointing: 2 regions recomputed in backward" in str(pm.report)
-    assert fxtp.compile(model, 1, inputs).report.to_dict()["activation_checkpointing"] == []
+    assert fxtp.compile(model, 1, inputs, dynamic=False).report.to_dict()["activation_checkpointing"] == []
 
 
 def test_analyze_lists_the_recomputed_regions():
@@ -171,8 +171,8 @@ def test_analyze_lists_the_recomputed_regions():
     block; the depth adds nothing), world_size 8, sequence parallelism; the backward counts each
     block's forward collectives again."""
     model, inputs = examples.llama3_8b(n_layers=2)
-    plain = fxtp.analyze(model, 8, inputs, sequence_parallel=True)
-    report = fxtp.analyze(model, 8, inputs, sequence_parallel=True, activation_checkpointing="blocks")
+    plain = fxtp.analyze(model, 8, inputs, sequence_parallel=True, dynamic=False)
+    report = fxtp.analyze(model, 8, inputs, sequence_parallel=True, activation_checkpointing="blocks", dynamic=False)
     assert all(p.is_meta for p in model.parameters())
     regions = report.to_dict()["activation_checkpointing"]
     assert [(r["name"], r["source"]) for r in regions] == [("model.layers.0", "blocks"), ("model.layers.1", "blocks")]
@@ -182,4 +182,4 @@ def test_analyze_lists_the_recomputed_regions():
     assert report.count("forward", "all_gather") == plain.count("forward", "all_gather")
     assert report.count("backward", "reduce_scatter") == plain.count("backward", "reduce_scatter") + 4
     user, ids = _reference(user_checkpoint=True)
-    assert len(fxtp.analyze(user, 2, ids).to_dict()["activation_checkpointing"]) == 2  # the model's own calls
+    assert len(fxtp.analyze(user, 2, ids, dynamic=False).to_dict()["activation_checkpointing"]) == 2  # the model's own calls

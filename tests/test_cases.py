@@ -131,7 +131,7 @@ def test_case06_rowwise_bias_added_once(pool):
 
 def _tied_one_weight():
     model, inputs = build_case("7-tied")
-    pm = fxtp.compile(model, dist.get_world_size(), inputs)
+    pm = fxtp.compile(model, dist.get_world_size(), inputs, dynamic=False)
     opt = torch.optim.SGD(pm.parameters(), lr=0.5)
     pm(*inputs).square().mean().backward()
     opt.step()
@@ -174,7 +174,7 @@ def _dropout_train_mode():
     torch.manual_seed(0)
     model, inputs = build_case("10-dropout-eval")
     model.train()
-    pm = fxtp.compile(model, dist.get_world_size(), inputs)
+    pm = fxtp.compile(model, dist.get_world_size(), inputs, dynamic=False)
     torch.manual_seed(1234)  # the same seed on every rank
     out = pm(*inputs)
     gathered = [torch.empty_like(out) for _ in range(dist.get_world_size())]
@@ -207,7 +207,7 @@ def test_case12_shape_branch_falls_back_to_export(pool):
 def _encoder_under_no_grad():
     model, inputs = build_case("13-encoder-fast-path")
     with torch.no_grad():
-        pm = fxtp.compile(model, dist.get_world_size(), inputs)
+        pm = fxtp.compile(model, dist.get_world_size(), inputs, dynamic=False)
         torch.testing.assert_close(pm(*inputs), model(*inputs))
     return pm.plan
 
@@ -331,7 +331,7 @@ def _out_of_range_inputs():
     from fxtp.explain.examples import gpt2
 
     model, (ids, labels) = build_case("lm-loss")
-    pm = fxtp.compile(model, dist.get_world_size(), (ids, labels))
+    pm = fxtp.compile(model, dist.get_world_size(), (ids, labels), dynamic=False)
     messages = []
     for bad_ids, bad_labels in ((ids.clone().fill_(64), labels), (ids.clone().fill_(-1), labels), (ids, labels.clone().fill_(64))):
         try:

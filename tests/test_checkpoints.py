@@ -69,7 +69,7 @@ def _save(root: str):
     fulls, kinds = {}, {}
     for name, build in MODELS.items():
         model, inputs = build()
-        pm = fxtp.compile(model, _world_size(), inputs)
+        pm = fxtp.compile(model, _world_size(), inputs, dynamic=False)
         opt = torch.optim.SGD(pm.parameters(), lr=0.1)
         loss_of(pm(*inputs)).backward()
         opt.step()
@@ -86,7 +86,7 @@ def _load(root: str):
     fulls, outs = {}, {}
     for name in MODELS:
         model, inputs = _perturbed(name)
-        pm = fxtp.compile(model, _world_size(), inputs)
+        pm = fxtp.compile(model, _world_size(), inputs, dynamic=False)
         sd = pm.state_dict()
         dcp.load(sd, checkpoint_id=os.path.join(root, name))
         pm.load_state_dict(sd)
@@ -94,11 +94,27 @@ def _load(root: str):
     return fulls, outs
 
 
+@pytest.fixture(scope="module")
+def saved(rank_pools, tmp_path_factory):
+    """``saved(ws)``: the checkpoint directory ``_save`` wrote at world size ``ws``, and rank 0's
+    answer; written once per world size (the loads only read it)."""
+    done: dict[int, tuple[str, tuple]] = {}
+
+    def get(ws: int) -> tuple[str, tuple]:
+        if ws not in done:
+            root = str(tmp_path_factory.mktemp(f"dcp_ws{ws}"))
+            done[ws] = root, rank_pools(ws).run(_save, root)[0]
+        return done[ws]
+
+    return get
+
+
 @pytest.mark.parametrize("saved_ws,loaded_ws", [(2, 4), (4, 2), (2, 1), (2, 2)])
-def test_dcp_reshards_every_layout(rank_pools, tmp_path, saved_ws, loaded_ws):
+def test_dcp_reshards_every_layout(rank_pools, saved, saved_ws, loaded_ws):
     """dcp.save at one world size, dcp.load at another: exactly the saved model, for colwise,
-    rowwise, segmented, vocab-parallel and tied parameters (world size 1: this process, no group)."""
-    fulls, kinds = rank_pools(saved_ws).run(_save, str(tmp_path))[0]
+    rowwise, segmented, vocab-parallel and tied parameters (world size 1: this process, no group).
+    Each world size saves once (``saved``)."""
+    root, (fulls, kinds) = saved(saved_ws)
     assert kinds["mha"]["mha.in_proj_weight"] == "LocalChunks"  # Q|K|V: 3 chunks per rank
     assert kinds["mha"]["mha.out_proj.weight"] == "DTensor[Shard(dim=1)]"
     assert kinds["tied-lm"]["emb.weight"] == kinds["tied-lm"]["head.weight"] == "DTensor[Shard(dim=0)]"
@@ -106,7 +122,7 @@ def test_dcp_reshards_every_layout(rank_pools, tmp_path, saved_ws, loaded_ws):
     assert kinds["uneven"]["0.weight"] == kinds["uneven"]["2.weight"] == "LocalChunks"  # DTensor's blocks are torch.chunk's
     assert kinds["heads-96"]["q.weight"] == ("LocalChunks" if saved_ws == 4 else "DTensor[Shard(dim=0)]")
     assert kinds["gqa"]["k.weight"] == ("LocalChunks" if saved_ws == 4 else "DTensor[Shard(dim=0)]")  # a kv head, saved once
-    results = [_load(str(tmp_path))] if loaded_ws == 1 else rank_pools(loaded_ws).run(_load, str(tmp_path))
+    results = [_load(root)] if loaded_ws == 1 else rank_pools(loaded_ws).run(_load, root)
     for loaded, outs in results:
         for name, full in fulls.items():
             assert list(loaded[name]) == list(full)
@@ -121,10 +137,10 @@ def _misfits():
     """Load state dicts that do not fit; returns the error messages, and whether a plain full
     state dict (model.state_dict()) loads right."""
     model, inputs = _tied_lm()
-    pm = fxtp.compile(_perturbed("tied-lm")[0], _world_size(), inputs)
+    pm = fxtp.compile(_perturbed("tied-lm")[0], _world_size(), inputs, dynamic=False)
     errors = []
     local = {**model.state_dict(), "fc.weight": pm.get_parameter("fc.weight").detach().clone()}  # a local shard
-    other = fxtp.compile(copy.deepcopy(model), _world_size(), inputs, plan={"fc": "rowwise"}).state_dict()
+    other = fxtp.compile(copy.deepcopy(model), _world_size(), inputs, plan={"fc": "rowwise"}, dynamic=False).state_dict()
     for bad in (local, {**pm.state_dict(), "fc.weight": other["fc.weight"]}):
         try:
             pm.load_state_dict(bad)
@@ -158,7 +174,7 @@ def _train(module, opt, steps: int) -> None:
 
 def _train_and_save(root: str) -> None:
     for name, make in OPTIMIZERS.items():
-        pm = fxtp.compile(_tied_lm()[0], _world_size(), (IDS,))
+        pm = fxtp.compile(_tied_lm()[0], _world_size(), (IDS,), dynamic=False)
         opt = make(pm.parameters())
         pm.register_optimizer(opt)
         _train(pm, opt, 2)
@@ -169,7 +185,7 @@ def _train_and_save(root: str) -> None:
 def _resume(root: str):
     fulls = {}
     for name, make in OPTIMIZERS.items():
-        pm = fxtp.compile(_perturbed("tied-lm")[0], _world_size(), (IDS,))
+        pm = fxtp.compile(_perturbed("tied-lm")[0], _world_size(), (IDS,), dynamic=False)
         opt = make(pm.parameters())
         pm.register_optimizer(opt)
         sd = {"model": get_model_state_dict(pm), "optim": get_optimizer_state_dict(pm, opt)}

@@ -53,7 +53,7 @@ def _meta_load(name: str, path: str):
     ref, inputs = getattr(examples, name)()
     with params_on_meta():
         model, _ = getattr(examples, name)()
-    pm = fxtp.compile(model, dist.get_world_size(), tuple(t.to("meta") for t in inputs))
+    pm = fxtp.compile(model, dist.get_world_size(), tuple(t.to("meta") for t in inputs), dynamic=False)
     assert all(p.is_meta for p in pm.parameters())
     assert "device(type='meta')" not in pm.graph_module.code  # normalize: no device literal survives
     stats = pm.load_safetensors(path)
@@ -102,7 +102,7 @@ def test_buffers_on_meta_are_one_error_at_load(tmp_path):
     ref.save_pretrained(tmp_path)
     with torch.device("meta"):
         model = LlamaForCausalLM(examples.llama_config())
-    pm = fxtp.compile(model, 1, tuple(t.to("meta") for t in inputs))
+    pm = fxtp.compile(model, 1, tuple(t.to("meta") for t in inputs), dynamic=False)
     for load in (lambda: pm.load_safetensors(tmp_path), lambda: pm.load_full_state_dict(ref.state_dict())):
         with pytest.raises(fxtp.FxtpInputError) as info:
             load()
@@ -129,7 +129,7 @@ def _fsdp_tp(root: str):
     model, ref = _fsdp_model(), _fsdp_model()
     batch = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     local = batch.chunk(2)[dp_rank]
-    pm = fully_shard(fxtp.compile(model, 2, (local,), group=mesh["tp"]), mesh=mesh["dp"])
+    pm = fully_shard(fxtp.compile(model, 2, (local,), group=mesh["tp"], dynamic=False), mesh=mesh["dp"])
     opt, ref_opt = torch.optim.AdamW(pm.parameters(), lr=0.01), torch.optim.AdamW(ref.parameters(), lr=0.01)
     for step in range(3):
         out = pm(local)
@@ -149,7 +149,7 @@ def _fsdp_tp(root: str):
     with torch.no_grad():
         for p in other.parameters():
             p.zero_()
-    pm2 = fully_shard(fxtp.compile(other, 2, (local,), group=mesh["tp"]), mesh=mesh["dp"])
+    pm2 = fully_shard(fxtp.compile(other, 2, (local,), group=mesh["tp"], dynamic=False), mesh=mesh["dp"])
     sd = pm2.state_dict()
     dcp.load(sd, checkpoint_id=root)
     pm2.load_state_dict(sd)

@@ -50,7 +50,7 @@ def _dp_tp_training():
     ref = copy.deepcopy(model)
     batch = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))  # the global batch
     local = batch.chunk(2)[dp_rank]  # this dp replica's half; both tp peers get the same rows
-    pm = fxtp.compile(model, 2, (local,), group=tp)
+    pm = fxtp.compile(model, 2, (local,), group=tp, dynamic=False)
     assert isinstance(pm.placements["0.weight"], Shard)
     ddp = DDP(pm, process_group=dp.get_group())
     opt, ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -116,9 +116,9 @@ def _accumulation_in_low_precision():
     bf16 = {"rtol": 2e-2, "atol": 2e-2}
     ref = _block()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)  # linear in the gradients (Adam scales bf16 noise up to lr)
-    ddp_pm = fxtp.compile(copy.deepcopy(ref), 2, (micro[0],), group=tp)
+    ddp_pm = fxtp.compile(copy.deepcopy(ref), 2, (micro[0],), group=tp, dynamic=False)
     ddp = DDP(ddp_pm, process_group=dp.get_group())
-    fsdp_pm = fxtp.compile(copy.deepcopy(ref), 2, (micro[0],), group=tp)
+    fsdp_pm = fxtp.compile(copy.deepcopy(ref), 2, (micro[0],), group=tp, dynamic=False)
     fully_shard(fsdp_pm, mesh=dp)
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ddp, fsdp_pm)]
     for step in range(3):

@@ -150,7 +150,7 @@ class _Sliced(nn.Module):
 def test_a_slice_no_layout_serves_names_a_world_size_and_the_line():
     """12 | 12 at world_size 16: no layout of the 24 features gives every rank a part of both
     pieces; the rejection's fix names the world sizes that work and the line to change."""
-    row = fxtp.analyze(_Sliced(), 16, (torch.randn(2, 4, 64),), capture="export").layers[0]
+    row = fxtp.analyze(_Sliced(), 16, (torch.randn(2, 4, 64),), capture="export", dynamic=False).layers[0]
     assert (row.name, row.style, row.code) == ("fused", "replicate", "not-divisible")
     assert "use a world_size that divides 12 (2, 3, 4, 6, 12)" in row.fix
     assert "test_fused_slices.py:" in row.fix and "h[..., :12]" in row.fix, row.fix
@@ -173,7 +173,7 @@ def _meta_report(family: str, config: dict) -> tuple[fxtp.Report, dict, dict[str
     cfg = getattr(transformers, cfg_cls)(**config, **extra, num_hidden_layers=2, use_cache=False)
     with torch.device("meta"):
         model = getattr(transformers, model_cls)(cfg).to(torch.bfloat16).eval()
-    report = fxtp.analyze(model, 8, (torch.zeros(1, 16, dtype=torch.long, device="meta"),))
+    report = fxtp.analyze(model, 8, (torch.zeros(1, 16, dtype=torch.long, device="meta"),), dynamic=False)
     d = report.to_dict()
     return report, d, {row["name"]: row for row in d["layers"]}
 

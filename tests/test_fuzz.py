@@ -2,9 +2,10 @@
 
 Hypothesis draws a :class:`fuzz_models.Spec` from the block grammar (``fuzz_strategies.specs``);
 every gloo rank builds it from its seed and runs ``fuzz_check.differential``: at world sizes 2
-and 4, ``fxtp.compile`` must either equal the single-device model (outputs, every gradient, 2 SGD
-steps), with a code on every replicated layer and the report's collective counts equal to the
-ones the run measures, or raise an ``FxtpError``. A failure shrinks to the smallest model that
+and 4, ``fxtp.compile`` (static or dynamic shapes: ``Spec.dynamic`` is drawn too) must either
+equal the single-device model (outputs, every gradient, 2 SGD steps), with a code on every
+replicated layer and the report's collective counts equal to the ones the run measures, or
+raise an ``FxtpError``. A failure shrinks to the smallest model that
 breaks, printed as a ``Spec(...)`` to paste into ``test_fuzz_regressions.py``.
 
 ``FXTP_FUZZ_EXAMPLES=N`` runs N examples per world size (default: the CI budget below), the same
@@ -49,3 +50,4 @@ def test_fxtp_equals_single_device_or_rejects(pool, spec):
         event("clip_grad_norm_ in the loop")
     if spec.checkpointing != "none":
         event(f"checkpointing={spec.checkpointing}")
+    event("dynamic=True" if spec.dynamic else "dynamic=False")

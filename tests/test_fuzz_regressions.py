@@ -1,5 +1,6 @@
 """Every distinct failure the differential fuzzer (test_fuzz.py) found, as the smallest model it
-shrank to, checked by the same property at world sizes 2 and 4.
+shrank to, checked by the same property at world sizes 2 and 4 (compiled with static shapes,
+``Spec.dynamic=False``: none of them is about dynamic shapes, and a static capture costs a third).
 
 A failure of today is ``xfail(strict=True)`` with its symptom: when the fix lands the test
 passes, the strict xfail fails, and the mark (and its feature in ``test_fuzz.KNOWN_BROKEN``)

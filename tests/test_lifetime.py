@@ -180,7 +180,7 @@ def _reseeded_per_rank():
     """Case 10's model in train mode: a per-rank reseed after compile is refused, not silent."""
     rank, ws = dist.get_rank(), dist.get_world_size()
     model, (x,) = build_case("10-dropout-eval")
-    pm = fxtp.compile(model.train(), ws, (x,))
+    pm = fxtp.compile(model.train(), ws, (x,), dynamic=False)  # one input shape
     pm(x)  # in step since compile
     torch.manual_seed(1000 + rank)  # a data-parallel habit: every rank another seed
     try:
@@ -205,7 +205,7 @@ def _only_sharded_random_ops():
     model, (x,) = build_case("17-sdpa-dropout")
     ref = copy.deepcopy(model)
     torch.manual_seed(100 + rank)  # different on every rank before compile
-    pm = fxtp.compile(model, ws, (x,))
+    pm = fxtp.compile(model, ws, (x,), dynamic=False)  # one input shape
     out = _same_draws(pm, ref, x, rank, ws)  # raises if the generators were left out of step
     gathered = [torch.empty_like(out) for _ in range(ws)]
     dist.all_gather(gathered, out)

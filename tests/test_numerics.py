@@ -139,7 +139,7 @@ def test_each_capture_frontend_trains(pool, frontend):
 
 def _world_size_1_inside_a_job():
     model, inputs = build("tiny_gpt")
-    pm = fxtp.compile(model, 1, inputs)
+    pm = fxtp.compile(model, 1, inputs, dynamic=False)
     out, ref = pm(*inputs), model(*inputs)
     return torch.equal(out, ref)
 
@@ -150,7 +150,7 @@ def test_world_size_1_inside_a_larger_job_is_bitwise_equal(pool):
 
 def _identical_across_ranks():
     model, inputs = build("tiny_gpt")
-    pm = fxtp.compile(model, dist.get_world_size(), inputs)
+    pm = fxtp.compile(model, dist.get_world_size(), inputs, dynamic=False)
     out = pm(*inputs)
     gathered = [torch.empty_like(out) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, out)
@@ -180,7 +180,7 @@ def _on_sub_groups():
     group = groups[rank // 2]
     model, inputs = build("mlp")
     ref = model(*inputs)
-    pm = fxtp.compile(model, 2, inputs, group=group)
+    pm = fxtp.compile(model, 2, inputs, group=group, dynamic=False)
     torch.testing.assert_close(pm(*inputs), ref)
     return pm.report.to_dict()["layers"][0]["local_weight_shape"]
 

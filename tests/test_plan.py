@@ -59,13 +59,13 @@ def test_two_analyzed_blocks_count_the_full_depth_exactly(kind):
     shapes = parameter_shapes(model, (2, 4, 8), (IDS,), {})
     for tp in (2, 4, 8):
         assert (shapes[tp].analyzed_blocks, shapes[tp].n_blocks) == (2, 4)  # extrapolated, not analyzed whole
-        assert shapes[tp].bytes() == fxtp.analyze(model, tp, (IDS,)).param_bytes_per_rank, tp
+        assert shapes[tp].bytes() == fxtp.analyze(model, tp, (IDS,), dynamic=False).param_bytes_per_rank, tp
 
 
 def test_parameter_bytes_equal_a_compiled_rank():
     model = tiny("llama", layers=3)
     shapes = parameter_shapes(model, (2,), (IDS,), {})
-    pm = fxtp.compile(model, 2, (IDS,))  # no process group: compiled for inspection, rank 0
+    pm = fxtp.compile(model, 2, (IDS,), dynamic=False)  # no process group: compiled for inspection, rank 0
     held = sum(p.numel() * p.element_size() for p in pm.parameters())
     assert shapes[2].bytes() == held
     assert shapes[2].elements() * 4 == sum(p.numel() for p in pm.parameters()) * 4
@@ -223,7 +223,7 @@ def test_predicted_tensor_parallel_bytes_are_the_plans_collectives():
     from fxtp.planner.params import repeated_blocks
 
     model, tp, (b, s) = tiny("llama"), 2, IDS.shape
-    report = fxtp.analyze(model, tp, (IDS,))
+    report = fxtp.analyze(model, tp, (IDS,), dynamic=False)
     sent = sum((2 if c.kind == "all_reduce" else 1) * c.bytes * (tp - 1) // tp for c in report.collectives)
     shape = TransformerShape.of(model, repeated_blocks(model).fqn)
     params = parameter_shapes(model, (tp,), (IDS,), {})[tp]  # the 2-block analysis, 4 blocks counted

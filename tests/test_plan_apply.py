@@ -36,11 +36,11 @@ def test_strategy_applies_the_plans_layer_styles(planned):
     # the blocks' layers as globs over the block index: 2 blocks analyzed for 3
     assert plan.layer_styles["model.layers.*.mlp.down_proj"] == "rowwise"
     assert not any(".layers.0." in key or ".layers.1." in key for key in plan.layer_styles)
-    pm = fxtp.compile(model, plan.tp, (IDS,), strategy=plan)
-    assert pm.plan == fxtp.analyze(model, plan.tp, (IDS,)).plan  # the full depth, every block as planned
+    pm = fxtp.compile(model, plan.tp, (IDS,), strategy=plan, dynamic=False)
+    assert pm.plan == fxtp.analyze(model, plan.tp, (IDS,), dynamic=False).plan  # the full depth, every block as planned
     # the user's plan= is applied after the strategy's styles and wins
-    mine = fxtp.compile(model, plan.tp, (IDS,), strategy=plan, plan={"model.layers.*.mlp.down_proj": "replicate",
-                                                                      "model.layers.*.mlp.*_proj": "replicate"})
+    mine = fxtp.compile(model, plan.tp, (IDS,), strategy=plan, dynamic=False,
+                        plan={"model.layers.*.mlp.down_proj": "replicate", "model.layers.*.mlp.*_proj": "replicate"})
     assert mine.plan["model.layers.2.mlp.up_proj"] == "replicate" and mine.plan["model.layers.2.self_attn.q_proj"] == "colwise"
     assert plan.to_dict()["layer_styles"] == dict(plan.layer_styles)
 
@@ -49,8 +49,8 @@ def test_strategy_applies_sequence_parallelism_and_checkpointing(planned):
     model, plan = planned
     strategy = TensorParallelStrategy(2, sequence_parallel=True, activation_checkpointing="blocks",
                                       layer_styles=plan.layer_styles)
-    pm = fxtp.compile(model, 2, (IDS,), strategy=strategy)
-    by_hand = fxtp.compile(model, 2, (IDS,), sequence_parallel=True, activation_checkpointing="blocks")
+    pm = fxtp.compile(model, 2, (IDS,), strategy=strategy, dynamic=False)
+    by_hand = fxtp.compile(model, 2, (IDS,), sequence_parallel=True, activation_checkpointing="blocks", dynamic=False)
     assert pm.graph_module.code == by_hand.graph_module.code
     assert pm.report.count("forward", "reduce_scatter") == by_hand.report.count("forward", "reduce_scatter") > 0
 

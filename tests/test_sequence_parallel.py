@@ -82,7 +82,7 @@ def _dropout():
     model.train()
     ref = copy.deepcopy(model)
     torch.manual_seed(7)
-    pm = fxtp.compile(model, ws, inputs, sequence_parallel=True)
+    pm = fxtp.compile(model, ws, inputs, sequence_parallel=True, dynamic=False)
     state = torch.get_rng_state()
     out = pm(*inputs)
     torch.set_rng_state(state)
@@ -111,7 +111,7 @@ def _saved(build, kwargs: dict):
     loss_of(ref_out).backward()
     figures = {}
     for sp in (False, True):
-        pm = fxtp.compile(model, ws, inputs, sequence_parallel=sp, **kwargs)
+        pm = fxtp.compile(model, ws, inputs, sequence_parallel=sp, dynamic=False, **kwargs)
         with activations.measure() as saved:
             out = pm(*inputs)
         with CollectiveCounter() as backward:
@@ -160,11 +160,11 @@ def test_token_count_that_does_not_divide_is_an_input_error(rank_pools):
 
 def test_analyze_reports_the_sequence_collectives():
     model, inputs = _reference()
-    report = fxtp.analyze(model, 2, inputs, sequence_parallel=True)
+    report = fxtp.analyze(model, 2, inputs, sequence_parallel=True, dynamic=False)
     assert report.sequence_parallel and report.to_dict()["sequence_parallel"]
     assert report.count("forward", "reduce_scatter") == 5 and report.count("forward", "all_reduce") == 0
     assert "reduce_scatter fwd" in str(report) and "sequence parallelism:" in str(report)
-    tp = fxtp.analyze(model, 2, inputs)
+    tp = fxtp.analyze(model, 2, inputs, dynamic=False)
     assert tp.count("forward", "reduce_scatter") == 0 and not tp.sequence_parallel
 
 

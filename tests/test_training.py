@@ -67,7 +67,7 @@ def _sgd_steps(module: nn.Module, steps: int) -> None:
 
 def _checkpoint_round_trip():
     ref = _tied_lm(0)
-    pm = fxtp.compile(copy.deepcopy(ref), dist.get_world_size(), (IDS,))
+    pm = fxtp.compile(copy.deepcopy(ref), dist.get_world_size(), (IDS,), dynamic=False)
     assert isinstance(pm.placements["fc.weight"], Shard) and isinstance(pm.placements["out.weight"], Shard)
     _sgd_steps(pm, 3)
     _sgd_steps(ref, 3)
@@ -78,7 +78,7 @@ def _checkpoint_round_trip():
     torch.testing.assert_close(fresh(IDS), ref(IDS))
 
     # Loading: a fresh pm (other weights) takes the trained full state dict and matches ref.
-    pm2 = fxtp.compile(_tied_lm(7), dist.get_world_size(), (IDS,))
+    pm2 = fxtp.compile(_tied_lm(7), dist.get_world_size(), (IDS,), dynamic=False)
     pm2.load_full_state_dict(ref.state_dict())
     torch.testing.assert_close(pm2(IDS), ref(IDS))
     local = pm2.get_parameter("fc.weight")
@@ -112,7 +112,7 @@ def _meta_load(path: str):
     with torch.device("meta"):
         model = TinyGPT(CFG)
     ids_meta = torch.zeros(CFG.batch, CFG.seq_len, dtype=torch.long, device="meta")
-    pm = fxtp.compile(model, dist.get_world_size(), (ids_meta,))
+    pm = fxtp.compile(model, dist.get_world_size(), (ids_meta,), dynamic=False)
     assert all(p.is_meta for p in pm.parameters()), "compile on meta must not allocate weights"
     stats = pm.load_safetensors(path)
     torch.manual_seed(0)
@@ -152,7 +152,7 @@ def _dropout_train():
     model.train()
     ref = copy.deepcopy(model)
     torch.manual_seed(100 + rank)  # different on every rank: fxtp.compile syncs the generators
-    pm = fxtp.compile(model, ws, inputs)
+    pm = fxtp.compile(model, ws, inputs, dynamic=False)
     state = torch.get_rng_state()
     out = pm(*inputs)
     gathered = [torch.empty_like(out) for _ in range(ws)]

@@ -83,7 +83,7 @@ def _clipped_loop(optimizer: str, clip: str):
     pm.clip_grad_norm_) by a max_norm that clips every step; the norms and the parameters after
     each step against the single device."""
     ref, ws = _block(), dist.get_world_size()
-    pm = fxtp.compile(copy.deepcopy(ref), ws, (X,))
+    pm = fxtp.compile(copy.deepcopy(ref), ws, (X,), dynamic=False)
     sharded = {fqn for fqn, p in pm.named_parameters() if isinstance(p, ShardedParameter)}
     assert {"attn.in_proj_weight", "fc1.weight"} <= sharded and "norm.weight" not in sharded
     if ws == 4:
@@ -128,7 +128,7 @@ def _whole_tensor_utilities():
     """clip_grad_value_, get_total_norm (2 and inf), a norm of the parameters, sums/means/max of
     gradients, an EMA of the parameters, and matrix transforms refused."""
     ref, ws = _block(), dist.get_world_size()
-    pm = fxtp.compile(copy.deepcopy(ref), ws, (X,))
+    pm = fxtp.compile(copy.deepcopy(ref), ws, (X,), dynamic=False)
     _loss(pm(X)).backward()
     _loss(ref(X)).backward()
     grads, ref_grads = [p.grad for p in pm.parameters()], [p.grad for p in ref.parameters()]
@@ -172,7 +172,7 @@ def _grad_scaler():
     """fp16-style loss scaling where the only overflow lies in the last rank's rows of
     fc1.weight's gradient: every rank skips that step, halves the scale, then steps twice."""
     ref, ws, rank = _block(), dist.get_world_size(), dist.get_rank()
-    pm = fxtp.compile(copy.deepcopy(ref), ws, (X,))
+    pm = fxtp.compile(copy.deepcopy(ref), ws, (X,), dynamic=False)
     placement = pm.placements["fc1.weight"]
     assert isinstance(placement, Shard) and placement.dim == 0
     row, local_row = None, None
@@ -238,13 +238,13 @@ class Muon(torch.optim.Optimizer):
 
 def _muon():
     ref, ws = _block(), dist.get_world_size()
-    pm = fxtp.compile(copy.deepcopy(ref), ws, (X,))
+    pm = fxtp.compile(copy.deepcopy(ref), ws, (X,), dynamic=False)
     _loss(pm(X)).backward()
     with pytest.raises(fxtp.FxtpRuntimeError, match="matmul on a tensor made from parameter 'attn.in_proj_weight'") as info:
         Muon(pm.parameters()).step()
     assert "plan={'attn.in_proj_weight': 'replicate'}" in str(info.value)
     # what the message advises: Muon on the replicated matrices, AdamW on the sharded ones
-    replicated = fxtp.compile(copy.deepcopy(ref), ws, (X,), plan={"fc1": "replicate", "fc2": "replicate"})
+    replicated = fxtp.compile(copy.deepcopy(ref), ws, (X,), dynamic=False, plan={"fc1": "replicate", "fc2": "replicate"})
     muon_ref = copy.deepcopy(ref)
     for module in (replicated, muon_ref):
         module.zero_grad()
@@ -267,7 +267,7 @@ def _low_precision():
     bf16 = {"rtol": 2e-2, "atol": 2e-2}
     # bf16 autocast, clipping, AdamW
     ref = _block()
-    pm = fxtp.compile(copy.deepcopy(ref), ws, (X,))
+    pm = fxtp.compile(copy.deepcopy(ref), ws, (X,), dynamic=False)
     opt, ref_opt = torch.optim.AdamW(pm.parameters(), lr=0.01), torch.optim.AdamW(ref.parameters(), lr=0.01)
     for step in range(3):
         outs = []
@@ -284,7 +284,7 @@ def _low_precision():
         _assert_params_match(pm, ref, f"autocast step {step}", **bf16)
     # bf16 parameters, fp32 master weights
     ref = _block().to(torch.bfloat16)
-    pm = fxtp.compile(copy.deepcopy(ref), ws, (X.bfloat16(),))
+    pm = fxtp.compile(copy.deepcopy(ref), ws, (X.bfloat16(),), dynamic=False)
     results = []
     for module in (pm, ref):
         master = [p.detach().float() for p in module.parameters()]
@@ -305,7 +305,7 @@ def _low_precision():
         torch.testing.assert_close(local_tensor(m), expected, **bf16, msg=lambda msg, fqn=fqn: f"master {fqn}: {msg}")
     # gradient accumulation over micro-batches (fp32: exact up to summation order)
     ref = _block()
-    pm = fxtp.compile(copy.deepcopy(ref), ws, (X[:2],))
+    pm = fxtp.compile(copy.deepcopy(ref), ws, (X[:2],), dynamic=False)
     opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
     for step in range(3):
         for micro in X.chunk(2):
@@ -333,7 +333,7 @@ def _fsdp_tp_clipping():
     dp_rank = mesh["dp"].get_local_rank()
     ref = _block()
     local = X.chunk(2)[dp_rank]
-    pm = fxtp.compile(copy.deepcopy(ref), 2, (local,), group=mesh["tp"])
+    pm = fxtp.compile(copy.deepcopy(ref), 2, (local,), group=mesh["tp"], dynamic=False)
     fully_shard(pm, mesh=mesh["dp"])
     opt, ref_opt = torch.optim.AdamW(pm.parameters(), lr=0.05), torch.optim.AdamW(ref.parameters(), lr=0.05)
     calls, warned = [], []
