@@ -35,6 +35,7 @@ from passes.layers import (
     layer_decision,
     layer_names,
     rowwise_feeds,
+    try_columns,
     weight_numel,
     weight_of,
     weight_placeholder,
@@ -80,6 +81,7 @@ def plan_sharding(
     keep_renormed_tables(graph, layers, state, param_names)
     terminal = _terminal_layers(graph, layers)
     max_rounds = (_MAX_SEGMENTS + 5) * len(layers) + 8
+    max_rounds *= 1 + sum(n.target is aten.embedding.default for n in layers)  # a trial by columns may replan
     for rounds in range(1, max_rounds + 1):
         res = propagate(graph, state, world_size, param_names)
         if not _resolve(res, state, world_size, param_names, {n.name: names[n] for n in layers}, param_fqns, terminal):
@@ -140,6 +142,8 @@ def _resolve(
         changed |= _replicate_cheaper_side(res, state, param_names)
     changed |= _act_on_conflicts(res, state, ws, param_names, terminal)
     changed |= _place_parameters(res, state, param_names, names, param_fqns)
+    if not changed and not res.conflicts:
+        changed = try_columns(res, state, param_names)  # NOTE: [column-sharded embedding]
     return changed
 
 

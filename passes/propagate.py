@@ -91,6 +91,9 @@ class PlannerState:
     heads: set[str] = field(default_factory=set)  # colwise output heads whose logits are gathered
     slice_input: set[str] = field(default_factory=set)  # rowwise on a sliced replicated input, NOTE: [rowwise fallback]
     whole_input: dict[str, LayerNote] = field(default_factory=dict)  # input kept replicated, NOTE: [tied uses]
+    columns: set[str] = field(default_factory=set)  # tables sharded by columns, NOTE: [column-sharded embedding]
+    no_columns: set[str] = field(default_factory=set)  # tables tried by columns and kept as they were
+    column_trial: Optional[Any] = None  # passes.layers.ColumnTrial while one runs
 
 
 @dataclass(frozen=True)
@@ -202,7 +205,7 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
     def layer_state(node: Node) -> LayerState:
         return LayerState(
             state.demoted.get(node.name), state.forced.get(node.name), state.segments.get(node.name), node.name in state.slice_input,
-            state.whole_input.get(node.name), state.units.get(node.name, 1),
+            state.whole_input.get(node.name), state.units.get(node.name, 1), node.name in state.columns,
         )
 
     for node in graph.nodes:

@@ -202,6 +202,7 @@ class LayerState:
     slice_input: bool = False  # rowwise on a replicated input sliced locally, NOTE: [rowwise fallback]
     whole_input: Optional[LayerNote] = None  # why its input must arrive replicated, NOTE: [tied uses]
     unit: int = 1  # split granularity of its output (whole heads), NOTE: [uneven shards]
+    columns: bool = False  # a table sharded by columns, NOTE: [column-sharded embedding]
 
 
 Rule = Callable[[RuleContext], Decision]

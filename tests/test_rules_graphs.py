@@ -119,11 +119,27 @@ def test_softmax_over_sharded_dim_replicates_producer():
     assert report.count("forward", "all_reduce") == 0
 
 
-def test_layer_norm_over_features_replicates_producer():
-    placements, plan, _, layers = analyze(UpDown(nn.LayerNorm(32)), torch.randn(2, 4, 16))
-    assert_up_replicated(layers, "reduces-sharded-dim", placements)
-    assert "layer_norm" in layers["up"].culprit
-    assert plan.params == {}
+def test_layer_norm_over_features_is_a_distributed_norm():
+    """NOTE: [distributed norm]: the LayerNorm over up's features keeps up colwise; its weight and
+    bias are sliced like the features and one all_reduce of the (2, 4, 2) statistics runs."""
+    placements, plan, report, layers = analyze(UpDown(nn.LayerNorm(32)), torch.randn(2, 4, 16))
+    assert_megatron_pair(layers)
+    assert placements["layer_norm"] == S(2, 32)
+    assert plan.params["p_mid_weight"] == plan.params["p_mid_bias"] == S(0, 32)
+    assert plan.local_targets["layer_norm"].__name__ == "distributed_layer_norm"
+    assert report.count("forward", "all_reduce") == 2  # the statistics, then down's output
+
+
+def test_rms_norm_written_out_over_features_is_partial():
+    """``x * rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)``: the mean over the sharded dim is a
+    Partial (B, T, 1), all_reduced; the rsqrt enters the sharded product through f."""
+    norm = Fn(lambda h: h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+    placements, plan, report, layers = analyze(UpDown(norm), torch.randn(2, 4, 16))
+    assert_megatron_pair(layers)
+    assert placements["mean"] == Partial() and plan.reduces["mean"] is None
+    assert plan.local_targets["mean"].__name__ == "mean_of_shard"
+    assert plan.edges[("mul", "rsqrt")].kind == "enter"
+    assert report.count("forward", "all_reduce") == 2
 
 
 class HeadNorm(nn.Module):

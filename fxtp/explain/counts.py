@@ -19,7 +19,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from fxtp.core import local_ops
+from fxtp.core import local_ops, losses, norms  # noqa: F401 (the last two register their ops' collectives)
 from fxtp.core.placement import Partial, Placement, Shard, is_sharded
 from fxtp.core.rng import is_random, sharded_call
 from passes.plan import LayerDecision, ShardingPlan, module_of
@@ -116,18 +116,25 @@ def collectives(program: ExportedProgram, plan: ShardingPlan, nodes: dict[str, A
     scattered_back = {p for p, summed in sp_gathered if summed and p in needs_grad}
     sliced_in = {p for (_, p), a in plan.edges.items() if a.kind == "sp_scatter" and a.enter and p in needs_grad}
     regathered = regathered_values(program, plan, nodes)
-    # Emitted ops that all_reduce themselves: a vocab-parallel loss, 3 of fp32 (N,) for (N, C) logits.
+    # Emitted ops that all_reduce themselves: a vocab-parallel loss, a norm over a sharded dim.
     inside = [
-        (nodes[name], local_ops.FORWARD_COLLECTIVES[target])
+        (plan.local_args.get(name, ()), local_ops.EMITTED_COLLECTIVES[target])
         for name, target in plan.local_targets.items()
-        if target in local_ops.FORWARD_COLLECTIVES
+        if target in local_ops.EMITTED_COLLECTIVES
     ]
-    inside_count = sum(count for _, (kind, count) in inside if kind == "all_reduce")
-    inside_bytes = sum(count * 4 * optimization_hint(n.args[0].meta["val"].shape[0]) for n, (kind, count) in inside if kind == "all_reduce")
+    inside = [(args, emitted) for args, emitted in inside if emitted.kind == "all_reduce"]
+    inside_count = sum(emitted.forward for _, emitted in inside)
+    inside_bytes = sum(emitted.payload(args)[0] for args, emitted in inside)
+    inside_back = [(args, emitted) for args, emitted in inside if emitted.backward and args[0].name in needs_grad]
+    back_count = sum(emitted.backward for _, emitted in inside_back)
+    back_bytes = sum(emitted.payload(args)[1] for args, emitted in inside_back)
     return (
         CollectiveStat("forward", "all_reduce", len(reduces) + inside_count, nbytes(reduces) + inside_bytes),
         CollectiveStat("forward", "all_gather", len(tp_gathered) + len(sp_gathered), nbytes(tp_gathered) + nbytes(p for p, _ in sp_gathered)),
-        CollectiveStat("backward", "all_reduce", len(entered) + len(entered_gathered), nbytes(entered) + nbytes(entered_gathered)),
+        CollectiveStat(
+            "backward", "all_reduce", len(entered) + len(entered_gathered) + back_count,
+            nbytes(entered) + nbytes(entered_gathered) + back_bytes,
+        ),
         CollectiveStat("forward", "reduce_scatter", len(reduce_scattered), nbytes(reduce_scattered)),
         CollectiveStat(
             "backward",

@@ -42,7 +42,10 @@ def sdpa_rule(ctx: RuleContext) -> Decision:
     shards = {t: p for t, p in placements.items() if isinstance(p, Shard)}
     if not shards:
         if mask is not None and isinstance(ctx.placement(mask), Shard):
-            raise Conflict("layout-mismatch", "attention mask sharded but q/k/v replicated", "keep the mask's producer replicated")
+            raise Conflict(
+                "layout-mismatch", "attention mask sharded but q/k/v replicated",
+                "keep the mask's producer replicated with plan={'{layer}': 'replicate'}",
+            )
         return Decision(placements[q])
     dims = {p.dim for p in shards.values()}
     first = next(iter(shards.values()))
@@ -101,8 +104,13 @@ def _want_mask(ctx: RuleContext, mask, dim: int, nd: int, q_shard: Shard, wants:
     if mask is None:
         return
     mdim = dim - (nd - ndim(mask))
-    if isinstance(ctx.placement(mask), Shard):
-        raise Conflict("layout-mismatch", "sharded attention mask", "keep the mask's producer replicated")
+    pm = ctx.placement(mask)
+    if isinstance(pm, Shard) and pm != q_shard.with_dim(mdim):  # a bias sharded by heads as q is: local
+        raise Conflict(
+            "layout-mismatch",
+            f"attention mask sharded as {pm} while the queries' heads are {q_shard.with_dim(mdim)}",
+            "keep the mask's producer replicated with plan={'{layer}': 'replicate'}",
+        )
     if mdim >= 0 and shape_of(mask)[mdim] != 1:
         wants[mask] = q_shard.with_dim(mdim)
 

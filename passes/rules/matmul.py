@@ -197,7 +197,9 @@ def embedding_rule(ctx: RuleContext) -> Decision:
     if isinstance(p, Shard) or state.demoted is not None:
         note = state.demoted or _on_other_dim("the indices are sharded")
         return Decision(p if isinstance(p, Shard) else REPLICATE, {weight: REPLICATE}, layer=note)
-    vocab = shape_of(weight)[0]
+    vocab, dim = shape_of(weight)
+    if state.columns or state.forced == "colwise":
+        return _by_columns(ctx, weight, dim)
     if vocab < ctx.world_size:
         return Decision(REPLICATE, {weight: REPLICATE}, layer=_not_divisible("num_embeddings", vocab, ctx.world_size))
     if _arg(ctx.node, 4, "sparse", False):
@@ -211,6 +213,18 @@ def embedding_rule(ctx: RuleContext) -> Decision:
         local_target=local_ops.vocab_parallel_embedding,
         layer=LayerNote("rowwise", reason),
     )
+
+
+def _by_columns(ctx: RuleContext, weight: Node, dim: int) -> Decision:
+    """NOTE: [column-sharded embedding] in ``passes/layers.py``: every rank holds a block of
+    each row and looks up its columns; the output is sharded on the last dim, no communication."""
+    if dim < ctx.world_size:
+        return Decision(REPLICATE, {weight: REPLICATE}, layer=_not_divisible("embedding_dim", dim, ctx.world_size))
+    out = Shard(len(ctx.out_shape) - 1, (dim,))
+    reason = "sharded by columns: each rank looks up its block of every row, as its consumers take the output sharded"
+    if not out.divisible(ctx.world_size):
+        reason += "; uneven: " + "/".join(str(out.local_size(ctx.world_size, r)) for r in range(ctx.world_size)) + " columns per rank"
+    return Decision(out, {weight: Shard(1, (dim,))}, layer=LayerNote("colwise", reason))
 
 
 @register_rule(aten.matmul.default, aten.bmm.default, aten.mm.default)
