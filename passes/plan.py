@@ -41,7 +41,7 @@ from passes.layers import (
     weight_placeholder,
 )
 from passes.propagate import ParamPiece, PlannerState, Propagation, param_root, propagate
-from passes.registry import Conflict, LayerNote, module_of, shape_of
+from passes.registry import Conflict, LayerNote, located, module_of, shape_of
 from passes.rules.matmul import layer_operands
 from passes.sharding_plan import LayerDecision, ShardingPlan
 
@@ -157,7 +157,9 @@ def _act_on_conflicts(res: Propagation, state: PlannerState, ws: int, param_name
         c = rej.conflict
         if not rej.culprits:
             raise FxtpError(f"internal: {c} at {rej.node.format_node()} with no layer to keep replicated; please report")
-        note = LayerNote("replicate", c.message, code=c.code, fix=c.fix, node=rej.node.format_node(), module=module_of(rej.node))
+        note = LayerNote(
+            "replicate", c.message, code=c.code, fix=located(c.fix, rej.node), node=rej.node.format_node(), module=module_of(rej.node)
+        )
         demotable = [n for n in rej.culprits if state.forced.get(n.name) is None]
         if c.code in _LAYOUT_CODES:
             for n in demotable:  # the first layout rejection explains best why no layout fits,
@@ -406,7 +408,7 @@ def _combine(requests: list[tuple[ParamPiece, Placement, Any]], name: str) -> Pl
     whole = {w for d, _, _, w in wants if d is None}
     if whole:
         if len(whole) > 1 or len(wants) > len(whole):
-            raise Conflict("tied", f"parameter {name} is wanted as {', '.join(sorted(map(str, whole)))} by different layers", "untie or replicate one use")
+            raise Conflict("tied", f"parameter {name} is wanted as {', '.join(sorted(map(str, whole)))} by different layers", "untie the weights (one nn.Parameter per use) to shard them")
         return next(iter(whole))
     dims = {d for d, _, _, _ in wants}
     pieces = sorted(wants, key=lambda t: t[1])
@@ -414,11 +416,11 @@ def _combine(requests: list[tuple[ParamPiece, Placement, Any]], name: str) -> Pl
     if len(dims) == 1 and len(shards) == 1 and next(iter(shards)).dim != next(iter(dims)):
         return next(iter(shards))  # every piece wants the same shard across the split
     if len(dims) != 1 or any(w.dim not in dims for w in shards):
-        raise Conflict("layout-mismatch", f"pieces of parameter {name} are wanted on different dims", "keep those layers replicated")
+        raise Conflict("layout-mismatch", f"pieces of parameter {name} are wanted on different dims", "none needed (those layers stay replicated); give each layer its own parameter to shard them")
     (dim,) = dims
     total = requests[0][0].placeholder.meta["val"].shape[dim]
     if len({w.unit for *_, w in pieces}) > 1:
-        raise Conflict("layout-mismatch", f"pieces of parameter {name} are split in different units", "keep those layers replicated")
+        raise Conflict("layout-mismatch", f"pieces of parameter {name} are split in different units", "none needed (those layers stay replicated); give each layer its own parameter to shard them")
     offset, segments = 0, []
     for _, off, length, want in pieces:
         if off != offset or want.size != length:
@@ -429,7 +431,7 @@ def _combine(requests: list[tuple[ParamPiece, Placement, Any]], name: str) -> Pl
         raise Conflict(
             "layout-mismatch",
             f"only part of parameter {name} (split along dim {dim}) can be sharded",
-            "keep the layers that use its pieces replicated",
+            "none needed (those layers stay replicated); give each layer its own parameter to shard them",
         )
     return Shard(dim, tuple(segments), pieces[0][3].unit)
 

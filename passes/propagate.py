@@ -28,7 +28,7 @@ import torch
 from torch.fx import Graph, Node
 
 from fxtp.core.placement import REPLICATE, Partial, Placement, Replicate, Shard, is_sharded
-from passes.registry import Conflict, Decision, LayerNote, LayerState, RuleContext, is_tensor_node, takes_uneven
+from passes.registry import GATHER_INSTEAD, Conflict, Decision, LayerNote, LayerState, RuleContext, is_tensor_node, takes_uneven
 from passes.rules._common import norm_dim, tensor_inputs
 from passes.rules.matmul import layer_weight
 from passes.rules.variants import rule_for
@@ -245,7 +245,7 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
                 raise Conflict(
                     "unsupported-op",
                     f"op {node.target} has no sharding rule and consumes a sharded value",
-                    "keep the producing layer replicated (fxtp does), or file an issue for the op",
+                    f"{GATHER_INSTEAD}; or file an issue for the op",
                 )
             _refuse_uneven(node, rule, [effective(a, node) for a in inputs], world_size)
             dec = rule(ctx)
@@ -284,7 +284,7 @@ def _refuse_uneven(node: Node, rule: Any, placements: list, world_size: int) -> 
                     "not-divisible",
                     f"{node.target} gets a shard uneven at world_size {world_size} ({q}, dim of size {q.size}) "
                     "and is not taught uneven shards",
-                    f"use a world_size that divides {q.size}, or keep the producing layer replicated",
+                    f"use a world_size that divides {q.size}",
                 )
 
 
@@ -314,7 +314,7 @@ def _apply_wants(node, dec, res, effective, origins, param_names, sharded_out: b
             res.edges[(node, inp)] = EdgeAction("slice", want, enter=_is_float(inp))
             continue
         code = "needs-gather" if isinstance(want, Replicate) else "layout-mismatch"
-        conflict = Conflict(code, f"{node.target} needs input {inp.name} as {want}, it is {cur}", "keep the producer replicated")
+        conflict = Conflict(code, f"{node.target} needs input {inp.name} as {want}, it is {cur}", GATHER_INSTEAD)
         res.reject(node, conflict, res.origins.get(inp, frozenset()), (inp,))
 
 

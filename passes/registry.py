@@ -18,6 +18,8 @@ Registering an op twice is an error (DTensor's registry silently overwrites; we 
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -28,6 +30,8 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from fxtp.core.placement import REPLICATE, Placement
 
 __all__ = [
+    "GATHER_INSTEAD",
+    "located",
     "Conflict",
     "Decision",
     "ShardStart",
@@ -114,6 +118,30 @@ class Decision:
     after_reduce: Optional[Node] = None
     layer: Optional[LayerNote] = None
     local_target: Optional[OpKey] = None
+
+
+# NOTE: [actionable fixes]
+# Every rejection's fix names something the user can do: a ``plan=`` entry, a world size, or a
+# code change at its source line. fxtp already keeps the producing layers replicated, so "keep
+# the producer replicated" is no fix; what the user can do instead is force the layer sharded,
+# and fxtp then gathers the value where the op needs it whole (``passes/plan.py``: a forced
+# culprit is not demoted, the rejected input is gathered). ``{layer}`` in a fix becomes the
+# layer's name (``passes/layers.layer_decision``), ``{line}`` the rejected op's source line
+# (:func:`located`).
+GATHER_INSTEAD = (
+    "none needed (the producing layer stays replicated); plan={'{layer}': 'colwise'} keeps it sharded "
+    "and all_gathers its output here instead"
+)
+
+
+def located(fix: str, node: Node) -> str:
+    """``fix`` with ``{line}`` replaced by ``node``'s source line (``file.py:123``, from export's
+    ``meta["stack_trace"]``), or by its module where the trace is missing."""
+    if "{line}" not in fix:
+        return fix
+    frames = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
+    where = f"{os.path.basename(frames[-1][0])}:{frames[-1][1]}" if frames else f"the call in {module_of(node) or 'the root module'}"
+    return fix.replace("{line}", where)
 
 
 class Conflict(Exception):

@@ -24,6 +24,7 @@ from fxtp.core.placement import Partial, Placement, Shard, is_sharded
 from fxtp.core.rng import is_random, sharded_call
 from passes.plan import LayerDecision, ShardingPlan, module_of
 from passes.propagate import param_root
+from passes.registry import located
 from passes.rules.matmul import layer_weight
 from passes.sequence import reduce_scatters, saving_layers
 
@@ -311,7 +312,8 @@ def notes(plan: ShardingPlan, nodes, param_names: set[str]) -> tuple[Note, ...]:
                     node.format_node(),
                     module_of(node),
                     f"{node.target.__name__} with a parameter operand fxtp does not shard (only x @ W, x @ W.T, addmm and "
-                    "linear with a 2-D parameter W on the right are layers); it stays replicated. fix: write it as F.linear(x, weight)",
+                    "linear with a 2-D parameter W on the right are layers); it stays replicated. "
+                    + located("fix: write it as F.linear(x, weight) at {line}", node),
                     (),
                 )
             )

@@ -23,7 +23,7 @@ from torch.fx import Node
 
 from fxtp.core import local_ops
 from fxtp.core.placement import Shard
-from passes.registry import Conflict, Decision, RuleContext, ShardStart, register_rule, shape_of, uneven_ok
+from passes.registry import GATHER_INSTEAD, Conflict, Decision, RuleContext, ShardStart, register_rule, shape_of, uneven_ok
 from passes.rules._common import ndim
 
 __all__: list[str] = []
@@ -44,7 +44,7 @@ def sdpa_rule(ctx: RuleContext) -> Decision:
         if mask is not None and isinstance(ctx.placement(mask), Shard):
             raise Conflict(
                 "layout-mismatch", "attention mask sharded but q/k/v replicated",
-                "keep the mask's producer replicated with plan={'{layer}': 'replicate'}",
+                GATHER_INSTEAD,
             )
         return Decision(placements[q])
     dims = {p.dim for p in shards.values()}
@@ -62,14 +62,14 @@ def sdpa_rule(ctx: RuleContext) -> Decision:
     dim = first.dim
     nseg = len(first.segments)
     if any(len(p.segments) != nseg for p in shards.values()):
-        raise Conflict("layout-mismatch", "q, k, v sharded with different segment counts", "keep the producers replicated")
+        raise Conflict("layout-mismatch", "q, k, v sharded with different segment counts", GATHER_INSTEAD)
     group = shape_of(q)[dim] // shape_of(k)[dim] if gqa and dim == nd - 3 else 1
     uneven = [p for p in shards.values() if not p.divisible(ctx.world_size)]
     if uneven and (len(shards) != 3 or len(set(shards.values())) != 1 or group != 1):
         raise Conflict(  # NOTE: [uneven shards]: q, k and v must hold the same heads
             "not-divisible",
             f"attention with heads split unevenly ({uneven[0]}) at world_size {ctx.world_size} needs q, k and v sharded alike",
-            "use a world_size that divides the head count, or keep the producers replicated",
+            f"use a world_size that divides the head count {shape_of(q)[dim] if dim == nd - 3 else ''}".rstrip(),
         )
     if group > 1 and q in shards and k not in shards and v not in shards and not _heads_divide(k, dim, nseg, ctx.world_size):
         return _gathered_kv_heads(ctx, q, placements[q], group, mask, dim, nd)
@@ -79,7 +79,7 @@ def sdpa_rule(ctx: RuleContext) -> Decision:
         raise Conflict(
             "layout-mismatch",
             f"q and k/v heads sharded in different groups (enable_gqa, {group} q heads per kv head)",
-            "keep the producers replicated",
+            GATHER_INSTEAD,
         )
     wants: dict = dict(shards)
     for t in (q, k, v):
@@ -88,7 +88,7 @@ def sdpa_rule(ctx: RuleContext) -> Decision:
             if size == 1 and not gqa:
                 continue  # broadcast over the heads (or batch): used whole
             if size % nseg or (size // nseg) % ctx.world_size:
-                raise Conflict("not-divisible", f"{size} heads of an unsharded attention input at world_size {ctx.world_size}", "keep the producers replicated")
+                raise Conflict("not-divisible", f"{size} heads of an unsharded attention input at world_size {ctx.world_size}", GATHER_INSTEAD)
             wants[t] = Shard(dim, (size // nseg,) * nseg)
     _want_mask(ctx, mask, dim, nd, placements[q] if q in shards else wants[q], wants)
     out = placements[q] if q in shards else wants[q]
@@ -109,7 +109,7 @@ def _want_mask(ctx: RuleContext, mask, dim: int, nd: int, q_shard: Shard, wants:
         raise Conflict(
             "layout-mismatch",
             f"attention mask sharded as {pm} while the queries' heads are {q_shard.with_dim(mdim)}",
-            "keep the mask's producer replicated with plan={'{layer}': 'replicate'}",
+            GATHER_INSTEAD,
         )
     if mdim >= 0 and shape_of(mask)[mdim] != 1:
         wants[mask] = q_shard.with_dim(mdim)
@@ -118,7 +118,7 @@ def _want_mask(ctx: RuleContext, mask, dim: int, nd: int, q_shard: Shard, wants:
 def _gathered_kv_heads(ctx: RuleContext, q: Node, pq: Shard, group: int, mask, dim: int, nd: int) -> Decision:
     """NOTE: [enable_gqa]: k and v whole, each rank gathers the kv heads its query heads use."""
     if len(pq.segments) != 1:
-        raise Conflict("layout-mismatch", "enable_gqa with fused query segments and whole k/v", "keep the producers replicated")
+        raise Conflict("layout-mismatch", "enable_gqa with fused query segments and whole k/v", GATHER_INSTEAD)
     wants: dict = {q: pq}
     _want_mask(ctx, mask, dim, nd, pq, wants)
     args = (ShardStart(q), group, *ctx.node.args)

@@ -57,6 +57,6 @@ def glu_rule(ctx: RuleContext) -> Decision:
         "split-crosses-shard" if ok else "not-divisible",
         f"glu halves dim {p.dim} of size {shape_of(x)[p.dim]}, which crosses the shard of segments {list(p.segments)} "
         f"at world_size {ctx.world_size}",
-        "use a world_size that divides both halves, or keep the producing layer replicated",
+        "use a world_size that divides both halves",
         refine=refined if ok else None,
     )

@@ -24,7 +24,7 @@ from torch.fx import Node
 
 from fxtp.core import local_ops
 from fxtp.core.placement import REPLICATE, Partial, Shard
-from passes.registry import Conflict, Decision, LayerNote, RuleContext, ShardStart, module_of, register_rule, shape_of, uneven_ok
+from passes.registry import GATHER_INSTEAD, Conflict, Decision, LayerNote, RuleContext, ShardStart, module_of, register_rule, shape_of, uneven_ok
 from passes.rules._common import activation_placement, ndim
 from passes.rules.experts import grouped_operands
 
@@ -104,7 +104,7 @@ def addmm_rule(ctx: RuleContext) -> Decision:
     if ops is None:  # no parameter: a matmul between activations plus a term
         b, x, w = ctx.node.args[:3]
         if any(isinstance(ctx.placement(a), Shard) for a in (b, x, w)):
-            raise Conflict("unsupported-op", "addmm of activations with a sharded operand", "keep the producer replicated")
+            raise Conflict("unsupported-op", "addmm of activations with a sharded operand", GATHER_INSTEAD)
         return Decision(REPLICATE)
     return _layer_rule(ctx, ops)
 
@@ -179,7 +179,7 @@ def _not_divisible(what: str, size: int, ws: int) -> LayerNote:
         "replicate",
         f"{what} {size} is smaller than world_size {ws}: a rank would hold nothing",
         code="not-divisible",
-        fix="none needed: too small to shard",
+        fix=f"none needed (too small to shard); a world_size of at most {size} shards it",
     )
 
 
@@ -240,7 +240,7 @@ def matmul_rule(ctx: RuleContext) -> Decision:
     na, nb, nout = ndim(a), ndim(b), len(ctx.out_shape)
     if na < 2 or nb < 2:
         if isinstance(pa, Shard) or isinstance(pb, Shard):
-            raise Conflict("unsupported-op", "matmul with a 1-D sharded operand", "keep the producer replicated")
+            raise Conflict("unsupported-op", "matmul with a 1-D sharded operand", GATHER_INSTEAD)
         return Decision(REPLICATE)
     # Map each operand dim to an output dim (None for the contraction dim).
     amap = {d: d + nout - na for d in range(na - 1)}
@@ -249,15 +249,15 @@ def matmul_rule(ctx: RuleContext) -> Decision:
     if isinstance(pa, Shard) and pa.dim == na - 1 or isinstance(pb, Shard) and pb.dim == nb - 2:
         # A Partial product would need an all_reduce of activations (e.g. attention scores):
         # dearer than keeping the producers replicated.
-        raise Conflict("contracts-sharded-dim", "matmul contracts over the sharded dim", "keep the producing layers replicated")
+        raise Conflict("contracts-sharded-dim", "matmul contracts over the sharded dim", GATHER_INSTEAD)
     out = None
     for p, dmap in ((pa, amap), (pb, bmap)):
         if isinstance(p, Shard):
             if p.dim not in dmap:
-                raise Conflict("layout-mismatch", "matmul contracts over a dim sharded on one side only", "keep the producer replicated")
+                raise Conflict("layout-mismatch", "matmul contracts over a dim sharded on one side only", GATHER_INSTEAD)
             cand = p.with_dim(dmap[p.dim])
             if out is not None and cand != out:
-                raise Conflict("layout-mismatch", f"matmul operands sharded as {out} and {cand}", "keep one producer replicated")
+                raise Conflict("layout-mismatch", f"matmul operands sharded as {out} and {cand}", GATHER_INSTEAD)
             out = cand
     if out is None:
         return Decision(REPLICATE)

@@ -113,7 +113,7 @@ def _partial_sum(ctx: RuleContext, x: Node, p: Shard, dims: list[int], keepdim: 
         raise Conflict(
             "reduces-sharded-dim",
             f"{target.__name__} over the sharded dim {p.dim} and a dynamic dim: the count it divides by changes with the input",
-            f"compile with dynamic=False, or take the mean over dim {p.dim} alone at {module_of(ctx.node) or 'the root module'}",
+            f"compile with dynamic=False, or take the mean over dim {p.dim} alone at {{line}}",
         )
     count = math.prod(shape_of(x)[d] for d in dims)
     return Decision(Partial(), {x: p}, local_args=(x, dims, keepdim, count), local_target=norms.mean_of_shard)
@@ -149,7 +149,7 @@ def cross_entropy_rule(ctx: RuleContext) -> Decision:
             "reduces-sharded-dim",
             f"cross_entropy over sharded classes is vocab-parallel for (N, C) logits and (N,) class ids only; these "
             f"logits are {list(shape_of(logits))}, sharded as {p}",
-            f"flatten the logits to (N, C) and the targets to (N,) before the loss at {module_of(ctx.node) or 'the root module'} "
+            "flatten the logits to (N, C) and the targets to (N,) before the loss at {line} "
             "(logits.flatten(0, -2), as Hugging Face's losses do)",
         )
     weight = given.get("weight")

@@ -12,7 +12,7 @@ import operator
 import torch
 
 from fxtp.core.placement import REPLICATE, Placement, Shard
-from passes.registry import Conflict, Decision, RuleContext, module_of, register_rule, shape_of, uneven_ok
+from passes.registry import GATHER_INSTEAD, Conflict, Decision, RuleContext, register_rule, shape_of, uneven_ok
 from passes.rules._common import activation_placement, ndim, norm_dim, tensor_inputs
 
 __all__ = ["broadcast_rule", "SAME_ON_EVERY_RANK"]
@@ -67,7 +67,7 @@ def broadcast_rule(ctx: RuleContext) -> Decision:
             raise Conflict(
                 "layout-mismatch",
                 f"operands of {ctx.node.target} are sharded differently ({out} vs {aligned})",
-                "keep one of the producing layers replicated with plan={fqn: 'replicate'}",
+                GATHER_INSTEAD,
             )
     if out is None:
         return Decision(REPLICATE)
@@ -131,8 +131,7 @@ def getattr_rule(ctx: RuleContext) -> Decision:
     raise Conflict(
         "unsupported-op",
         f"getattr(x, {name!r}) of a sharded tensor may read the rank's shard, not the whole tensor",
-        f"read .{name} of a replicated value at {module_of(ctx.node) or 'the root module'} "
-        "(e.g. before the projection)",
+        f"read .{name} of a replicated value (e.g. before the projection) at {{line}}",
     )
 
 

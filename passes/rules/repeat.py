@@ -13,7 +13,7 @@ import torch
 
 from fxtp.core import local_ops
 from fxtp.core.placement import REPLICATE, Shard
-from passes.registry import Conflict, Decision, RuleContext, register_rule
+from passes.registry import GATHER_INSTEAD, Conflict, Decision, RuleContext, register_rule
 from passes.rules._common import ndim, norm_dim
 
 __all__: list[str] = []
@@ -30,7 +30,7 @@ def repeat_interleave_rule(ctx: RuleContext) -> Decision:
     if not isinstance(p, Shard):
         return Decision(REPLICATE)
     if dim is None:
-        raise Conflict("view-crosses-shard", "repeat_interleave without dim flattens the sharded input", "keep the producing layer replicated")
+        raise Conflict("view-crosses-shard", "repeat_interleave without dim flattens the sharded input", GATHER_INSTEAD)
     if norm_dim(dim, ndim(x)) != p.dim:
         return Decision(p)
     out = Shard(p.dim, tuple(s * repeats for s in p.segments))

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from fxtp.core.placement import REPLICATE, Shard
-from passes.registry import Conflict, Decision, LocalSize, RuleContext, register_rule, shape_of, uneven_ok
+from passes.registry import GATHER_INSTEAD, Conflict, Decision, LocalSize, RuleContext, register_rule, shape_of, uneven_ok
 from passes.rules._common import activation_placement, local_size, local_sizes, ndim, norm_dim
 
 __all__ = ["view_placement", "group_dims"]
@@ -83,7 +83,7 @@ def view_placement(shard: Shard, in_shape: tuple[int, ...], out_shape: tuple[int
         raise Conflict(
             "view-crosses-shard",
             f"view {list(in_shape)} -> {list(out_shape)} regroups a dim with unequal segments {list(shard.segments)}",
-            "keep the producing layer replicated",
+            GATHER_INSTEAD,
         )
     inner = math.prod(in_shape[i] for i in ins if i > shard.dim)
     rank_stride = (s // ws) * inner
@@ -105,7 +105,7 @@ def view_placement(shard: Shard, in_shape: tuple[int, ...], out_shape: tuple[int
         code,
         f"view {list(in_shape)} -> {list(out_shape)} would split output dim {o} of size {n} "
         f"(e.g. a head count) across world_size {ws} inside its elements",
-        f"use a world_size that divides {n}, or keep the producing layer replicated",
+        f"use a world_size that divides {n}",
         refine=_refine_for_view(shard, in_shape, out_shape, group, ws),
         unit=_head_unit(shard, out_shape, big_in, big_out, ws),
     )
@@ -146,7 +146,7 @@ def _uneven_view(shard: Shard, in_shape, out_shape, big_in: list[int], big_out: 
         "not-divisible",
         f"view {list(in_shape)} -> {list(out_shape)} regroups a dim sharded unevenly ({shard}, size {shard.size}) "
         f"at world_size {ws}",
-        f"use a world_size that divides {shard.size}, or keep the producing layer replicated",
+        f"use a world_size that divides {shard.size}",
         unit=_head_unit(shard, out_shape, big_in, big_out, ws),
     )
 
@@ -275,7 +275,7 @@ def select_rule(ctx: RuleContext) -> Decision:
         return Decision(REPLICATE)
     dim = norm_dim(dim, ndim(x))
     if dim == p.dim:
-        raise Conflict("indexes-sharded-dim", f"select on the sharded dim {dim}", "keep the producing layer replicated")
+        raise Conflict("indexes-sharded-dim", f"select on the sharded dim {dim}", GATHER_INSTEAD)
     return Decision(p.with_dim(p.dim - (dim < p.dim)))
 
 
@@ -288,7 +288,7 @@ def slice_rule(ctx: RuleContext) -> Decision:
         return Decision(REPLICATE)
     dim = norm_dim(ctx.node.args[1] if len(ctx.node.args) > 1 else 0, ndim(x))
     if dim == p.dim and shape_of(x)[dim] != ctx.out_shape[dim]:
-        raise Conflict("indexes-sharded-dim", f"slice of the sharded dim {dim}", "keep the producing layer replicated")
+        raise Conflict("indexes-sharded-dim", f"slice of the sharded dim {dim}", GATHER_INSTEAD)
     return Decision(p)
 
 
@@ -332,7 +332,7 @@ def _split_pieces(shard: Shard, sizes: list[int], ws: int) -> list[Shard]:
     raise Conflict(
         "split-crosses-shard" if ok else "not-divisible",
         f"split sizes {sizes} cross the shard boundaries of segments {list(shard.segments)} at world_size {ws}",
-        "use a world_size that divides every split size, or keep the producing layer replicated",
+        "use a world_size that divides every split size",
         refine=refined if ok else None,
     )
 
@@ -358,12 +358,12 @@ def split_rule(ctx: RuleContext) -> Decision:
         raise Conflict(
             "not-divisible",
             f"split into {sizes} of a dim sharded unevenly at world_size {ctx.world_size} into pieces of different layouts",
-            "keep the producing layer replicated",
+            GATHER_INSTEAD,
         )
     if ctx.node.target is aten.split_with_sizes.default:
         return Decision(tuple(pieces), local_args=(x, local, *ctx.node.args[2:]))
     if not uneven and (len(set(local[:-1])) > 1 or local[-1] > local[0]):
-        raise Conflict("split-crosses-shard", f"split into {sizes} has no equal local split", "keep the producing layer replicated")
+        raise Conflict("split-crosses-shard", f"split into {sizes} has no equal local split", GATHER_INSTEAD)
     if ctx.node.target is aten.split.Tensor:
         return Decision(tuple(pieces), local_args=(x, local[0], *ctx.node.args[2:]))
     return Decision(tuple(pieces))  # chunk: the count is unchanged
@@ -379,7 +379,7 @@ def unbind_rule(ctx: RuleContext) -> Decision:
         return Decision((REPLICATE,) * n)
     dim = norm_dim(ctx.node.args[1] if len(ctx.node.args) > 1 else 0, ndim(x))
     if dim == p.dim:
-        raise Conflict("indexes-sharded-dim", f"unbind of the sharded dim {dim}", "keep the producing layer replicated")
+        raise Conflict("indexes-sharded-dim", f"unbind of the sharded dim {dim}", GATHER_INSTEAD)
     return Decision((p.with_dim(p.dim - (dim < p.dim)),) * n)
 
 
@@ -394,13 +394,13 @@ def cat_rule(ctx: RuleContext) -> Decision:
     if not shards:
         return Decision(REPLICATE)
     if any(p.dim != shards[0].dim for p in shards):
-        raise Conflict("layout-mismatch", "cat of tensors sharded on different dims", "keep one producer replicated")
+        raise Conflict("layout-mismatch", "cat of tensors sharded on different dims", GATHER_INSTEAD)
     if shards[0].dim == dim:
         if len(shards) != len(tensors):
-            raise Conflict("layout-mismatch", "cat along the sharded dim of sharded and replicated tensors", "keep the producers replicated")
+            raise Conflict("layout-mismatch", "cat along the sharded dim of sharded and replicated tensors", GATHER_INSTEAD)
         if len({p.unit for p in shards}) > 1:
-            raise Conflict("layout-mismatch", "cat along the sharded dim of shards split in different units", "keep the producers replicated")
+            raise Conflict("layout-mismatch", "cat along the sharded dim of shards split in different units", GATHER_INSTEAD)
         return Decision(Shard(dim, tuple(s for p in shards for s in p.segments), shards[0].unit), dict(zip(tensors, shards)))
     if any(p != shards[0] for p in shards):
-        raise Conflict("layout-mismatch", "cat of tensors sharded differently", "keep one producer replicated")
+        raise Conflict("layout-mismatch", "cat of tensors sharded differently", GATHER_INSTEAD)
     return Decision(shards[0], {t: shards[0] for t in tensors})
