@@ -3,7 +3,8 @@ vocab-parallel cross entropy's options and relative-position tables sharded by h
 
 Published configs are analyzed on ``meta`` at world_size 8; tiny versions run on real gloo ranks
 at world sizes 2, 3 and 4 (3 and 4 split the 4 heads and the 131-row vocabulary unevenly), each
-against the single-device model: outputs, every gradient, 3 SGD steps (``compare_training``).
+against the single-device model: outputs, every gradient, 3 SGD steps (``compare_training``);
+one block each (the counts are per block).
 """
 
 from __future__ import annotations
@@ -64,20 +65,24 @@ def test_published_configs_at_world_size_8():
     assert _count(bert, "forward")[0] == megatron_floor(bert, 2)[0]["all_reduce"]
 
 
-class _Loss(nn.Module):
-    """``cross_entropy(head(x), labels, **options)`` with 11 classes (uneven at 2, 3, 4); a
-    ``weight`` option becomes a buffer of class weights."""
+class _Losses(nn.Module):
+    """One head of 11 classes (uneven at 2, 3, 4) into the ``cross_entropy`` variants of
+    :data:`_LOSSES`, one loss each; ``weighted`` ones use a buffer of class weights."""
 
-    def __init__(self, **options) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.head = nn.Linear(16, 11)
-        self.options = options
-        if options.pop("weighted", False):
-            self.register_buffer("class_weight", torch.rand(11) + 0.5)
+        self.register_buffer("class_weight", torch.rand(11) + 0.5)
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        weight = getattr(self, "class_weight", None)
-        return F.cross_entropy(self.head(x), labels, weight=weight, **self.options)
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = self.head(x)
+        losses = []
+        for options in _LOSSES.values():
+            options = dict(options)
+            weight = self.class_weight if options.pop("weighted", False) else None
+            losses.append(F.cross_entropy(logits, labels.masked_fill(labels == 0, options.get("ignore_index", -100)),
+                                          weight=weight, **options))
+        return tuple(losses)
 
 
 _LOSSES = {
@@ -89,15 +94,15 @@ _LOSSES = {
 }
 
 
-def _loss_case(options: dict):
+def _losses():
     torch.manual_seed(0)
     labels = torch.randint(0, 11, (8,))
-    labels[0] = options.get("ignore_index", -100)  # one ignored target in every variant
-    return _Loss(**options), (torch.randn(8, 16), labels)
+    labels[:2] = 0  # ignored in every variant (class 0 becomes its ignore_index)
+    return _Losses(), (torch.randn(8, 16), labels)
 
 
 def _olmo2():
-    config = transformers.Olmo2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = transformers.Olmo2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
                                       use_cache=False, pad_token_id=None, eos_token_id=None, bos_token_id=None)
     torch.manual_seed(0)
@@ -109,7 +114,7 @@ class _T5(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        config = transformers.T5Config(vocab_size=128, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16,
+        config = transformers.T5Config(vocab_size=128, d_model=64, d_ff=128, num_layers=1, num_heads=4, d_kv=16,
                                        dropout_rate=0.0, use_cache=False)
         self.t5 = transformers.T5Model(config).eval()
 
@@ -123,7 +128,7 @@ def _t5():
 
 
 def _bert_uneven_vocab():
-    model, (ids,) = examples.bert(vocab_size=131)
+    model, (ids,) = examples.bert(vocab_size=131, num_hidden_layers=1)
     return model, (ids[:, :SEQ],)
 
 
@@ -134,12 +139,16 @@ def _summary(result: dict) -> dict:
 
 
 def _exact_everywhere() -> dict:
-    """Every model of this file against the single device on this rank (one ``pool.run``)."""
-    out = {name: _summary(compare_training(*_loss_case(options))) for name, options in _LOSSES.items()}
-    out["olmo2"] = _summary(compare_training(*_olmo2()))
-    out["olmo2-sp"] = _summary(compare_training(*_olmo2(), sequence_parallel=True))
-    out["bert"] = _summary(compare_training(*_bert_uneven_vocab()))
-    out["t5"] = _summary(compare_training(*_t5()))
+    """Every model of this file against the single device on this rank (one ``pool.run``);
+    sequence parallelism (OLMo-2's norm statistics stay all_reduces) at world_size 2 only.
+    Static shapes (``dynamic=False``): a dynamic capture of these models costs minutes here and
+    is not what these tests are about."""
+    static = {"dynamic": False}
+    out = {"losses": _summary(compare_training(*_losses())), "olmo2": _summary(compare_training(*_olmo2(), **static))}
+    if torch.distributed.get_world_size() == 2:
+        out["olmo2-sp"] = _summary(compare_training(*_olmo2(), sequence_parallel=True, **static))
+    out["bert"] = _summary(compare_training(*_bert_uneven_vocab(), **static))
+    out["t5"] = _summary(compare_training(*_t5(), **static))
     return out
 
 
@@ -152,22 +161,23 @@ def test_exact_on_ranks(pool3):
     ws = pool3.world_size
     results = pool3.run(_exact_everywhere)
     r = results[0]
-    for name in _LOSSES:  # vocab-parallel: the head stays colwise, 3 all_reduce, no logits gather
-        assert r[name]["styles"] == {"head": "colwise"} and r[name]["forward"] == {"all_reduce": 3}, name
+    # vocab-parallel: the head stays colwise, 3 all_reduce per loss, no logits gather
+    assert r["losses"]["styles"] == {"head": "colwise"} and r["losses"]["forward"] == {"all_reduce": 3 * len(_LOSSES)}
     olmo = r["olmo2"]
     assert all(style == "colwise" for name, style in olmo["styles"].items() if name.endswith(("q_proj", "k_proj")))
-    floor_fwd, floor_bwd = megatron_floor(olmo["report"], 2)
-    assert olmo["forward"] == {**floor_fwd, "all_reduce": floor_fwd["all_reduce"] + 4}  # + q_norm, k_norm per block
-    assert olmo["backward"] == {"all_reduce": floor_bwd["all_reduce"] + 4}
-    assert r["olmo2-sp"]["styles"] == olmo["styles"]
+    floor_fwd, floor_bwd = megatron_floor(olmo["report"], 1)
+    assert olmo["forward"] == {**floor_fwd, "all_reduce": floor_fwd["all_reduce"] + 2}  # + q_norm, k_norm
+    assert olmo["backward"] == {"all_reduce": floor_bwd["all_reduce"] + 2}
+    if ws == 2:
+        assert r["olmo2-sp"]["styles"] == olmo["styles"]
     bert = r["bert"]
     assert bert["styles"]["embeddings.word_embeddings"] == "rowwise"
     rows = [131 // ws + (rank < 131 % ws) for rank in range(ws)]
     assert [result["bert"]["shapes"]["embeddings.word_embeddings.weight"] for result in results] == [(n, 64) for n in rows]
-    assert (bert["forward"], bert["backward"]) == megatron_floor(bert["report"], 2)
+    assert (bert["forward"], bert["backward"]) == megatron_floor(bert["report"], 1)
     t5 = r["t5"]
     bias = [name for name in t5["styles"] if name.endswith("relative_attention_bias")]
     assert len(bias) == 2 and all(t5["styles"][name] == "colwise" for name in bias)  # by heads, no all_reduce
     heads = [4 // ws + (rank < 4 % ws) for rank in range(ws)]
     assert [result["t5"]["shapes"][bias[0] + ".weight"] for result in results] == [(32, n) for n in heads]
-    assert t5["forward"] == {"all_reduce": 2 + 2 * 2 + 3 * 2}  # 2 lookups, encoder 2 per block, decoder 3
+    assert t5["forward"] == {"all_reduce": 2 + 2 + 3}  # 2 lookups, 2 in the encoder block, 3 in the decoder's
