@@ -179,7 +179,7 @@ def _not_divisible(what: str, size: int, ws: int) -> LayerNote:
         "replicate",
         f"{what} {size} is smaller than world_size {ws}: a rank would hold nothing",
         code="not-divisible",
-        fix=f"none needed (too small to shard); a world_size of at most {size} shards it",
+        fix="none needed (too small to shard)" + (f"; a world_size of at most {size} shards it" if size > 1 else ""),
     )
 
 
