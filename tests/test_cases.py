@@ -162,19 +162,17 @@ def test_case08_vocab_not_divisible_tracks_loss_for_20_steps(pool):
 
 
 def test_case09_norms(pool):
-    """A and C norm over up's sharded features: a distributed norm (NOTE: [distributed norm]), up
-    colwise and down rowwise, one all_reduce of the (B, T, 1) (A: (B, T, 2)) statistics each way
-    besides down's. (Before: up replicated; now its weight is sharded for 1/32 more bytes moved.)
-    B normalizes per head: local, no collective."""
+    """A and C normalize up's sharded features straight into down: a distributed norm would make
+    down rowwise on top of the norm's all_reduce, so up stays replicated and down is colwise
+    (NOTE: [norm into a layer]); B normalizes per head: local, no collective."""
     (a, *_) = pool.run(_train, "9a-layernorm")
-    assert _styles(a) == {"up": ("colwise", None), "down": ("rowwise", None)}
-    assert a["forward"] == {"all_reduce": 2} and a["backward"] == {"all_reduce": 1}  # x needs no gradient
+    assert _styles(a)["up"] == ("replicate", "reduces-sharded-dim")
+    assert "NOTE: [norm into a layer]" in _layers(a)["up"]["reason"]
     (b, *_) = pool.run(_train, "9b-per-head-rmsnorm")
     assert _styles(b) == {"up": ("colwise", None), "down": ("rowwise", None)}
     assert b["forward"] == {"all_reduce": 1}  # the per-head norm stays local
     (c, *_) = pool.run(_train, "9c-rmsnorm-then-heads")
-    assert _styles(c) == {"up": ("colwise", None), "down": ("rowwise", None)}
-    assert c["forward"] == {"all_reduce": 2} and c["backward"] == {"all_reduce": 1}
+    assert _styles(c)["up"] == ("replicate", "reduces-sharded-dim")
 
 
 def _dropout_train_mode():

@@ -17,8 +17,10 @@ from torch.fx import Node
 
 from fxtp.core import losses, norms
 from fxtp.core.placement import REPLICATE, Partial, Shard
-from passes.registry import Conflict, Decision, GroupName, RuleContext, ShardStart, module_of, register_rule, shape_of, uneven_ok
+from passes.registry import GATHER_INSTEAD, Conflict, Decision, GroupName, RuleContext, ShardStart, module_of, register_rule, shape_of, uneven_ok
 from passes.rules._common import local_size, local_sizes, ndim, norm_dim
+from passes.rules.matmul import layer_operands
+from passes.rules.pointwise import POINTWISE_OPS
 
 __all__: list[str] = []
 
@@ -31,6 +33,52 @@ def _reduces(ctx: RuleContext, what: str, dim: int) -> Conflict:
         f"{what} reduces over dim {dim}, which is sharded",
         f"none needed (the producing layer stays replicated); plan={{'{{layer}}': 'colwise'}} shards it and "
         f"all_gathers its output before the {what} at {module_of(ctx.node) or 'the root module'}",
+    )
+
+
+# Ops through which normalized features reach their consumer unchanged in layout (NOTE: [norm
+# into a layer]): elementwise ops and views.
+_PASS_THROUGH = frozenset(POINTWISE_OPS) | {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.clone.default, aten.contiguous.default,
+}
+
+# NOTE: [norm into a layer]
+# A distributed norm keeps the producing layer colwise. Where the normalized features go
+# straight into another layer (through elementwise ops and views: Linear -> LayerNorm -> Linear,
+# an MLA latent's kv_a -> RMSNorm -> kv_b), that layer would become rowwise: its all_reduce
+# would come on top of the norm's, where keeping the producer replicated lets that layer be
+# colwise with no collective at all (Megatron-LM's norms run on replicated values before a
+# colwise layer). So the norm is refused there and the producer stays replicated. Where the
+# features go on to a head view and attention (OLMo-2's q/k norm), no layer is gained by
+# replicating the producer, and the norm is distributed.
+
+
+def _layer_fed(ctx: RuleContext, start: Node) -> "Node | None":
+    """The first layer whose input ``start``'s values reach through elementwise ops and views
+    (NOTE: [norm into a layer]), or ``None``."""
+    frontier, seen = [start], {start}
+    for _ in range(8):
+        nxt = []
+        for node in frontier:
+            for user in node.users:
+                ops = layer_operands(user, ctx.is_param)
+                if ops is not None and ops.x is node:
+                    return user
+                if user.op == "call_function" and user.target in _PASS_THROUGH and user not in seen:
+                    seen.add(user)
+                    nxt.append(user)
+        frontier = nxt
+    return None
+
+
+def _into_layer(ctx: RuleContext, what: str, dim: int, layer: Node) -> Conflict:
+    return Conflict(
+        "reduces-sharded-dim",
+        f"{what} over the sharded dim {dim} feeds the layer {module_of(layer) or layer.name}: a distributed norm would make "
+        "that layer rowwise, its all_reduce on top of the norm's; with this layer replicated it is colwise, with none "
+        "(NOTE: [norm into a layer])",
+        GATHER_INSTEAD,
     )
 
 
@@ -52,6 +100,9 @@ def norm_rule(ctx: RuleContext) -> Decision:
     first = ndim(x) - len(normalized_shape)
     if p.dim < first:
         return Decision(p)
+    layer = _layer_fed(ctx, ctx.node)
+    if layer is not None:
+        raise _into_layer(ctx, ctx.node.target.__name__, p.dim, layer)
     rms = ctx.node.target is aten.rms_norm.default
     names = ("weight", "eps") if rms else ("weight", "bias", "eps")
     given = dict(zip(names, ctx.node.args[2:]), **ctx.node.kwargs)
@@ -107,6 +158,9 @@ def _partial_sum(ctx: RuleContext, x: Node, p: Shard, dims: list[int], keepdim: 
     sums = (aten.sum.dim_IntList, aten.sum.default)
     if target not in means + sums or not ctx.node.meta["val"].is_floating_point():
         raise _reduces(ctx, str(target.__name__), p.dim)
+    layer = _layer_fed(ctx, ctx.node)
+    if layer is not None:
+        raise _into_layer(ctx, target.__name__, p.dim, layer)
     if target in sums:
         return Decision(Partial(), {x: p})
     if not _static(x, dims):
