@@ -134,12 +134,16 @@ GATHER_INSTEAD = (
 )
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
 def located(fix: str, node: Node) -> str:
     """``fix`` with ``{line}`` replaced by ``node``'s source line (``file.py:123``, from export's
     ``meta["stack_trace"]``), or by its module where the trace is missing."""
     if "{line}" not in fix:
         return fix
     frames = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
+    frames = [(path, line) for path, line in frames if not path.startswith(_TORCH_DIR)]  # the model's, not torch's
     where = f"{os.path.basename(frames[-1][0])}:{frames[-1][1]}" if frames else f"the call in {module_of(node) or 'the root module'}"
     return fix.replace("{line}", where)
 

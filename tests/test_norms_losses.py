@@ -181,3 +181,29 @@ def test_exact_on_ranks(pool3):
     heads = [4 // ws + (rank < 4 % ws) for rank in range(ws)]
     assert [result["t5"]["shapes"][bias[0] + ".weight"] for result in results] == [(32, n) for n in heads]
     assert t5["forward"] == {"all_reduce": 2 + 2 + 3}  # 2 lookups, 2 in the encoder block, 3 in the decoder's
+
+
+class _LossOverPositions(nn.Module):
+    """``cross_entropy`` on ``(N, C, d)`` logits: not vocab-parallel (the rejection's fix names the line)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 11)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(x).transpose(1, 2), labels)
+
+
+def test_every_fix_names_something_to_do():
+    """NOTE: [actionable fixes]: no fix says "keep the producer replicated" (fxtp does that
+    itself); a code change names its source line."""
+    import pathlib
+    import re
+
+    sources = pathlib.Path(fxtp.__file__).parents[1].joinpath("passes").rglob("*.py")
+    vague = [(p.name, m) for p in sources for m in re.findall(r'"keep (?:the|one|those)[^"]*replicated[^"]*"', p.read_text())]
+    assert not vague, vague
+    report = fxtp.analyze(_LossOverPositions(), 2, (torch.randn(2, 4, 16), torch.randint(0, 11, (2, 4))))
+    (head,) = report.layers
+    assert (head.style, head.code) == ("replicate", "reduces-sharded-dim")
+    assert "flatten the logits" in head.fix and "test_norms_losses.py:" in head.fix, head.fix
