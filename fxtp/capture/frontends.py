@@ -94,7 +94,8 @@ def _fx(model: nn.Module, args: tuple, kwargs: dict, shapes: Any) -> tuple[torch
     with recording_checkpoints(symbolic=True):  # NOTE: [checkpoint regions at capture]
         tracer = torch.fx.Tracer()
         tracer.record_stack_traces = True  # the model's source lines reach the fixes (NOTE: [actionable fixes])
-        traced = torch.fx.GraphModule(tracer.root, tracer.trace(model), type(model).__name__)
+        graph = tracer.trace(model)
+        traced = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
     return _export_with(traced, args, kwargs, shapes, strict=False)
 
 
