@@ -31,6 +31,7 @@ from fxtp.core.placement import REPLICATE, Placement
 
 __all__ = [
     "GATHER_INSTEAD",
+    "WHOLE_KV_HEADS",
     "located",
     "Conflict",
     "Decision",
@@ -38,6 +39,8 @@ __all__ = [
     "LocalSize",
     "uneven_ok",
     "takes_uneven",
+    "overlap_ok",
+    "takes_overlap",
     "GroupName",
     "LayerNote",
     "LayerState",
@@ -48,6 +51,8 @@ __all__ = [
     "registered_ops",
     "is_tensor_node",
     "shape_of",
+    "module_of",
+    "source_line",
 ]
 
 # An op, or the qualified name of an op from an optional library (``"transformers::grouped_mm_fallback"``),
@@ -134,18 +139,19 @@ GATHER_INSTEAD = (
 )
 
 
+# A grouped shard's rejection (NOTE: [grouped shards] in fxtp/core/placement.py): with kv heads
+# that divide the world size, no rank shares one.
+WHOLE_KV_HEADS = "none needed (the kv projections stay replicated); a world_size that divides the kv head count shards them"
+
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 def located(fix: str, node: Node) -> str:
-    """``fix`` with ``{line}`` replaced by ``node``'s source line (``file.py:123``, from export's
-    ``meta["stack_trace"]``), or by its module where the trace is missing."""
+    """``fix`` with ``{line}`` replaced by ``node``'s :func:`source_line`, or by its module
+    where the capture recorded no trace."""
     if "{line}" not in fix:
         return fix
-    frames = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
-    frames = [(path, line) for path, line in frames if not path.startswith(_TORCH_DIR)]  # the model's, not torch's
-    where = f"{os.path.basename(frames[-1][0])}:{frames[-1][1]}" if frames else f"the call in {module_of(node) or 'the root module'}"
-    return fix.replace("{line}", where)
+    return fix.replace("{line}", source_line(node) or f"the call in {module_of(node) or 'the root module'}")
 
 
 class Conflict(Exception):
@@ -163,6 +169,8 @@ class Conflict(Exception):
         unit: a split granularity (NOTE: [uneven shards]) for the producing layers' output
             that would make the rule succeed: the head size where a view splits heads that do
             not divide the world size.
+        unit_segments: the segments under which ``unit`` applies (default: the layer's current
+            ones): an uneven layout, where ``refine`` proposes even ones.
     """
 
     def __init__(
@@ -175,6 +183,7 @@ class Conflict(Exception):
         culprits: Optional[Sequence[Node]] = None,
         blame: Optional[Sequence[Node]] = None,
         unit: Optional[int] = None,
+        unit_segments: Optional[tuple[int, ...]] = None,
     ) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
@@ -184,6 +193,7 @@ class Conflict(Exception):
         self.culprits = tuple(culprits) if culprits is not None else None
         self.blame = tuple(blame) if blame is not None else None
         self.unit = unit
+        self.unit_segments = unit_segments
 
 
 class RuleContext:
@@ -234,6 +244,7 @@ class LayerState:
     slice_input: bool = False  # rowwise on a replicated input sliced locally, NOTE: [rowwise fallback]
     whole_input: Optional[LayerNote] = None  # why its input must arrive replicated, NOTE: [tied uses]
     unit: int = 1  # split granularity of its output (whole heads), NOTE: [uneven shards]
+    group: int = 1  # its output holds kv heads read in groups of this many query heads, NOTE: [grouped shards]
     columns: bool = False  # a table sharded by columns, NOTE: [column-sharded embedding]
 
 
@@ -270,6 +281,21 @@ def takes_uneven(rule: Optional[Rule]) -> bool:
     return bool(getattr(rule, "fxtp_uneven", False))
 
 
+def overlap_ok(fn: Rule) -> Rule:
+    """Mark ``fn`` (already ``uneven_ok``) as handling grouped shards, whose units several ranks
+    hold (NOTE: [grouped shards] in ``fxtp/core/placement.py``): it keeps ``Shard.groups`` on
+    its output, or turns the kv units into the query heads that read them, and never sums over
+    the grouped dim (the holders would count a unit twice). The planner refuses a grouped shard
+    to any other rule (``not-divisible``)."""
+    assert takes_uneven(fn), f"{fn.__name__}: mark it uneven_ok first"
+    fn.fxtp_overlap = True  # type: ignore[attr-defined]
+    return fn
+
+
+def takes_overlap(rule: Optional[Rule]) -> bool:
+    return bool(getattr(rule, "fxtp_overlap", False))
+
+
 def get_rule(op: OpKey) -> Optional[Rule]:
     """The rule of ``op``: registered for the op itself, or for its qualified name
     (``OpOverload.name()``, e.g. ``"transformers::grouped_mm_fallback"`` for its default overload)."""
@@ -294,6 +320,18 @@ def module_of(node: Node) -> str:
         return ""
     path = list(stack.values())[-1][0]
     return str(path)
+
+
+def source_line(node: Node) -> str:
+    """The user's source line that made ``node``, as ``file.py:LINE `code` `` (the innermost frame
+    of export's ``meta["stack_trace"]`` outside torch: the model's call of ``nn.Linear``, not
+    ``F.linear`` in torch), or ``""`` when the capture recorded none."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n[ \t]*([^\n]*)', node.meta.get("stack_trace") or "")
+    frames = [frame for frame in frames if not frame[0].startswith(_TORCH_DIR)]
+    if not frames:
+        return ""
+    path, line, code = frames[-1]
+    return f"{os.path.basename(path)}:{line} `{code.strip()}`"
 
 
 def shape_of(node: Node) -> tuple[int, ...]:

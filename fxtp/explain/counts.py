@@ -117,6 +117,9 @@ def collectives(program: ExportedProgram, plan: ShardingPlan, nodes: dict[str, A
     scattered_back = {p for p, summed in sp_gathered if summed and p in needs_grad}
     sliced_in = {p for (_, p), a in plan.edges.items() if a.kind == "sp_scatter" and a.enter and p in needs_grad}
     regathered = regathered_values(program, plan, nodes)
+    # NOTE: [grouped shards]: copy_to_holders all_reduces a grouped parameter's gradient at its global size
+    held = [[p for p in names if p in needs_grad] for names in plan.holders]
+    held = [names for names in held if names]
     # Emitted ops that all_reduce themselves: a vocab-parallel loss, a norm over a sharded dim.
     inside = [
         (plan.local_args.get(name, ()), local_ops.EMITTED_COLLECTIVES[target])
@@ -133,8 +136,8 @@ def collectives(program: ExportedProgram, plan: ShardingPlan, nodes: dict[str, A
         CollectiveStat("forward", "all_reduce", len(reduces) + inside_count, nbytes(reduces) + inside_bytes),
         CollectiveStat("forward", "all_gather", len(tp_gathered) + len(sp_gathered), nbytes(tp_gathered) + nbytes(p for p, _ in sp_gathered)),
         CollectiveStat(
-            "backward", "all_reduce", len(entered) + len(entered_gathered) + back_count,
-            nbytes(entered) + nbytes(entered_gathered) + back_bytes,
+            "backward", "all_reduce", len(entered) + len(entered_gathered) + len(held) + back_count,
+            nbytes(entered) + nbytes(entered_gathered) + sum(nbytes(names) for names in held) + back_bytes,
         ),
         CollectiveStat("forward", "reduce_scatter", len(reduce_scattered), nbytes(reduce_scattered)),
         CollectiveStat(

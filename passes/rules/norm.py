@@ -17,7 +17,19 @@ from torch.fx import Node
 
 from fxtp.core import losses, norms
 from fxtp.core.placement import REPLICATE, Partial, Shard
-from passes.registry import GATHER_INSTEAD, Conflict, Decision, GroupName, RuleContext, ShardStart, module_of, register_rule, shape_of, uneven_ok
+from passes.registry import (
+    GATHER_INSTEAD,
+    Conflict,
+    Decision,
+    GroupName,
+    RuleContext,
+    ShardStart,
+    module_of,
+    overlap_ok,
+    register_rule,
+    shape_of,
+    uneven_ok,
+)
 from passes.rules._common import local_size, local_sizes, ndim, norm_dim
 from passes.rules.matmul import layer_operands
 from passes.rules.pointwise import POINTWISE_OPS
@@ -34,6 +46,17 @@ def _reduces(ctx: RuleContext, what: str, dim: int) -> Conflict:
         f"none needed (the producing layer stays replicated); plan={{'{{layer}}': 'colwise'}} shards it and "
         f"all_gathers its output before the {what} at {module_of(ctx.node) or 'the root module'}",
     )
+
+
+def _refuse_grouped(what: str, p: Shard) -> None:
+    """NOTE: [grouped shards] in ``fxtp/core/placement.py``: units several ranks hold would be
+    counted once per holder by summed statistics, so a norm or sum over that dim is refused."""
+    if p.overlaps:
+        raise Conflict(
+            "reduces-sharded-dim",
+            f"{what} over kv heads held by several ranks ({p}): their summed statistics would count a head once per holder",
+            "use a world_size that divides the kv head count",
+        )
 
 
 # Ops through which normalized features reach their consumer unchanged in layout (NOTE: [norm
@@ -88,6 +111,7 @@ def _static(node: Node, dims: list[int]) -> bool:
 
 
 @register_rule(aten.layer_norm.default, aten.rms_norm.default)
+@overlap_ok
 @uneven_ok
 def norm_rule(ctx: RuleContext) -> Decision:
     """``layer_norm``/``rms_norm`` over the last ``len(normalized_shape)`` dims: local on a shard
@@ -100,6 +124,7 @@ def norm_rule(ctx: RuleContext) -> Decision:
     first = ndim(x) - len(normalized_shape)
     if p.dim < first:
         return Decision(p)
+    _refuse_grouped(ctx.node.target.__name__, p)
     layer = _layer_fed(ctx, ctx.node)
     if layer is not None:
         raise _into_layer(ctx, ctx.node.target.__name__, p.dim, layer)
@@ -119,6 +144,7 @@ def norm_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
+@overlap_ok
 @uneven_ok
 def softmax_rule(ctx: RuleContext) -> Decision:
     x, dim = ctx.node.args[:2]
@@ -133,6 +159,7 @@ def softmax_rule(ctx: RuleContext) -> Decision:
 @register_rule(
     aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.var.correction, aten.std.correction
 )
+@overlap_ok
 @uneven_ok
 def reduction_rule(ctx: RuleContext) -> Decision:
     """Reductions over a dim list; ``keepdim`` decides whether the sharded dim moves. A sum or
@@ -158,6 +185,7 @@ def _partial_sum(ctx: RuleContext, x: Node, p: Shard, dims: list[int], keepdim: 
     sums = (aten.sum.dim_IntList, aten.sum.default)
     if target not in means + sums or not ctx.node.meta["val"].is_floating_point():
         raise _reduces(ctx, str(target.__name__), p.dim)
+    _refuse_grouped(target.__name__, p)
     layer = _layer_fed(ctx, ctx.node)
     if layer is not None:
         raise _into_layer(ctx, target.__name__, p.dim, layer)
