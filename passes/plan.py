@@ -94,7 +94,7 @@ def plan_sharding(
     terminal = _terminal_layers(graph, layers)
     max_rounds = (MAX_SEGMENTS + 5) * len(layers) + 8
     max_rounds *= 1 + sum(n.target is aten.embedding.default for n in layers)  # a trial by columns may replan
-    blocks = RepeatedBlocks.of(graph)  # NOTE: [repeated blocks decided alike] in passes/layers.py
+    blocks = RepeatedBlocks.of(graph)  # NOTE: [repeated blocks decided alike] in passes/layers/blocks.py
     for rounds in range(1, max_rounds + 1):
         res = propagate(graph, state, world_size, param_names)
         before = {n.name: snapshot(state, n.name) for n in layers}

@@ -131,7 +131,7 @@ class Decision:
 # the producer replicated" is no fix; what the user can do instead is force the layer sharded,
 # and fxtp then gathers the value where the op needs it whole (``passes/plan.py``: a forced
 # culprit is not demoted, the rejected input is gathered). ``{layer}`` in a fix becomes the
-# layer's name (``passes/layers.layer_decision``), ``{line}`` the rejected op's source line
+# layer's name (``passes.layers.layer_decision``), ``{line}`` the rejected op's source line
 # (:func:`located`).
 GATHER_INSTEAD = (
     "none needed (the producing layer stays replicated); plan={'{layer}': 'colwise'} keeps it sharded "

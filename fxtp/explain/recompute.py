@@ -50,9 +50,9 @@ def recomputed(gm: GraphModule) -> list[tuple[str, collections.Counter, collecti
                 counts[_KINDS[node.target]] += 1
                 nbytes[_KINDS[node.target]] += nbytes_of(node.args[0].meta.get("val"))
             elif node.target in local_ops.EMITTED_COLLECTIVES:
-                emitted = local_ops.EMITTED_COLLECTIVES[node.target]
-                counts[emitted.kind] += emitted.forward
-                nbytes[emitted.kind] += emitted.payload(tuple(node.args))[0]
+                inside = local_ops.EMITTED_COLLECTIVES[node.target]  # not `emitted`: that names the collectives module
+                counts[inside.kind] += inside.forward
+                nbytes[inside.kind] += inside.payload(tuple(node.args))[0]
             else:
                 continue
             if node.target is emitted.gather_from_sp and node.args[6] and node not in returned:

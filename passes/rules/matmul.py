@@ -242,7 +242,7 @@ def embedding_rule(ctx: RuleContext) -> Decision:
 
 
 def _by_columns(ctx: RuleContext, weight: Node, dim: int) -> Decision:
-    """NOTE: [column-sharded embedding] in ``passes/layers.py``: every rank holds a block of
+    """NOTE: [column-sharded embedding] in ``passes/layers/columns.py``: every rank holds a block of
     each row and looks up its columns; the output is sharded on the last dim, no communication."""
     if dim < ctx.world_size:
         return Decision(REPLICATE, {weight: REPLICATE}, layer=_not_divisible("embedding_dim", dim, ctx.world_size))
