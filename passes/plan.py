@@ -42,13 +42,14 @@ from passes.layers import (
     mirror_blocks,
     rowwise_feeds,
     snapshot,
+    try_columns,
     weight_numel,
     weight_of,
     weight_placeholder,
 )
 from passes.kv_heads import grouped_kv_layers, held_together
 from passes.propagate import ParamPiece, PlannerState, Propagation, param_root, propagate
-from passes.registry import Conflict, LayerNote, module_of, shape_of
+from passes.registry import Conflict, LayerNote, located, module_of, shape_of
 from passes.rules.matmul import layer_operands
 from passes.sharding_plan import LayerDecision, ShardingPlan
 
@@ -92,7 +93,8 @@ def plan_sharding(
                 state.units[name], state.groups[name] = unit, group
     terminal = _terminal_layers(graph, layers)
     max_rounds = (MAX_SEGMENTS + 5) * len(layers) + 8
-    blocks = RepeatedBlocks.of(graph)  # NOTE: [repeated blocks decided alike] in passes/layers.py
+    max_rounds *= 1 + sum(n.target is aten.embedding.default for n in layers)  # a trial by columns may replan
+    blocks = RepeatedBlocks.of(graph)  # NOTE: [repeated blocks decided alike] in passes/layers/blocks.py
     for rounds in range(1, max_rounds + 1):
         res = propagate(graph, state, world_size, param_names)
         before = {n.name: snapshot(state, n.name) for n in layers}
@@ -155,6 +157,8 @@ def _resolve(
         changed |= _replicate_cheaper_side(res, state, param_names)
     changed |= _act_on_conflicts(res, state, ws, param_names, terminal)
     changed |= _place_parameters(res, state, param_names, names, param_fqns)
+    if not changed and not res.conflicts:
+        changed = try_columns(res, state, param_names)  # NOTE: [column-sharded embedding]
     return changed
 
 
@@ -168,7 +172,9 @@ def _act_on_conflicts(res: Propagation, state: PlannerState, ws: int, param_name
         c = rej.conflict
         if not rej.culprits:
             raise FxtpError(f"internal: {c} at {rej.node.format_node()} with no layer to keep replicated; please report")
-        note = LayerNote("replicate", c.message, code=c.code, fix=c.fix, node=rej.node.format_node(), module=module_of(rej.node))
+        note = LayerNote(
+            "replicate", c.message, code=c.code, fix=located(c.fix, rej.node), node=rej.node.format_node(), module=module_of(rej.node)
+        )
         demotable = [n for n in rej.culprits if state.forced.get(n.name) is None]
         if c.code in _LAYOUT_CODES:
             for n in demotable:  # the first layout rejection explains best why no layout fits,
@@ -382,7 +388,7 @@ def _combine(requests: list[tuple[ParamPiece, Placement, Any]], name: str) -> Pl
     whole = {w for d, _, _, w in wants if d is None}
     if whole:
         if len(whole) > 1 or len(wants) > len(whole):
-            raise Conflict("tied", f"parameter {name} is wanted as {', '.join(sorted(map(str, whole)))} by different layers", "untie or replicate one use")
+            raise Conflict("tied", f"parameter {name} is wanted as {', '.join(sorted(map(str, whole)))} by different layers", "untie the weights (one nn.Parameter per use) to shard them")
         return next(iter(whole))
     dims = {d for d, _, _, _ in wants}
     pieces = sorted(wants, key=lambda t: t[1])
@@ -390,11 +396,11 @@ def _combine(requests: list[tuple[ParamPiece, Placement, Any]], name: str) -> Pl
     if len(dims) == 1 and len(shards) == 1 and next(iter(shards)).dim != next(iter(dims)):
         return next(iter(shards))  # every piece wants the same shard across the split
     if len(dims) != 1 or any(w.dim not in dims for w in shards):
-        raise Conflict("layout-mismatch", f"pieces of parameter {name} are wanted on different dims", "keep those layers replicated")
+        raise Conflict("layout-mismatch", f"pieces of parameter {name} are wanted on different dims", "none needed (those layers stay replicated); give each layer its own parameter to shard them")
     (dim,) = dims
     total = requests[0][0].placeholder.meta["val"].shape[dim]
     if len({w.unit for *_, w in pieces}) > 1:
-        raise Conflict("layout-mismatch", f"pieces of parameter {name} are split in different units", "keep those layers replicated")
+        raise Conflict("layout-mismatch", f"pieces of parameter {name} are split in different units", "none needed (those layers stay replicated); give each layer its own parameter to shard them")
     offset, segments = 0, []
     for _, off, length, want in pieces:
         if off != offset or want.size != length:
@@ -405,7 +411,7 @@ def _combine(requests: list[tuple[ParamPiece, Placement, Any]], name: str) -> Pl
         raise Conflict(
             "layout-mismatch",
             f"only part of parameter {name} (split along dim {dim}) can be sharded",
-            "keep the layers that use its pieces replicated",
+            "none needed (those layers stay replicated); give each layer its own parameter to shard them",
         )
     return Shard(dim, tuple(segments), pieces[0][3].unit)
 

@@ -28,7 +28,17 @@ import torch
 from torch.fx import Graph, Node
 
 from fxtp.core.placement import REPLICATE, Partial, Placement, Replicate, Shard, is_sharded
-from passes.registry import Conflict, Decision, LayerNote, LayerState, RuleContext, is_tensor_node, takes_overlap, takes_uneven
+from passes.registry import (
+    GATHER_INSTEAD,
+    Conflict,
+    Decision,
+    LayerNote,
+    LayerState,
+    RuleContext,
+    is_tensor_node,
+    takes_overlap,
+    takes_uneven,
+)
 from passes.rules._common import norm_dim, tensor_inputs
 from passes.rules.matmul import layer_weight
 from passes.rules.variants import rule_for
@@ -92,6 +102,9 @@ class PlannerState:
     heads: set[str] = field(default_factory=set)  # colwise output heads whose logits are gathered
     slice_input: set[str] = field(default_factory=set)  # rowwise on a sliced replicated input, NOTE: [rowwise fallback]
     whole_input: dict[str, LayerNote] = field(default_factory=dict)  # input kept replicated, NOTE: [tied uses]
+    columns: set[str] = field(default_factory=set)  # tables sharded by columns, NOTE: [column-sharded embedding]
+    no_columns: set[str] = field(default_factory=set)  # tables tried by columns and kept as they were
+    column_trial: Optional[Any] = None  # passes.layers.ColumnTrial while one runs
 
 
 @dataclass(frozen=True)
@@ -204,6 +217,7 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
         return LayerState(
             state.demoted.get(node.name), state.forced.get(node.name), state.segments.get(node.name), node.name in state.slice_input,
             state.whole_input.get(node.name), state.units.get(node.name, 1), state.groups.get(node.name, 1),
+            node.name in state.columns,
         )
 
     for node in graph.nodes:
@@ -243,7 +257,7 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
                 raise Conflict(
                     "unsupported-op",
                     f"op {node.target} has no sharding rule and consumes a sharded value",
-                    "keep the producing layer replicated (fxtp does), or file an issue for the op",
+                    f"{GATHER_INSTEAD}; or file an issue for the op",
                 )
             _refuse_uneven(node, rule, [effective(a, node) for a in inputs], world_size)
             dec = rule(ctx)
@@ -283,14 +297,14 @@ def _refuse_uneven(node: Node, rule: Any, placements: list, world_size: int) -> 
                     "not-divisible",
                     f"{node.target} gets kv heads held by the ranks whose query heads read them ({q}) and is not "
                     "taught grouped shards",
-                    f"use a world_size that divides the kv head count {q.size // q.unit}, or keep the kv projections replicated",
+                    f"use a world_size that divides the kv head count {q.size // q.unit}",
                 )
             if isinstance(q, Shard) and not q.divisible(world_size) and not takes_uneven(rule):
                 raise Conflict(
                     "not-divisible",
                     f"{node.target} gets a shard uneven at world_size {world_size} ({q}, dim of size {q.size}) "
                     "and is not taught uneven shards",
-                    f"use a world_size that divides {q.size}, or keep the producing layer replicated",
+                    f"use a world_size that divides {q.size}",
                 )
 
 
@@ -320,7 +334,7 @@ def _apply_wants(node, dec, res, effective, origins, param_names, sharded_out: b
             res.edges[(node, inp)] = EdgeAction("slice", want, enter=_is_float(inp))
             continue
         code = "needs-gather" if isinstance(want, Replicate) else "layout-mismatch"
-        conflict = Conflict(code, f"{node.target} needs input {inp.name} as {want}, it is {cur}", "keep the producer replicated")
+        conflict = Conflict(code, f"{node.target} needs input {inp.name} as {want}, it is {cur}", GATHER_INSTEAD)
         res.reject(node, conflict, res.origins.get(inp, frozenset()), (inp,))
 
 

@@ -30,6 +30,9 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from fxtp.core.placement import REPLICATE, Placement
 
 __all__ = [
+    "GATHER_INSTEAD",
+    "WHOLE_KV_HEADS",
+    "located",
     "Conflict",
     "Decision",
     "ShardStart",
@@ -120,6 +123,35 @@ class Decision:
     after_reduce: Optional[Node] = None
     layer: Optional[LayerNote] = None
     local_target: Optional[OpKey] = None
+
+
+# NOTE: [actionable fixes]
+# Every rejection's fix names something the user can do: a ``plan=`` entry, a world size, or a
+# code change at its source line. fxtp already keeps the producing layers replicated, so "keep
+# the producer replicated" is no fix; what the user can do instead is force the layer sharded,
+# and fxtp then gathers the value where the op needs it whole (``passes/plan.py``: a forced
+# culprit is not demoted, the rejected input is gathered). ``{layer}`` in a fix becomes the
+# layer's name (``passes.layers.layer_decision``), ``{line}`` the rejected op's source line
+# (:func:`located`).
+GATHER_INSTEAD = (
+    "none needed (the producing layer stays replicated); plan={'{layer}': 'colwise'} keeps it sharded "
+    "and all_gathers its output here instead"
+)
+
+
+# A grouped shard's rejection (NOTE: [grouped shards] in fxtp/core/placement.py): with kv heads
+# that divide the world size, no rank shares one.
+WHOLE_KV_HEADS = "none needed (the kv projections stay replicated); a world_size that divides the kv head count shards them"
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def located(fix: str, node: Node) -> str:
+    """``fix`` with ``{line}`` replaced by ``node``'s :func:`source_line`, or by its module
+    where the capture recorded no trace."""
+    if "{line}" not in fix:
+        return fix
+    return fix.replace("{line}", source_line(node) or f"the call in {module_of(node) or 'the root module'}")
 
 
 class Conflict(Exception):
@@ -213,6 +245,7 @@ class LayerState:
     whole_input: Optional[LayerNote] = None  # why its input must arrive replicated, NOTE: [tied uses]
     unit: int = 1  # split granularity of its output (whole heads), NOTE: [uneven shards]
     group: int = 1  # its output holds kv heads read in groups of this many query heads, NOTE: [grouped shards]
+    columns: bool = False  # a table sharded by columns, NOTE: [column-sharded embedding]
 
 
 Rule = Callable[[RuleContext], Decision]
@@ -291,8 +324,10 @@ def module_of(node: Node) -> str:
 
 def source_line(node: Node) -> str:
     """The user's source line that made ``node``, as ``file.py:LINE `code` `` (the innermost frame
-    of export's ``meta["stack_trace"]``), or ``""`` when the capture recorded none."""
+    of export's ``meta["stack_trace"]`` outside torch: the model's call of ``nn.Linear``, not
+    ``F.linear`` in torch), or ``""`` when the capture recorded none."""
     frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n[ \t]*([^\n]*)', node.meta.get("stack_trace") or "")
+    frames = [frame for frame in frames if not frame[0].startswith(_TORCH_DIR)]
     if not frames:
         return ""
     path, line, code = frames[-1]

@@ -81,6 +81,8 @@ def sequence_parallel(graph: Graph, plan: ShardingPlan, param_names: frozenset[s
                 region[node] = shard
     for name in list(plan.reduces):
         node, bias = nodes[name], plan.reduces[name]
+        if _statistics(node, plan, param_names):
+            continue  # a norm's statistics over the features (NOTE: [distributed norm]): all_reduced
         site = _past_view(node)
         shard = _token_shard(site, ws)
         if shard is None:
@@ -138,6 +140,14 @@ def sequence_parallel(graph: Graph, plan: ShardingPlan, param_names: frozenset[s
         plan, placements=placements, edges=edges, reduces=reduces, local_args=local_args, local_targets=local_targets,
         scatters=scatters, tokens=frozenset(n.name for n in region), layers=_reasons(plan, nodes, scatters),
     )
+
+
+def _statistics(node: Node, plan: ShardingPlan, param_names: frozenset[str]) -> bool:
+    """A ``Partial`` sum over a sharded dim (NOTE: [distributed norm] in fxtp/core/norms.py), not
+    a layer's: each rank uses the whole sum on its features, so it is all_reduced, not scattered."""
+    if layer_weight(node, lambda a: param_root(a, param_names) is not None) is not None:
+        return False
+    return any(isinstance(plan.placements.get(a.name), Shard) for a in node.all_input_nodes)
 
 
 def reduce_scatters(layer: Node, scatters: Mapping[str, Shard]) -> bool:

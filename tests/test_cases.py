@@ -161,8 +161,12 @@ def test_case08_vocab_not_divisible_tracks_loss_for_20_steps(pool):
 
 
 def test_case09_norms(pool):
+    """A and C normalize up's sharded features straight into down: a distributed norm would make
+    down rowwise on top of the norm's all_reduce, so up stays replicated and down is colwise
+    (NOTE: [norm into a layer]); B normalizes per head: local, no collective."""
     (a, *_) = pool.run(_train, "9a-layernorm")
     assert _styles(a)["up"] == ("replicate", "reduces-sharded-dim")
+    assert "NOTE: [norm into a layer]" in _layers(a)["up"]["reason"]
     (b, *_) = pool.run(_train, "9b-per-head-rmsnorm")
     assert _styles(b) == {"up": ("colwise", None), "down": ("rowwise", None)}
     assert b["forward"] == {"all_reduce": 1}  # the per-head norm stays local

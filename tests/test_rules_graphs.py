@@ -119,11 +119,48 @@ def test_softmax_over_sharded_dim_replicates_producer():
     assert report.count("forward", "all_reduce") == 0
 
 
-def test_layer_norm_over_features_replicates_producer():
+def test_layer_norm_over_features_into_a_layer_replicates_producer():
+    """NOTE: [norm into a layer]: the normalized features go straight into down."""
     placements, plan, _, layers = analyze(UpDown(nn.LayerNorm(32)), torch.randn(2, 4, 16))
     assert_up_replicated(layers, "reduces-sharded-dim", placements)
     assert "layer_norm" in layers["up"].culprit
     assert plan.params == {}
+
+
+class _HeadsAfter(nn.Module):
+    """``norm`` over all 32 features, then a view to 4 heads of 8 and back (qk-norm style)."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, h):
+        return self.norm(h).view(2, 4, 4, 8).transpose(1, 2).transpose(1, 2).reshape(2, 4, 32)
+
+
+def test_layer_norm_over_features_before_heads_is_a_distributed_norm():
+    """NOTE: [distributed norm]: a LayerNorm over up's features before a head view keeps up
+    colwise; its weight and bias are sliced like the features and one all_reduce of the
+    (2, 4, 2) statistics runs."""
+    placements, plan, report, layers = analyze(UpDown(_HeadsAfter(nn.LayerNorm(32))), torch.randn(2, 4, 16))
+    assert_megatron_pair(layers)
+    assert placements["layer_norm"] == S(2, 32)
+    assert plan.params["p_mid_norm_weight"] == plan.params["p_mid_norm_bias"] == S(0, 32)
+    assert plan.local_targets["layer_norm"].__name__ == "distributed_layer_norm"
+    assert report.count("forward", "all_reduce") == 2  # the statistics, then down's output
+
+
+def test_rms_norm_written_out_over_features_is_partial():
+    """``x * rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)`` before a head view: the mean over the
+    sharded dim is a Partial (B, T, 1), all_reduced; the rsqrt enters the sharded product through f."""
+    placements, plan, report, layers = analyze(
+        UpDown(_HeadsAfter(Fn(lambda h: h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)))), torch.randn(2, 4, 16)
+    )
+    assert_megatron_pair(layers)
+    assert placements["mean"] == Partial() and plan.reduces["mean"] is None
+    assert plan.local_targets["mean"].__name__ == "mean_of_shard"
+    assert plan.edges[("mul", "rsqrt")].kind == "enter"
+    assert report.count("forward", "all_reduce") == 2
 
 
 class HeadNorm(nn.Module):

@@ -22,20 +22,31 @@ aten = torch.ops.aten
 
 
 class ChunkThenNorm(nn.Module):
-    def __init__(self):
+    """A fused projection's first chunk through ``fn`` (a layer_norm over its 64 features)."""
+
+    def __init__(self, fn=lambda a: F.layer_norm(a, (64,))):
         super().__init__()
         self.qkv = nn.Linear(64, 192)
+        self.fn = fn
 
     def forward(self, x):
         a, b, c = self.qkv(x).chunk(3, dim=-1)
-        return F.layer_norm(a, (64,)) + b + c
+        return self.fn(a) + b + c
 
 
 def test_conflict_after_chunk_replicates_the_fused_producer():
-    placements, plan, _, layers = analyze(ChunkThenNorm(), torch.randn(2, 64))
+    placements, plan, _, layers = analyze(ChunkThenNorm(lambda a: torch.softmax(a, -1)), torch.randn(2, 64))
     assert layers["qkv"].style == "replicate"
     assert layers["qkv"].code == "reduces-sharded-dim"
     assert plan.params == {}
+
+
+def test_norm_after_chunk_is_distributed_on_the_fused_segments():
+    """A layer_norm of one chunk of a fused projection: a distributed norm (NOTE: [distributed
+    norm]) on that segment's shard; qkv stays colwise in [64, 64, 64] segments."""
+    placements, plan, _, layers = analyze(ChunkThenNorm(), torch.randn(2, 64))
+    assert layers["qkv"].style == "colwise" and plan.params["p_qkv_weight"].segments == (64, 64, 64)
+    assert plan.local_targets["layer_norm"].__name__ == "distributed_layer_norm"
 
 
 class CatTwo(nn.Module):

@@ -92,7 +92,10 @@ def _export_with(model: nn.Module, args: tuple, kwargs: dict, shapes: Any, stric
 
 def _fx(model: nn.Module, args: tuple, kwargs: dict, shapes: Any) -> tuple[torch.export.ExportedProgram, list[str]]:
     with recording_checkpoints(symbolic=True):  # NOTE: [checkpoint regions at capture]
-        traced = torch.fx.symbolic_trace(model)
+        tracer = torch.fx.Tracer()
+        tracer.record_stack_traces = True  # the model's source lines reach the fixes (NOTE: [actionable fixes])
+        graph = tracer.trace(model)
+        traced = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
     return _export_with(traced, args, kwargs, shapes, strict=False)
 
 

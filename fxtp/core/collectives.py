@@ -13,7 +13,9 @@ region:
 :func:`gather_from_tp` (all_gather forward, local slice backward) is used only where a user
 plan forces a shard into a consumer that needs the whole tensor. :func:`copy_to_holders` is
 ``f`` for a parameter whose units several ranks hold (NOTE: [grouped shards] in
-``fxtp/core/placement.py``).
+``fxtp/core/placement.py``). :func:`sum_statistics` (``g`` then ``f``: all_reduce forward and
+backward) sums the per-rank statistics of a norm over a sharded dim (NOTE: [distributed norm] in
+``fxtp/core/norms.py``).
 
 Sequence parallelism (Korthikanti et al. 2022, section 4.2.2; NOTE: [sequence parallelism] in
 passes/sequence.py) replaces ``g`` by :func:`reduce_scatter_to_sp` (reduce_scatter forward,
@@ -48,6 +50,7 @@ __all__ = [
     "reduce_scatter_to_sp",
     "gather_from_sp",
     "scatter_to_sp",
+    "sum_statistics",
     "all_reduce",
     "all_gather",
     "reduce_scatter",
@@ -186,6 +189,17 @@ class _ReduceFromTP(Function):
         return grad, None
 
 
+class _SumStatistics(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group_name: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.group_name = group_name
+        return all_reduce(x, group_name)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return all_reduce(grad, ctx.group_name), None
+
+
 class _GatherFromTP(Function):
     @staticmethod
     def forward(ctx, x, dim, segments, rank, world_size, group_name, unit):  # type: ignore[override]
@@ -270,6 +284,14 @@ def copy_to_holders(
 def reduce_from_tp(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Megatron's ``g``: all_reduce (sum) forward, identity backward. Same shape and dtype."""
     return _ReduceFromTP.apply(x, group_name)
+
+
+def sum_statistics(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The sum over the ranks of per-rank partial statistics ``x`` (sums of squares over a
+    shard) that every rank then uses on its own shard: ``g`` then ``f``, all_reduce forward and
+    all_reduce backward (each rank's gradient of the sum covers its shard's use only). Same
+    shape and dtype as ``x``."""
+    return _SumStatistics.apply(x, group_name)
 
 
 def gather_from_tp(

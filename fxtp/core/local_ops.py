@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable
+
 import torch
 
 from fxtp.core.errors import FxtpInputError
 from fxtp.core.placement import kv_unit_range
 
 __all__ = [
+    "EMITTED_COLLECTIVES",
+    "EmittedCollectives",
     "vocab_parallel_embedding",
-    "vocab_parallel_cross_entropy",
     "attention",
     "grouped_query_attention",
     "grouped_query_attention_local_kv",
@@ -18,6 +22,28 @@ __all__ = [
     "repeat_interleave",
     "repeat_kv_heads",
 ]
+
+
+@dataclass(frozen=True)
+class EmittedCollectives:
+    """The collectives an emitted op runs itself, for the report (``fxtp/explain/counts.py``).
+
+    Attributes:
+        kind: the collective (``"all_reduce"``).
+        forward: how many one call runs.
+        backward: how many its backward runs, when its first argument needs a gradient.
+        payload: ``(forward bytes, backward bytes)`` in all, from the op's arguments in the
+            graph (tensors as nodes whose ``meta["val"]`` has the global sizes).
+    """
+
+    kind: str
+    forward: int
+    backward: int
+    payload: Callable[[tuple], tuple[int, int]]
+
+
+# Emitted op -> the collectives it runs; the ops' modules register theirs.
+EMITTED_COLLECTIVES: dict[Callable[..., Any], EmittedCollectives] = {}
 
 
 def check_ids(ids: torch.Tensor, size: int, what: str, where: str, ignore_index: "int | None" = None) -> None:
@@ -252,82 +278,3 @@ def repeat_kv_heads(x: torch.Tensor, dim: int, q_start: int, q_count: int, group
     """
     repeated = x.flatten(dim, dim + 1) if merged else torch.ops.aten.repeat_interleave.self_int(x, group, dim)
     return repeated.narrow(dim, q_start % group, q_count).contiguous()
-
-
-# NOTE: [vocab-parallel cross entropy]
-# Megatron-LM's ``_VocabParallelCrossEntropy`` (core/tensor_parallel/cross_entropy.py): with the
-# logits sharded on the class dim, each rank all_reduces (max) the row maxima, then (sum) the
-# sum of exponentials and the target's logit (found on exactly one rank); the loss is
-# ``log(sum_exp) - target_logit``. Backward needs no communication: the gradient of this rank's
-# logits is ``softmax_local - onehot_local``, with the global normalizer. Three all_reduce of
-# (N,) instead of an all_gather of (N, C).
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, start: int, group_name: str) -> torch.Tensor:  # type: ignore[override]
-        from fxtp.core.collectives import all_reduce
-
-        logits = logits.float()
-        row_max = all_reduce(logits.detach().amax(dim=-1), group_name, "max")
-        shifted = logits - row_max.unsqueeze(-1)
-        local = target - start
-        outside = (local < 0) | (local >= logits.shape[-1])
-        local = local.masked_fill(outside, 0)
-        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        picked = all_reduce(picked, group_name)
-        exp = shifted.exp()
-        sum_exp = all_reduce(exp.sum(dim=-1), group_name)
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, outside)
-        return sum_exp.log() - picked
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        softmax, local, outside = ctx.saved_tensors
-        onehot = torch.zeros_like(softmax).scatter_(-1, local.unsqueeze(-1), (~outside).unsqueeze(-1).to(softmax.dtype))
-        return (softmax - onehot) * grad.unsqueeze(-1), None, None, None
-
-
-# The collectives each emitted op runs in forward, for the report: op -> (kind, count).
-FORWARD_COLLECTIVES: dict = {}
-
-
-def vocab_parallel_cross_entropy(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    start: int,
-    classes: int,
-    where: str,
-    reduction: int,
-    ignore_index: int,
-    group_name: str,
-) -> torch.Tensor:
-    """This rank's part of ``cross_entropy(full_logits, target)`` with ``logits`` sharded on the
-    class dim: NOTE: [vocab-parallel cross entropy]. The result is the full loss on every rank.
-
-    Args:
-        logits: ``(N, n)``: this rank's classes ``[start, start + n)`` of the ``(N, C)`` logits,
-            any float dtype (the loss is computed in fp32, as Hugging Face's losses upcast).
-        target: ``(N,)`` int64 global class ids; ``ignore_index`` ones add nothing.
-        start: the global id of this rank's first class.
-        classes: ``C``, the global number of classes; a target outside ``[0, C)`` other than
-            ``ignore_index`` raises (:func:`check_ids`). where: the loss's module FQN.
-        reduction: ATen's enum: 0 none, 1 mean (over the targets not ignored), 2 sum.
-        ignore_index: a target id whose loss and gradient are zero.
-        group_name: the tensor-parallel process group.
-
-    Returns:
-        ``(N,)`` per-target losses (reduction 0) or a scalar, in ``logits``' dtype.
-    """
-    check_ids(target, classes, "cross_entropy", where, ignore_index)
-    valid = target != ignore_index
-    loss = _VocabParallelCrossEntropy.apply(logits, target, start, group_name) * valid
-    loss = loss.to(logits.dtype)
-    if reduction == 0:
-        return loss
-    if reduction == 2:
-        return loss.sum()
-    return loss.sum() / valid.sum()
-
-
-FORWARD_COLLECTIVES[vocab_parallel_cross_entropy] = ("all_reduce", 3)  # row max, target logit, sum of exp

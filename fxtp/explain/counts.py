@@ -19,11 +19,12 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from fxtp.core import local_ops
+from fxtp.core import local_ops, losses, norms  # noqa: F401 (the last two register their ops' collectives)
 from fxtp.core.placement import Partial, Placement, Shard, is_sharded
 from fxtp.core.rng import is_random, sharded_call
 from passes.plan import LayerDecision, ShardingPlan, module_of
 from passes.propagate import param_root
+from passes.registry import located
 from passes.rules.matmul import layer_weight
 from passes.sequence import reduce_scatters, saving_layers
 
@@ -119,19 +120,25 @@ def collectives(program: ExportedProgram, plan: ShardingPlan, nodes: dict[str, A
     # NOTE: [grouped shards]: copy_to_holders all_reduces a grouped parameter's gradient at its global size
     held = [[p for p in names if p in needs_grad] for names in plan.holders]
     held = [names for names in held if names]
-    # Emitted ops that all_reduce themselves: a vocab-parallel loss, 3 of fp32 (N,) for (N, C) logits.
+    # Emitted ops that all_reduce themselves: a vocab-parallel loss, a norm over a sharded dim.
     inside = [
-        (nodes[name], local_ops.FORWARD_COLLECTIVES[target])
+        (plan.local_args.get(name, ()), local_ops.EMITTED_COLLECTIVES[target])
         for name, target in plan.local_targets.items()
-        if target in local_ops.FORWARD_COLLECTIVES
+        if target in local_ops.EMITTED_COLLECTIVES
     ]
-    inside_count = sum(count for _, (kind, count) in inside if kind == "all_reduce")
-    inside_bytes = sum(count * 4 * optimization_hint(n.args[0].meta["val"].shape[0]) for n, (kind, count) in inside if kind == "all_reduce")
+    inside = [(args, emitted) for args, emitted in inside if emitted.kind == "all_reduce"]
+    inside_count = sum(emitted.forward for _, emitted in inside)
+    inside_bytes = sum(emitted.payload(args)[0] for args, emitted in inside)
+    inside_back = [(args, emitted) for args, emitted in inside if emitted.backward and args[0].name in needs_grad]
+    back_count = sum(emitted.backward for _, emitted in inside_back)
+    back_bytes = sum(emitted.payload(args)[1] for args, emitted in inside_back)
     return (
         CollectiveStat("forward", "all_reduce", len(reduces) + inside_count, nbytes(reduces) + inside_bytes),
         CollectiveStat("forward", "all_gather", len(tp_gathered) + len(sp_gathered), nbytes(tp_gathered) + nbytes(p for p, _ in sp_gathered)),
-        CollectiveStat("backward", "all_reduce", len(entered) + len(entered_gathered) + len(held),
-                       nbytes(entered) + nbytes(entered_gathered) + sum(nbytes(names) for names in held)),
+        CollectiveStat(
+            "backward", "all_reduce", len(entered) + len(entered_gathered) + len(held) + back_count,
+            nbytes(entered) + nbytes(entered_gathered) + sum(nbytes(names) for names in held) + back_bytes,
+        ),
         CollectiveStat("forward", "reduce_scatter", len(reduce_scattered), nbytes(reduce_scattered)),
         CollectiveStat(
             "backward",
@@ -308,7 +315,8 @@ def notes(plan: ShardingPlan, nodes, param_names: set[str]) -> tuple[Note, ...]:
                     node.format_node(),
                     module_of(node),
                     f"{node.target.__name__} with a parameter operand fxtp does not shard (only x @ W, x @ W.T, addmm and "
-                    "linear with a 2-D parameter W on the right are layers); it stays replicated. fix: write it as F.linear(x, weight)",
+                    "linear with a 2-D parameter W on the right are layers); it stays replicated. "
+                    + located("fix: write it as F.linear(x, weight) at {line}", node),
                     (),
                 )
             )

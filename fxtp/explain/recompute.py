@@ -14,7 +14,6 @@ import dataclasses
 from typing import Any
 
 from torch.fx import GraphModule
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from fxtp.core import collectives as emitted
 from fxtp.core import local_ops
@@ -47,12 +46,15 @@ def recomputed(gm: GraphModule) -> list[tuple[str, collections.Counter, collecti
         for node in graph.nodes:
             if node.op != "call_function":
                 continue
-            kind, count = (_KINDS[node.target], 1) if node.target in _KINDS else local_ops.FORWARD_COLLECTIVES.get(node.target, (None, 0))
-            if kind is None:
+            if node.target in _KINDS:
+                counts[_KINDS[node.target]] += 1
+                nbytes[_KINDS[node.target]] += nbytes_of(node.args[0].meta.get("val"))
+            elif node.target in local_ops.EMITTED_COLLECTIVES:
+                inside = local_ops.EMITTED_COLLECTIVES[node.target]  # not `emitted`: that names the collectives module
+                counts[inside.kind] += inside.forward
+                nbytes[inside.kind] += inside.payload(tuple(node.args))[0]
+            else:
                 continue
-            counts[kind] += count
-            val = node.args[0].meta.get("val") if node.args and hasattr(node.args[0], "meta") else None
-            nbytes[kind] += nbytes_of(val) if node.target in _KINDS else count * 4 * optimization_hint(val.shape[0]) if val is not None else 0
             if node.target is emitted.gather_from_sp and node.args[6] and node not in returned:
                 replaced += 1
         out.append((module.region, counts, nbytes, replaced))

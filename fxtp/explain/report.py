@@ -233,6 +233,8 @@ def _input_dict(spec: InputSpec) -> dict[str, Any]:
 
 
 def _layer_comm(layer: LayerDecision) -> str:
+    if layer.style == "colwise" and layer.op == "embedding":
+        return "-"  # sharded by columns: ids need no gradient (NOTE: [column-sharded embedding])
     if layer.style == "colwise":
         return "f: all_reduce bwd"
     if layer.style == "rowwise":

@@ -29,7 +29,7 @@ from torch.fx import Node
 
 from fxtp.core import local_ops
 from fxtp.core.placement import Shard
-from passes.registry import Conflict, Decision, RuleContext, ShardStart, overlap_ok, register_rule, shape_of, uneven_ok
+from passes.registry import GATHER_INSTEAD, WHOLE_KV_HEADS, Conflict, Decision, RuleContext, ShardStart, overlap_ok, register_rule, shape_of, uneven_ok
 from passes.rules._common import ndim
 
 __all__: list[str] = []
@@ -49,7 +49,10 @@ def sdpa_rule(ctx: RuleContext) -> Decision:
     shards = {t: p for t, p in placements.items() if isinstance(p, Shard)}
     if not shards:
         if mask is not None and isinstance(ctx.placement(mask), Shard):
-            raise Conflict("layout-mismatch", "attention mask sharded but q/k/v replicated", "keep the mask's producer replicated")
+            raise Conflict(
+                "layout-mismatch", "attention mask sharded but q/k/v replicated",
+                GATHER_INSTEAD,
+            )
         return Decision(placements[q])
     dims = {p.dim for p in shards.values()}
     first = next(iter(shards.values()))
@@ -66,7 +69,7 @@ def sdpa_rule(ctx: RuleContext) -> Decision:
     dim = first.dim
     nseg = len(first.segments)
     if any(len(p.segments) != nseg for p in shards.values()):
-        raise Conflict("layout-mismatch", "q, k, v sharded with different segment counts", "keep the producers replicated")
+        raise Conflict("layout-mismatch", "q, k, v sharded with different segment counts", GATHER_INSTEAD)
     group = shape_of(q)[dim] // shape_of(k)[dim] if gqa and dim == nd - 3 else 1
     if any(p.overlaps for p in shards.values()):
         return _grouped_kv_heads(ctx, q, k, v, shards, group, mask, dim, nd)
@@ -77,7 +80,7 @@ def sdpa_rule(ctx: RuleContext) -> Decision:
         raise Conflict(  # NOTE: [uneven shards]: q, k and v must hold the same heads
             "not-divisible",
             f"attention with heads split unevenly ({uneven[0]}) at world_size {ctx.world_size} needs q, k and v sharded alike",
-            "use a world_size that divides the head count, or keep the producers replicated",
+            f"use a world_size that divides the head count {shape_of(q)[dim] if dim == nd - 3 else ''}".rstrip(),
         )
     if group > 1 and q in shards and any(
         t in shards and [s * group for s in shards[t].segments] != list(shards[q].segments) for t in (k, v)
@@ -85,7 +88,7 @@ def sdpa_rule(ctx: RuleContext) -> Decision:
         raise Conflict(
             "layout-mismatch",
             f"q and k/v heads sharded in different groups (enable_gqa, {group} q heads per kv head)",
-            "keep the producers replicated",
+            GATHER_INSTEAD,
         )
     wants: dict = dict(shards)
     for t in (q, k, v):
@@ -97,7 +100,7 @@ def sdpa_rule(ctx: RuleContext) -> Decision:
                 wants[t] = shards[q]  # repeated kv heads, sliced to the query's heads (even or not)
                 continue
             if size % nseg or (size // nseg) % ctx.world_size:
-                raise Conflict("not-divisible", f"{size} heads of an unsharded attention input at world_size {ctx.world_size}", "keep the producers replicated")
+                raise Conflict("not-divisible", f"{size} heads of an unsharded attention input at world_size {ctx.world_size}", GATHER_INSTEAD)
             wants[t] = Shard(dim, (size // nseg,) * nseg)
     _want_mask(ctx, mask, dim, nd, placements[q] if q in shards else wants[q], wants)
     out = placements[q] if q in shards else wants[q]
@@ -113,8 +116,13 @@ def _want_mask(ctx: RuleContext, mask, dim: int, nd: int, q_shard: Shard, wants:
     if mask is None:
         return
     mdim = dim - (nd - ndim(mask))
-    if isinstance(ctx.placement(mask), Shard):
-        raise Conflict("layout-mismatch", "sharded attention mask", "keep the mask's producer replicated")
+    pm = ctx.placement(mask)
+    if isinstance(pm, Shard) and pm != q_shard.with_dim(mdim):  # a bias sharded by heads as q is: local
+        raise Conflict(
+            "layout-mismatch",
+            f"attention mask sharded as {pm} while the queries' heads are {q_shard.with_dim(mdim)}",
+            GATHER_INSTEAD,
+        )
     if mdim >= 0 and shape_of(mask)[mdim] != 1:
         wants[mask] = q_shard.with_dim(mdim)
 
@@ -122,7 +130,7 @@ def _want_mask(ctx: RuleContext, mask, dim: int, nd: int, q_shard: Shard, wants:
 def _gathered_kv_heads(ctx: RuleContext, q: Node, pq: Shard, group: int, mask, dim: int, nd: int) -> Decision:
     """NOTE: [enable_gqa]: k and v whole, each rank gathers the kv heads its query heads use."""
     if len(pq.segments) != 1:
-        raise Conflict("layout-mismatch", "enable_gqa with fused query segments and whole k/v", "keep the producers replicated")
+        raise Conflict("layout-mismatch", "enable_gqa with fused query segments and whole k/v", GATHER_INSTEAD)
     wants: dict = {q: pq}
     _want_mask(ctx, mask, dim, nd, pq, wants)
     args = (ShardStart(q), group, *ctx.node.args)
@@ -142,7 +150,7 @@ def _grouped_kv_heads(ctx: RuleContext, q: Node, k: Node, v: Node, shards: dict,
             "layout-mismatch",
             f"attention with kv heads held by the ranks that read them needs enable_gqa, q sharded on its heads and "
             f"k, v alike (q {pq}, k {pk}, v {shards.get(v)})",
-            "keep the kv projections replicated",
+            WHOLE_KV_HEADS,
         )
     wants: dict = {q: pq, k: pk, v: pk}
     _want_mask(ctx, mask, dim, nd, pq, wants)

@@ -41,7 +41,7 @@ from torch.fx import Node
 from torch.utils import _pytree as pytree
 
 from fxtp.core.placement import REPLICATE, Partial, Placement, Shard
-from passes.registry import Conflict, Decision, RuleContext, is_tensor_node, shape_of
+from passes.registry import GATHER_INSTEAD, Conflict, Decision, RuleContext, is_tensor_node, shape_of
 from passes.rules._common import activation_placement
 
 __all__ = ["dtensor_ops", "dtensor_rule"]
@@ -257,7 +257,7 @@ def _shard(op: OpOverload, dim: int, shape: tuple[int, ...], segments: Optional[
         raise _unsupported(op, f"moves a fused dim with segments {list(segments)} to a dim of size {size}")
     shard = Shard(dim, segments or (size,))
     if not shard.divisible(ws):
-        raise Conflict("not-divisible", f"{op} shards a dim of size {size}, not divisible by world_size {ws}", "keep the producing layer replicated")
+        raise Conflict("not-divisible", f"{op} shards a dim of size {size}, not divisible by world_size {ws}", GATHER_INSTEAD)
     return shard
 
 
@@ -281,5 +281,5 @@ def _unsupported(op: OpOverload, why: str) -> Conflict:
     return Conflict(
         "unsupported-op",
         f"op {op} {why}",
-        "keep the producing layer replicated (fxtp does), or file an issue for the op",
+        f"{GATHER_INSTEAD}; or file an issue for the op",
     )

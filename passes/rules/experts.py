@@ -40,7 +40,7 @@ import torch
 from torch.fx import Node
 
 from fxtp.core.placement import REPLICATE, Partial, Shard
-from passes.registry import Conflict, Decision, LayerNote, RuleContext, register_rule, shape_of
+from passes.registry import GATHER_INSTEAD, Conflict, Decision, LayerNote, RuleContext, register_rule, shape_of
 from passes.rules._common import ndim
 
 __all__ = ["GroupedOperands", "grouped_operands", "is_grouped_mm", "GROUPED_MM_OPS"]
@@ -95,7 +95,7 @@ def grouped_mm_rule(ctx: RuleContext) -> Decision:
     if ops is None:  # between activations, or with a bias: nothing of it is sharded
         sharded = [a for a in ctx.node.all_input_nodes if isinstance(ctx.placement(a), Shard)]
         if sharded:
-            raise Conflict("unsupported-op", f"{ctx.node.target} with a sharded operand and no 3-D parameter weight", "keep the producer replicated")
+            raise Conflict("unsupported-op", f"{ctx.node.target} with a sharded operand and no 3-D parameter weight", GATHER_INSTEAD)
         return Decision(REPLICATE)
     x, w, offs = ops
     _, k, n = shape_of(w)
@@ -103,7 +103,7 @@ def grouped_mm_rule(ctx: RuleContext) -> Decision:
     whole = {w: REPLICATE}
     if isinstance(ctx.placement(offs), Shard) or isinstance(px, Shard) and px.dim == 0:
         # offs index every row of x: a shard of the rows (or of offs) breaks the groups.
-        raise Conflict("layout-mismatch", "grouped matmul with its rows or offsets sharded", "keep the producer replicated")
+        raise Conflict("layout-mismatch", "grouped matmul with its rows or offsets sharded", GATHER_INSTEAD)
     if isinstance(px, Shard) and state.demoted is not None or isinstance(px, Shard) and state.forced == "colwise":
         code = (state.demoted.code if state.demoted is not None else None) or "user-plan"
         raise Conflict(code, "the expert layer stays whole, so its input must be replicated", "drop the plan entry for the consumer")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from fxtp.core.placement import REPLICATE, Replicate, Shard
-from passes.registry import Conflict, Decision, RuleContext, overlap_ok, register_rule, uneven_ok
+from passes.registry import GATHER_INSTEAD, Conflict, Decision, RuleContext, overlap_ok, register_rule, uneven_ok
 from passes.rules._common import ndim, norm_dim
 
 __all__: list[str] = []
@@ -34,13 +34,13 @@ def index_copy_rule(ctx: RuleContext) -> Decision:
         return Decision(REPLICATE)
     shard = shards[0]
     if any(not isinstance(p, Replicate) and p != shard for p in placements):
-        raise Conflict("layout-mismatch", f"index_copy of {placements[1]} into {placements[0]}", "keep the producers replicated")
+        raise Conflict("layout-mismatch", f"index_copy of {placements[1]} into {placements[0]}", GATHER_INSTEAD)
     if isinstance(ctx.placement(index), Shard):
-        raise Conflict("unsupported-op", "index_copy with a sharded index", "keep the index's producer replicated")
+        raise Conflict("unsupported-op", "index_copy with a sharded index", GATHER_INSTEAD)
     if shard.dim == dim:
         raise Conflict(
             "unsupported-op",
             f"index_copy along dim {dim}, the sharded dim: the written rows belong to other ranks",
-            "keep the producing layer replicated",
+            GATHER_INSTEAD,
         )
     return Decision(shard, wants={target: shard, source: shard})

@@ -18,7 +18,7 @@ import torch
 from torch.fx import Node
 
 from fxtp.core.placement import REPLICATE, Shard, local_ranges
-from passes.registry import Conflict, Decision, LocalSize, RuleContext, overlap_ok, register_rule, shape_of, source_line, uneven_ok
+from passes.registry import GATHER_INSTEAD, WHOLE_KV_HEADS, Conflict, Decision, LocalSize, RuleContext, overlap_ok, register_rule, shape_of, source_line, uneven_ok
 from passes.rules._common import local_size, ndim, norm_dim
 from passes.rules.dtensor_fallback import dtensor_rule
 
@@ -178,7 +178,7 @@ def narrow_rule(ctx: RuleContext) -> Decision:
 def _refuse_grouped(p: Shard, what: str) -> None:
     """NOTE: [grouped shards]: kv units several ranks hold are taken whole, never cut on their dim."""
     if p.overlaps:
-        raise Conflict("indexes-sharded-dim", f"{what} of kv heads held by several ranks ({p})", "keep the kv projections replicated")
+        raise Conflict("indexes-sharded-dim", f"{what} of kv heads held by several ranks ({p})", WHOLE_KV_HEADS)
 
 
 def _whole_index_fix(ctx: RuleContext, what: str) -> str:
@@ -241,7 +241,7 @@ def split_pieces(shard: Shard, sizes: list[int], ws: int) -> list[Shard]:
     raise Conflict(
         "split-crosses-shard" if ok else "not-divisible",
         f"split sizes {sizes} cross the shard boundaries of segments {list(shard.segments)} at world_size {ws}",
-        "use a world_size that divides every split size, or keep the producing layer replicated",
+        "use a world_size that divides every split size",
         refine=refined if ok else None,
         unit=shard.unit if units else None,
         unit_segments=refined if units else None,
@@ -271,12 +271,12 @@ def split_rule(ctx: RuleContext) -> Decision:
         raise Conflict(
             "not-divisible",
             f"split into {sizes} of a dim sharded unevenly at world_size {ctx.world_size} into pieces of different layouts",
-            "keep the producing layer replicated",
+            GATHER_INSTEAD,
         )
     if ctx.node.target is aten.split_with_sizes.default:
         return Decision(tuple(pieces), local_args=(x, local, *ctx.node.args[2:]))
     if not uneven and (len(set(local[:-1])) > 1 or local[-1] > local[0]):
-        raise Conflict("split-crosses-shard", f"split into {sizes} has no equal local split", "keep the producing layer replicated")
+        raise Conflict("split-crosses-shard", f"split into {sizes} has no equal local split", GATHER_INSTEAD)
     if ctx.node.target is aten.split.Tensor:
         return Decision(tuple(pieces), local_args=(x, local[0], *ctx.node.args[2:]))
     return Decision(tuple(pieces))  # chunk: the count is unchanged
@@ -345,6 +345,6 @@ def glu_rule(ctx: RuleContext) -> Decision:
         "split-crosses-shard" if ok else "not-divisible",
         f"glu halves dim {p.dim} of size {shape_of(x)[p.dim]}, which crosses the shard of segments {list(p.segments)} "
         f"at world_size {ctx.world_size}",
-        "use a world_size that divides both halves, or keep the producing layer replicated",
+        "use a world_size that divides both halves",
         refine=refined if ok else None,
     )

@@ -24,7 +24,20 @@ from torch.fx import Node
 
 from fxtp.core import local_ops
 from fxtp.core.placement import REPLICATE, Partial, Shard, local_ranges
-from passes.registry import Conflict, Decision, LayerNote, RuleContext, ShardStart, module_of, overlap_ok, register_rule, shape_of, uneven_ok
+from passes.registry import (
+    GATHER_INSTEAD,
+    WHOLE_KV_HEADS,
+    Conflict,
+    Decision,
+    LayerNote,
+    RuleContext,
+    ShardStart,
+    module_of,
+    overlap_ok,
+    register_rule,
+    shape_of,
+    uneven_ok,
+)
 from passes.rules._common import activation_placement, ndim
 from passes.rules.experts import grouped_operands
 
@@ -106,7 +119,7 @@ def addmm_rule(ctx: RuleContext) -> Decision:
     if ops is None:  # no parameter: a matmul between activations plus a term
         b, x, w = ctx.node.args[:3]
         if any(isinstance(ctx.placement(a), Shard) for a in (b, x, w)):
-            raise Conflict("unsupported-op", "addmm of activations with a sharded operand", "keep the producer replicated")
+            raise Conflict("unsupported-op", "addmm of activations with a sharded operand", GATHER_INSTEAD)
         return Decision(REPLICATE)
     return _layer_rule(ctx, ops)
 
@@ -135,7 +148,7 @@ def _layer_rule(ctx: RuleContext, ops: LayerOperands) -> Decision:
         raise Conflict(  # NOTE: [grouped shards]: the holders of a kv head would each add its part
             "contracts-sharded-dim",
             f"a layer contracts over kv heads held by several ranks ({px})",
-            "keep the kv projections replicated",
+            WHOLE_KV_HEADS,
         )
     if isinstance(px, Shard) or state.forced == "rowwise" or state.slice_input and state.demoted is None:
         shard = px if isinstance(px, Shard) else Shard(last, (in_features,))
@@ -192,7 +205,7 @@ def _not_divisible(what: str, size: int, ws: int) -> LayerNote:
         "replicate",
         f"{what} {size} is smaller than world_size {ws}: a rank would hold nothing",
         code="not-divisible",
-        fix="none needed: too small to shard",
+        fix="none needed (too small to shard)" + (f"; a world_size of at most {size} shards it" if size > 1 else ""),
     )
 
 
@@ -210,7 +223,9 @@ def embedding_rule(ctx: RuleContext) -> Decision:
     if isinstance(p, Shard) or state.demoted is not None:
         note = state.demoted or _on_other_dim("the indices are sharded")
         return Decision(p if isinstance(p, Shard) else REPLICATE, {weight: REPLICATE}, layer=note)
-    vocab = shape_of(weight)[0]
+    vocab, dim = shape_of(weight)
+    if state.columns or state.forced == "colwise":
+        return _by_columns(ctx, weight, dim)
     if vocab < ctx.world_size:
         return Decision(REPLICATE, {weight: REPLICATE}, layer=_not_divisible("num_embeddings", vocab, ctx.world_size))
     if _arg(ctx.node, 4, "sparse", False):
@@ -224,6 +239,18 @@ def embedding_rule(ctx: RuleContext) -> Decision:
         local_target=local_ops.vocab_parallel_embedding,
         layer=LayerNote("rowwise", reason),
     )
+
+
+def _by_columns(ctx: RuleContext, weight: Node, dim: int) -> Decision:
+    """NOTE: [column-sharded embedding] in ``passes/layers/columns.py``: every rank holds a block of
+    each row and looks up its columns; the output is sharded on the last dim, no communication."""
+    if dim < ctx.world_size:
+        return Decision(REPLICATE, {weight: REPLICATE}, layer=_not_divisible("embedding_dim", dim, ctx.world_size))
+    out = Shard(len(ctx.out_shape) - 1, (dim,))
+    reason = "sharded by columns: each rank looks up its block of every row, as its consumers take the output sharded"
+    if not out.divisible(ctx.world_size):
+        reason += "; uneven: " + "/".join(str(out.local_size(ctx.world_size, r)) for r in range(ctx.world_size)) + " columns per rank"
+    return Decision(out, {weight: Shard(1, (dim,))}, layer=LayerNote("colwise", reason))
 
 
 @register_rule(aten.matmul.default, aten.bmm.default, aten.mm.default)
@@ -240,7 +267,7 @@ def matmul_rule(ctx: RuleContext) -> Decision:
     na, nb, nout = ndim(a), ndim(b), len(ctx.out_shape)
     if na < 2 or nb < 2:
         if isinstance(pa, Shard) or isinstance(pb, Shard):
-            raise Conflict("unsupported-op", "matmul with a 1-D sharded operand", "keep the producer replicated")
+            raise Conflict("unsupported-op", "matmul with a 1-D sharded operand", GATHER_INSTEAD)
         return Decision(REPLICATE)
     # Map each operand dim to an output dim (None for the contraction dim).
     amap = {d: d + nout - na for d in range(na - 1)}
@@ -249,15 +276,15 @@ def matmul_rule(ctx: RuleContext) -> Decision:
     if isinstance(pa, Shard) and pa.dim == na - 1 or isinstance(pb, Shard) and pb.dim == nb - 2:
         # A Partial product would need an all_reduce of activations (e.g. attention scores):
         # dearer than keeping the producers replicated.
-        raise Conflict("contracts-sharded-dim", "matmul contracts over the sharded dim", "keep the producing layers replicated")
+        raise Conflict("contracts-sharded-dim", "matmul contracts over the sharded dim", GATHER_INSTEAD)
     out = None
     for p, dmap in ((pa, amap), (pb, bmap)):
         if isinstance(p, Shard):
             if p.dim not in dmap:
-                raise Conflict("layout-mismatch", "matmul contracts over a dim sharded on one side only", "keep the producer replicated")
+                raise Conflict("layout-mismatch", "matmul contracts over a dim sharded on one side only", GATHER_INSTEAD)
             cand = p.with_dim(dmap[p.dim])
             if out is not None and cand != out:
-                raise Conflict("layout-mismatch", f"matmul operands sharded as {out} and {cand}", "keep one producer replicated")
+                raise Conflict("layout-mismatch", f"matmul operands sharded as {out} and {cand}", GATHER_INSTEAD)
             out = cand
     if out is None:
         return Decision(REPLICATE)

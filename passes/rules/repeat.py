@@ -17,7 +17,7 @@ import torch
 
 from fxtp.core import local_ops
 from fxtp.core.placement import REPLICATE, Shard
-from passes.registry import Conflict, Decision, RuleContext, ShardStart, overlap_ok, register_rule, uneven_ok
+from passes.registry import GATHER_INSTEAD, Conflict, Decision, RuleContext, ShardStart, overlap_ok, register_rule, uneven_ok
 from passes.rules._common import local_size, ndim, norm_dim
 
 __all__ = ["repeats_kv_heads", "repeat_kv_decision"]
@@ -62,7 +62,7 @@ def repeat_interleave_rule(ctx: RuleContext) -> Decision:
     if not isinstance(p, Shard):
         return Decision(REPLICATE)
     if dim is None:
-        raise Conflict("view-crosses-shard", "repeat_interleave without dim flattens the sharded input", "keep the producing layer replicated")
+        raise Conflict("view-crosses-shard", "repeat_interleave without dim flattens the sharded input", GATHER_INSTEAD)
     if norm_dim(dim, ndim(x)) != p.dim:
         return Decision(p)
     if p.overlaps and len(p.segments) == 1 and p.unit == 1 and repeats == p.groups[0]:
@@ -71,7 +71,7 @@ def repeat_interleave_rule(ctx: RuleContext) -> Decision:
         raise Conflict(
             "not-divisible",
             f"repeat_interleave({repeats}) of heads split unevenly ({p}) at world_size {ctx.world_size}",
-            "use a world_size that divides the kv head count, or keep the producing layer replicated",
+            "use a world_size that divides the kv head count",
         )
     out = Shard(p.dim, tuple(s * repeats for s in p.segments))
     if args[3] is None and "output_size" not in ctx.node.kwargs:

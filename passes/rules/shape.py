@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from fxtp.core.placement import REPLICATE, Shard
-from passes.registry import Conflict, Decision, RuleContext, overlap_ok, register_rule, shape_of, uneven_ok
+from passes.registry import GATHER_INSTEAD, WHOLE_KV_HEADS, Conflict, Decision, RuleContext, overlap_ok, register_rule, shape_of, uneven_ok
 from passes.rules._common import activation_placement, local_size, local_sizes, ndim, norm_dim
 from passes.rules.repeat import repeat_kv_decision, repeats_kv_heads
 
@@ -88,7 +88,7 @@ def view_placement(shard: Shard, in_shape: tuple[int, ...], out_shape: tuple[int
         raise Conflict(
             "view-crosses-shard",
             f"view {list(in_shape)} -> {list(out_shape)} regroups a dim with unequal segments {list(shard.segments)}",
-            "keep the producing layer replicated",
+            GATHER_INSTEAD,
         )
     inner = math.prod(in_shape[i] for i in ins if i > shard.dim)
     rank_stride = (s // ws) * inner
@@ -110,7 +110,7 @@ def view_placement(shard: Shard, in_shape: tuple[int, ...], out_shape: tuple[int
         code,
         f"view {list(in_shape)} -> {list(out_shape)} would split output dim {o} of size {n} "
         f"(e.g. a head count) across world_size {ws} inside its elements",
-        f"use a world_size that divides {n}, or keep the producing layer replicated",
+        f"use a world_size that divides {n}",
         refine=_refine_for_view(shard, in_shape, out_shape, group, ws),
         unit=_head_unit(shard, out_shape, big_in, big_out, ws),
     )
@@ -174,7 +174,7 @@ def _uneven_view(shard: Shard, in_shape, out_shape, ins: list[int], big_out: lis
         "not-divisible",
         f"view {list(in_shape)} -> {list(out_shape)} regroups a dim sharded unevenly ({shard}, size {shard.size}) "
         f"at world_size {ws}",
-        f"use a world_size that divides {shard.size}, or keep the producing layer replicated",
+        f"use a world_size that divides {shard.size}",
         unit=unit if outer is None else shard.unit,
         unit_segments=outer,
     )
@@ -330,15 +330,15 @@ def cat_rule(ctx: RuleContext) -> Decision:
     if not shards:
         return Decision(REPLICATE)
     if any(p.dim != shards[0].dim for p in shards):
-        raise Conflict("layout-mismatch", "cat of tensors sharded on different dims", "keep one producer replicated")
+        raise Conflict("layout-mismatch", "cat of tensors sharded on different dims", GATHER_INSTEAD)
     if shards[0].dim == dim:
         if any(p.overlaps for p in shards):
-            raise Conflict("layout-mismatch", "cat along kv heads held by several ranks", "keep the kv projections replicated")
+            raise Conflict("layout-mismatch", "cat along kv heads held by several ranks", WHOLE_KV_HEADS)
         if len(shards) != len(tensors):
-            raise Conflict("layout-mismatch", "cat along the sharded dim of sharded and replicated tensors", "keep the producers replicated")
+            raise Conflict("layout-mismatch", "cat along the sharded dim of sharded and replicated tensors", GATHER_INSTEAD)
         if len({p.unit for p in shards}) > 1:
-            raise Conflict("layout-mismatch", "cat along the sharded dim of shards split in different units", "keep the producers replicated")
+            raise Conflict("layout-mismatch", "cat along the sharded dim of shards split in different units", GATHER_INSTEAD)
         return Decision(Shard(dim, tuple(s for p in shards for s in p.segments), shards[0].unit), dict(zip(tensors, shards)))
     if any(p != shards[0] for p in shards):
-        raise Conflict("layout-mismatch", "cat of tensors sharded differently", "keep one producer replicated")
+        raise Conflict("layout-mismatch", "cat of tensors sharded differently", GATHER_INSTEAD)
     return Decision(shards[0], {t: shards[0] for t in tensors})

@@ -35,7 +35,19 @@ import torch
 from torch.fx import Node
 
 from fxtp.core.placement import Replicate, Shard
-from passes.registry import Conflict, Decision, Rule, RuleContext, get_rule, is_tensor_node, overlap_ok, takes_overlap, takes_uneven, uneven_ok
+from passes.registry import (
+    GATHER_INSTEAD,
+    Conflict,
+    Decision,
+    Rule,
+    RuleContext,
+    get_rule,
+    is_tensor_node,
+    overlap_ok,
+    takes_overlap,
+    takes_uneven,
+    uneven_ok,
+)
 from passes.rules.dtensor_fallback import dtensor_rule
 
 __all__ = ["rule_for", "functional_variant"]
@@ -113,7 +125,7 @@ def _variant_rule(op: OpOverload, functional: OpOverload) -> Rule:
                 raise Conflict(
                     "unsupported-op",
                     f"{op} writes into {arg.name} ({have}) but its result would be {out} (NOTE: [mutated layout])",
-                    "keep the producing layer replicated (fxtp does), or use the out-of-place op",
+                    f"use the out-of-place op at {{line}}; or {GATHER_INSTEAD}",
                 )
         return dec
 
