@@ -31,7 +31,8 @@ from passes.dynamic import plan_symbols
 from passes.kv_heads import keep_needed_kv_heads
 from passes.checkpointing import checkpoint_regions, recompute_regions, repeated_blocks
 from passes.normalize import normalize
-from passes.partial import defer_reductions
+from passes.moe.parallel import expert_parallel, select_blocks
+from passes.moe.reductions import defer_reductions
 from passes.plan import ShardingPlan, plan_sharding
 from passes.rewrite import rewrite
 from passes.sequence import sequence_parallel
@@ -54,6 +55,7 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
     dynamic_shapes: Any = None,
     sequence_parallel: bool = False,
     activation_checkpointing: Optional[str] = None,
+    expert_parallel: bool = False,
 ) -> ParallelModule:
     """Turn ``model`` into this rank's part of a ``world_size``-way tensor-parallel model.
 
@@ -89,6 +91,12 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
             full mode; ``"selective"``: per block, matmul and attention outputs are saved and
             the rest recomputed (torchtitan's op-level selective mode). NOTE: [recomputed
             regions] in fxtp/core/recompute.py; the report lists the regions.
+        expert_parallel: every routed-experts block (Hugging Face's ``grouped_mm`` and
+            ``batched_mm`` experts) holds whole experts per rank, ``E // world_size`` of them
+            (front-loaded), and sends each (token, expert) pair to its expert's rank by
+            all_to_all and back (NOTE: [expert parallelism] in fxtp/core/expert_dispatch.py);
+            the router, shared experts, attention and dense layers keep their plan.
+            ``plan={module: "expert"}`` does this for one block.
 
     Returns:
         A :class:`ParallelModule`: same call signature and outputs as ``model``. Its
@@ -110,12 +118,13 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
     """
     return _compile(model, world_size, example_inputs, example_kwargs, rank, group, capture, plan, dynamic, dynamic_shapes,
                     modes=("train", "eval"), sequence=check_flag("sequence_parallel", sequence_parallel),
-                    checkpointing=check_checkpointing(activation_checkpointing))
+                    checkpointing=check_checkpointing(activation_checkpointing),
+                    experts=check_flag("expert_parallel", expert_parallel))
 
 
 def _compile(model, world_size, example_inputs, example_kwargs, rank, group, capture, plan, dynamic, dynamic_shapes, *,
              modes: tuple[str, ...], sequence: bool = False, kv_heads: bool = False,
-             checkpointing: Optional[str] = None) -> ParallelModule:
+             checkpointing: Optional[str] = None, experts: bool = False) -> ParallelModule:
     """``compile``, capturing the graphs of ``modes`` besides the model's own (NOTE: [modes]);
     a decoder for ``generate`` runs in eval mode only and needs no other, and keeps of its
     cache the kv heads each rank needs (``kv_heads``, passes/kv_heads.py)."""
@@ -126,7 +135,7 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
     group_name, rank = resolve_group(ws, rank, group)
     shapes = _shapes_spec(args, kwargs, dynamic, spec_with_defaults(dynamic_shapes, defaults))
     captured, sharding, report = _analyze(model, ws, args, kwargs, capture, plan, rank, shapes, sequence=sequence,
-                                          kv_heads=kv_heads)
+                                          kv_heads=kv_heads, experts=experts)
     report.left_out = left_out
     program = captured.program
     start = time.perf_counter()
@@ -141,8 +150,8 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
     start = time.perf_counter()
     for mode in modes:  # NOTE: [modes]
         if mode not in graphs:
-            other = _other_mode(model, mode, ws, args, kwargs, captured, plan, rank, shapes, group_name, program, sharding, sequence,
-                                (checkpointing, blocks))
+            other = _other_mode(model, mode, ws, args, kwargs, captured, plan, rank, shapes, group_name, program, sharding,
+                                (sequence, experts), (checkpointing, blocks))
             same = other[1].code == gm.code and input_specs(other[0]) == input_specs(program)
             graphs[mode] = graphs[compiled] if same else other
             report.modes[mode] = "captured at compile" + (": the same graph" if same else ": its own graph")
@@ -158,7 +167,7 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
     bind_state_keys(pm, model)
     if not kv_heads and (dynamic_shapes is not None or dynamic):  # NOTE: [size-1 graphs] in fxtp/runtime/variants.py
         pm._size_graphs = _size_graphs(model, ws, captured.frontend, (report.plan, plan), rank, group_name,
-                                       parameter_placements(program, sharding), sequence, (checkpointing, blocks))
+                                       parameter_placements(program, sharding), (sequence, experts), (checkpointing, blocks))
     pm._generation = generation_for(model, _compile_decoder)  # NOTE: [generation]
     return pm
 
@@ -202,12 +211,13 @@ def _in_mode(model: nn.Module, training: bool) -> Iterator[None]:
 
 
 def _other_mode(
-    model, mode, ws, args, kwargs, first: Captured, plan, rank, shapes, group_name, program, sharding, sequence, recompute
+    model, mode, ws, args, kwargs, first: Captured, plan, rank, shapes, group_name, program, sharding, options, recompute
 ) -> tuple[torch.export.ExportedProgram, torch.fx.GraphModule]:
     """Capture, plan and rewrite ``model`` in ``mode``; its parameters must be sharded as in
-    the compiled mode's plan (NOTE: [modes])."""
+    the compiled mode's plan (NOTE: [modes]). ``options``: ``(sequence_parallel, expert_parallel)``."""
     with _in_mode(model, mode == "train"):
-        captured, other, _ = _analyze(model, ws, args, kwargs, first.frontend, plan, rank, shapes, report=False, sequence=sequence)
+        captured, other, _ = _analyze(model, ws, args, kwargs, first.frontend, plan, rank, shapes, report=False,
+                                      sequence=options[0], experts=options[1])
     _check_same_shards(parameter_placements(program, sharding), captured.program, other, f"in {mode} mode",
                        "compile in the other mode")
     return captured.program, _recomputed(captured, other, ws, rank, group_name, recompute)
@@ -231,7 +241,7 @@ def _check_same_shards(want: Mapping[str, Any], program, sharding: ShardingPlan,
             )
 
 
-def _size_graphs(model, ws, how, plans, rank, group_name, want, sequence, recompute) -> Optional[SizeGraphs]:
+def _size_graphs(model, ws, how, plans, rank, group_name, want, options, recompute) -> Optional[SizeGraphs]:
     """What makes the graphs for sizes 0 and 1 on first use (NOTE: [size-1 graphs] in
     fxtp/runtime/variants.py): the pipeline above on the model's ``meta`` copy. ``plans``: the
     plans to try in order, the compiled graph's layer styles first (a layer the compiled graph
@@ -246,7 +256,8 @@ def _size_graphs(model, ws, how, plans, rank, group_name, want, sequence, recomp
             try:
                 with contextlib.nullcontext() if mode == "mixed" else _in_mode(meta_model, mode == "train"):
                     captured, sharding, _ = _analyze(meta_model, ws, args, kwargs, how, plan, rank,
-                                                     auto_dynamic_shapes(args, kwargs), report=False, sequence=sequence)
+                                                     auto_dynamic_shapes(args, kwargs), report=False, sequence=options[0],
+                                                     experts=options[1])
                 _check_same_shards(want, captured.program, sharding, "for these input sizes", "call with the compiled sizes")
             except FxtpPlanError as exc:  # e.g. a layer name of the compiled graph this graph lacks
                 error = error or exc
@@ -283,6 +294,7 @@ def analyze(
     dynamic_shapes: Any = None,
     rank: int = 0,
     sequence_parallel: bool = False,
+    expert_parallel: bool = False,
 ) -> Report:
     """The :class:`Report` ``compile`` would give, without creating any shard.
 
@@ -296,18 +308,19 @@ def analyze(
     kwargs |= defaults
     shapes = _shapes_spec(args, kwargs, dynamic, spec_with_defaults(dynamic_shapes, defaults))
     report = _analyze(model, ws, args, kwargs, capture, plan, rank, shapes,
-                      sequence=check_flag("sequence_parallel", sequence_parallel))[2]
+                      sequence=check_flag("sequence_parallel", sequence_parallel),
+                      experts=check_flag("expert_parallel", expert_parallel))[2]
     report.left_out = left_out
     return report
 
 
 def _analyze(model, ws, args, kwargs, how, plan, rank, shapes=None, report: bool = True,
-             sequence: bool = False, kv_heads: bool = False) -> tuple[Captured, ShardingPlan, Optional[Report]]:
+             sequence: bool = False, kv_heads: bool = False, experts: bool = False) -> tuple[Captured, ShardingPlan, Optional[Report]]:
     if how not in (*FRONTENDS, "auto"):
         raise FxtpConfigError(f"capture must be one of {', '.join(repr(f) for f in (*FRONTENDS, 'auto'))}, not {how!r}")
     overrides = check_plan(plan)
     start = time.perf_counter()
-    captured, sharding, capture_s = _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes, sequence, kv_heads)
+    captured, sharding, capture_s = _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes, sequence, kv_heads, experts)
     symbols = plan_symbols(captured.program.graph, sharding)
     notes = list(captured.notes)
     if symbols:  # NOTE: [dynamic shapes]: a decision reads a dynamic size: specialize it, capture again
@@ -317,7 +330,7 @@ def _analyze(model, ws, args, kwargs, how, plan, rank, shapes=None, report: bool
         respec = specialized_shapes(flat, specs, set(symbols))
         first = captured
         captured, sharding, again_s = _capture_and_plan(model, ws, args, kwargs, first.frontend, overrides, respec, sequence,
-                                                        kv_heads)
+                                                        kv_heads, experts)
         captured = dataclasses.replace(captured, attempts=first.attempts + captured.attempts)
         capture_s += again_s
         notes += list(captured.notes)
@@ -332,7 +345,7 @@ def _analyze(model, ws, args, kwargs, how, plan, rank, shapes=None, report: bool
 
 
 def _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes, sequence: bool,
-                      kv_heads: bool = False) -> tuple[Captured, ShardingPlan, float]:
+                      kv_heads: bool = False, experts: bool = False) -> tuple[Captured, ShardingPlan, float]:
     """Capture, normalize and plan (sequence parallelism with ``sequence``; keep a cache's needed
     kv heads with ``kv_heads``); also the seconds the capture took."""
     start = time.perf_counter()
@@ -340,7 +353,7 @@ def _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes, sequence:
     capture_s = time.perf_counter() - start
     program = captured.program
     param_fqns, written = _normalized(program)
-    sharding = _plan(program, param_fqns, written, ws, overrides, sequence, kv_heads)
+    sharding = _plan(program, param_fqns, written, ws, overrides, sequence, kv_heads, experts)
     return captured, sharding, capture_s
 
 
@@ -356,9 +369,11 @@ def _normalized(program: torch.export.ExportedProgram) -> tuple[dict[str, str], 
     return param_fqns | written, written  # NOTE: [sharded state] in passes/rules/variants.py
 
 
-def _plan(program, param_fqns, written, ws: int, overrides, sequence: bool, kv_heads: bool) -> ShardingPlan:
+def _plan(program, param_fqns, written, ws: int, overrides, sequence: bool, kv_heads: bool, experts: bool = False) -> ShardingPlan:
     """The plan of a normalized program at ``ws`` (it does not modify the graph)."""
-    sharding = defer_reductions(program.graph, plan_sharding(program.graph, param_fqns, ws, overrides))
+    blocks, overrides = select_blocks(program.graph, param_fqns, overrides, experts, ws)  # NOTE: [expert parallelism]
+    sharding = plan_sharding(program.graph, param_fqns, ws, overrides)
+    sharding = defer_reductions(program.graph, expert_parallel(program.graph, sharding, blocks, param_fqns))
     if kv_heads:  # NOTE: [kv heads kept by the ranks that need them] in passes/kv_heads.py
         sharding = keep_needed_kv_heads(program.graph, sharding, written)
     if sequence:  # NOTE: [sequence parallelism] in passes/sequence.py

@@ -12,6 +12,8 @@ For each node, in order:
 * a random op on a sharded value (a train-mode dropout, ``bernoulli``, an attention's
   ``dropout_p``) draws this rank's slice of one global mask (``fxtp.core.rng.sharded_call``,
   NOTE: [dropout across ranks]);
+* an expert-parallel block's rows come from ``dispatch_to_experts`` and its output from
+  ``combine_from_experts`` (``passes/moe/parallel.py``, NOTE: [expert parallelism]);
 * a ``Partial`` output gets ``g`` (all_reduce) right after it and the bias added after that
   (under sequence parallelism a reduce_scatter, NOTE: [sequence parallelism])::
 
@@ -32,6 +34,7 @@ from torch.fx.node import map_arg
 
 from fxtp.core import collectives, rng
 from fxtp.core.placement import Shard, local_ranges
+from passes.moe.parallel import dispatch_experts
 from passes.plan import ShardingPlan
 from passes.propagate import EdgeAction
 from passes.registry import GroupName, LocalSize, ShardStart
@@ -45,6 +48,7 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
     """Return a new GraphModule computing rank ``rank``'s part; ``gm`` is not modified."""
     graph, nodes = _copy_graph(gm.graph)
     old_name = {new: old for old, new in nodes.items()}
+    dispatch_experts(graph, nodes, old_name, plan, rank, group_name)  # NOTE: [expert parallelism]
     last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
     ws = plan.world_size
     cache: dict[tuple, Node] = {}

@@ -15,6 +15,7 @@ import torch
 
 from fxtp.core import local_ops
 from fxtp.core.placement import Placement, Shard, local_ranges
+from passes.moe.blocks import ExpertBlock
 from passes.propagate import EdgeAction
 
 __all__ = ["KvHeads", "LayerDecision", "ShardingPlan"]
@@ -87,4 +88,6 @@ class ShardingPlan:
     tokens: frozenset[str] = frozenset()  # the values sharded on tokens (same NOTE)
     # placeholder -> the kv heads each rank keeps of a replicated cache (passes/kv_heads.py)
     kv_heads: Mapping[str, KvHeads] = field(default_factory=dict)
+    # the experts blocks run expert parallel (NOTE: [expert parallelism], passes/moe/parallel.py)
+    experts: tuple[ExpertBlock, ...] = ()
 
