@@ -209,11 +209,15 @@ _MOE_TINY = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=2, num
 
 
 def _tiny_moe(model_class: str, config_class: str, seed: int, base: dict, overrides: dict):
+    """``overrides`` may hold ``device="meta"``: the model and its ids on ``meta`` (shapes only)."""
     import transformers
 
+    device = overrides.pop("device", "cpu")
     torch.manual_seed(seed)
     config = getattr(transformers, config_class)(**{**_MOE_TINY, **base, **overrides})
-    return getattr(transformers, model_class)(config).eval(), (_ids(seed),)
+    with torch.device(device):
+        model = getattr(transformers, model_class)(config).eval()
+    return model, (_ids(seed, device=device),)
 
 
 def qwen3_moe(seed: int = 0, **overrides) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
@@ -236,7 +240,8 @@ def gpt_oss(seed: int = 0, **overrides) -> tuple[nn.Module, tuple[torch.Tensor, 
     SwiGLU; a biased router; sinks, sliding and full attention) and (2, 16) ids."""
     base = dict(intermediate_size=64, num_local_experts=4, head_dim=16, sliding_window=8,
                 rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
-                layer_types=["sliding_attention", "full_attention"])
+                layer_types=["sliding_attention", "full_attention"] * (overrides.get("num_hidden_layers", 2) // 2)
+                + ["sliding_attention"] * (overrides.get("num_hidden_layers", 2) % 2))
     model, ids = _tiny_moe("GptOssForCausalLM", "GptOssConfig", seed, base, overrides)
     with torch.no_grad():  # transformers initializes the experts' biases and the router to zero; random ones test more
         for name, p in model.named_parameters():
