@@ -103,7 +103,9 @@ def test_tensor_parallel_tokens_and_generation(pool):
     compile serves 4, 10, 16 and 6 tokens; greedy generation is token-identical."""
     (r, *_) = pool.run(_other_checks)
     for case, forward in r["tp"].items():
-        assert forward["all_reduce"] == 2 * N_BLOCKS + 1, case
+        # gpt-oss's interleaved, biased experts are not sharded by tensor parallelism yet (replicated,
+        # exact): only the attention's all_reduce per block (issue 24 item 2 is open).
+        assert forward["all_reduce"] == (1 if case == "gpt_oss" else 2) * N_BLOCKS + 1, case
     if pool.world_size == 2:
         assert [s[0][:2] for s in r["shapes"]] == [(2, 2), (2, 5), (2, 8), (2, 3)]
     else:
