@@ -372,6 +372,9 @@ def _normalized(program: torch.export.ExportedProgram) -> tuple[dict[str, str], 
 def _plan(program, param_fqns, written, ws: int, overrides, sequence: bool, kv_heads: bool, experts: bool = False) -> ShardingPlan:
     """The plan of a normalized program at ``ws`` (it does not modify the graph)."""
     blocks, overrides = select_blocks(program.graph, param_fqns, overrides, experts, ws)  # NOTE: [expert parallelism]
+    if blocks and sequence:
+        raise FxtpConfigError("expert_parallel and sequence_parallel=True together are not supported yet: the experts' "
+                              "dispatch reads the MoE input replicated. fix: pass one of them")
     sharding = plan_sharding(program.graph, param_fqns, ws, overrides)
     sharding = defer_reductions(program.graph, expert_parallel(program.graph, sharding, blocks, param_fqns))
     if kv_heads:  # NOTE: [kv heads kept by the ranks that need them] in passes/kv_heads.py
