@@ -6,36 +6,41 @@ import contextlib
 import copy
 import dataclasses
 import time
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.export.graph_signature import InputKind
 
-from fxtp.arguments import Group, check_checkpointing, check_flag, check_inputs, check_plan, check_world_size, resolve_group
+from fxtp.arguments import (
+    Group,
+    check_checkpointing,
+    check_flag,
+    check_inputs,
+    check_plan,
+    check_strategy,
+    check_world_size,
+    resolve_group,
+)
 from fxtp.capture.hf_defaults import call_defaults, spec_with_defaults
 # `_capture`: the frontend where an argument named `capture` (the user's choice) shadows it
-from fxtp.capture.frontends import FRONTENDS, Captured, auto_dynamic_shapes, capture, capture as _capture, written_state
+from fxtp.capture.frontends import FRONTENDS, Captured, auto_dynamic_shapes, capture, capture as _capture
 from fxtp.runtime.checkpoint import bind_state_keys
 from fxtp.core.errors import FxtpConfigError, FxtpPlanError
 from fxtp.runtime.generation import generation_for
 from fxtp.explain.recompute import add_recompute
 from fxtp.explain.report import Report, build_report, parameter_placements
 from fxtp.core.rng import draws_random, sync_generators
+from fxtp.planning import normalized, plan_program
 from fxtp.runtime.module import ParallelModule
-from fxtp.runtime.variants import SizeGraphs, meta_copy
+from fxtp.runtime.variants import SizeGraphs, in_mode, meta_copy, mode_of
 from fxtp.capture.shapes import input_specs, specialized_shapes
 from passes.dynamic import plan_symbols
-from passes.kv_heads import keep_needed_kv_heads
 from passes.checkpointing import checkpoint_regions, recompute_regions, repeated_blocks
-from passes.normalize import normalize
-from passes.moe.parallel import expert_parallel, select_blocks
-from passes.moe.reductions import defer_reductions
-from passes.plan import ShardingPlan, plan_sharding
+from passes.normalize import causal_attention
+from passes.plan import ShardingPlan
 from passes.rewrite import rewrite
-from passes.sequence import sequence_parallel
 
 __all__ = ["compile", "analyze", "plan_world_sizes"]
 
@@ -55,6 +60,7 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
     dynamic_shapes: Any = None,
     sequence_parallel: bool = False,
     activation_checkpointing: Optional[str] = None,
+    strategy: Any = None,
     expert_parallel: bool = False,
 ) -> ParallelModule:
     """Turn ``model`` into this rank's part of a ``world_size``-way tensor-parallel model.
@@ -91,19 +97,24 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
             full mode; ``"selective"``: per block, matmul and attention outputs are saved and
             the rest recomputed (torchtitan's op-level selective mode). NOTE: [recomputed
             regions] in fxtp/core/recompute.py; the report lists the regions.
+        strategy: a ``fxtp.ParallelPlan`` (``fxtp.plan``): its tensor-parallel part is applied,
+            ``world_size`` must be its ``tp`` (``group``: the tp sub-mesh), and its
+            ``sequence_parallel``, ``activation_checkpointing`` and layer styles are used
+            (``plan=`` entries override layer styles; the other two must be left unset or agree).
+            FSDP2 over the ``dp`` sub-mesh is the caller's: ``fully_shard(pm, mesh=mesh["dp"])``.
         expert_parallel: every routed-experts block (Hugging Face's ``grouped_mm`` and
             ``batched_mm`` experts) holds whole experts per rank, ``E // world_size`` of them
             (front-loaded), and sends each (token, expert) pair to its expert's rank by
             all_to_all and back (NOTE: [expert parallelism] in fxtp/core/expert_dispatch.py);
             the router, shared experts, attention and dense layers keep their plan.
-            ``plan={module: "expert"}`` does this for one block.
+            ``plan={module: "expert"}`` does this for one block. Not with ``sequence_parallel``.
 
     Returns:
         A :class:`ParallelModule`: same call signature and outputs as ``model``. Its
         ``train()``/``eval()`` switch the graph like the model's own switch (NOTE: [modes]).
 
     Raises:
-        FxtpConfigError: bad ``world_size``, ``capture``, ``plan`` or ``group``.
+        FxtpConfigError: bad ``world_size``, ``capture``, ``plan``, ``group`` or ``strategy``.
         FxtpInputError: example inputs whose shapes or dtypes do not fit the model (values are
             not checked: an id out of range compiles and raises at the first call).
         FxtpCaptureError: no frontend could capture the model.
@@ -116,9 +127,12 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
         torch.testing.assert_close(pm(x), model(x))
         print(pm.report)
     """
-    return _compile(model, world_size, example_inputs, example_kwargs, rank, group, capture, plan, dynamic, dynamic_shapes,
-                    modes=("train", "eval"), sequence=check_flag("sequence_parallel", sequence_parallel),
-                    checkpointing=check_checkpointing(activation_checkpointing),
+    sequence, checkpointing, overrides = check_strategy(
+        strategy, check_world_size(world_size), check_flag("sequence_parallel", sequence_parallel),
+        check_checkpointing(activation_checkpointing), check_plan(plan),
+    )
+    return _compile(model, world_size, example_inputs, example_kwargs, rank, group, capture, overrides or plan, dynamic,
+                    dynamic_shapes, modes=("train", "eval"), sequence=sequence, checkpointing=checkpointing,
                     experts=check_flag("expert_parallel", expert_parallel))
 
 
@@ -144,30 +158,41 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
     gm = recompute_regions(_rewrite(program, sharding, ws, rank, group_name), regions, captured.context_fns)
     add_recompute(report, regions, gm)
     report.timings["rewrite_s"] = time.perf_counter() - start
-    compiled = _mode_of(model)
-    graphs = {compiled: (program, gm)}
+    compiled = mode_of(model)
     report.modes = {compiled: "captured at compile (the model's mode)"}
+    want = parameter_placements(program, sharding)
+    copied = meta_copy(model)  # for the graphs captured on first use: other modes, sizes 0 and 1
+    graphs = {compiled: (program, gm)}
     start = time.perf_counter()
     for mode in modes:  # NOTE: [modes]
-        if mode not in graphs:
-            other = _other_mode(model, mode, ws, args, kwargs, captured, plan, rank, shapes, group_name, program, sharding,
+        if mode == compiled:
+            continue
+        if copied is None:  # a model that cannot be copied: its other mode is captured now
+            other = _other_mode(model, mode, ws, args, kwargs, captured.frontend, plan, rank, shapes, group_name, want,
                                 (sequence, experts), (checkpointing, blocks))
             same = other[1].code == gm.code and input_specs(other[0]) == input_specs(program)
             graphs[mode] = graphs[compiled] if same else other
             report.modes[mode] = "captured at compile" + (": the same graph" if same else ": its own graph")
+        else:
+            report.modes[mode] = "captured at the first switch to it (pm.train() / pm.eval())"
     report.timings["modes_s"] = time.perf_counter() - start
     # The captured graphs, not the rank graphs: there a random op on a shard is fxtp's own call.
     report.generator_check = any(draws_random(prog.graph) for prog, _ in graphs.values())
-    if group_name is not None and report.generator_check:  # NOTE: [dropout across ranks]
-        sync_generators(group.get_group() if hasattr(group, "get_group") else group or dist.group.WORLD)
+    tp_group = (group.get_group() if hasattr(group, "get_group") else group or dist.group.WORLD) if group_name is not None else None
+    if tp_group is not None and report.generator_check:  # NOTE: [dropout across ranks]
+        sync_generators(tp_group)
     pm = ParallelModule(
         program, gm, sharding, report, rank=rank, world_size=ws, group_name=group_name, graphs=graphs, mode=compiled
     )
     pm._call_defaults = defaults
     bind_state_keys(pm, model)
-    if not kv_heads and (dynamic_shapes is not None or dynamic):  # NOTE: [size-1 graphs] in fxtp/runtime/variants.py
-        pm._size_graphs = _size_graphs(model, ws, captured.frontend, (report.plan, plan), rank, group_name,
-                                       parameter_placements(program, sharding), (sequence, experts), (checkpointing, blocks))
+    if copied is not None and any(mode not in graphs for mode in modes):
+        pm._mode_graphs = _mode_graphs(copied, compiled, gm.code, input_specs(program), ws, args, kwargs, captured.frontend,
+                                       plan, rank, shapes, tp_group, group_name, want, (sequence, experts),
+                                       (checkpointing, blocks))
+    if copied is not None and not kv_heads and (dynamic_shapes is not None or dynamic):  # NOTE: [size-1 graphs] in fxtp/runtime/variants.py
+        pm._size_graphs = _size_graphs(copied, ws, captured.frontend, (report.plan, plan), rank, group_name, want,
+                                       (sequence, experts), (checkpointing, blocks))
     pm._generation = generation_for(model, _compile_decoder)  # NOTE: [generation]
     return pm
 
@@ -180,47 +205,60 @@ def _compile_decoder(model: nn.Module, world_size: int, example_inputs: tuple, *
 
 
 # NOTE: [modes]
-# ``pm.train()`` / ``pm.eval()`` must do what ``model.train()`` / ``model.eval()`` do, and the
-# model's Python may branch on ``self.training`` anywhere (dropout_p of an attention, batch-norm
-# statistics, Hugging Face's ``0.0 if not self.training``), so a graph captured in one mode is
-# not the other's. fxtp captures one graph per mode at compile: the model's own mode, then
-# every module in train mode and every module in eval mode (the flags are set for the capture
-# and restored; no weight is touched). A model compiled in a mixed state (a frozen batch norm)
-# keeps that graph until the first ``train()``/``eval()``. Every mode's plan must shard the
-# parameters alike (they are one set of shards); a mode that would shard one differently is an
-# ``FxtpPlanError``. The cost is one more capture at compile; the graphs are kept, so a switch
-# costs nothing.
-
-
-def _mode_of(model: nn.Module) -> str:
-    flags = {m.training for m in model.modules()}
-    return "mixed" if len(flags) > 1 else ("train" if flags.pop() else "eval")
-
-
-@contextlib.contextmanager
-def _in_mode(model: nn.Module, training: bool) -> Iterator[None]:
-    """Every module's ``training`` flag set for the block, then restored one by one."""
-    saved = [(m, m.training) for m in model.modules()]
-    try:
-        for m, _ in saved:
-            m.training = training
-        yield
-    finally:
-        for m, flag in saved:
-            m.training = flag
+# ``pm.train()`` / ``pm.eval()`` must do what ``model.train()`` / ``model.eval()`` do, and the model's Python may
+# branch on ``self.training`` anywhere (dropout_p of an attention, batch-norm statistics, Hugging Face's ``0.0 if not
+# self.training``), so a graph captured in one mode is not the other's. fxtp captures the model's own mode at compile,
+# and the other mode at the first switch to it: from the model's ``meta`` copy taken at compile (every module's flag
+# set for the capture; no weight held or touched, as for the size-1 graphs), planned, and bound to the module's own
+# shards. Most loops never switch, and a capture is most of a compile's time, so compile captures once. Every mode's
+# plan must shard the parameters alike (one set of shards); a mode that would shard one differently is an
+# ``FxtpPlanError`` at that switch. A mode whose graph is the compiled one's shares it. A graph that draws random
+# numbers where the compiled one did not syncs the generators at that switch, a collective (every rank switches at the
+# same call). A model compiled in a mixed state (a frozen batch norm) keeps that graph until the first
+# ``train()``/``eval()``. A model that cannot be deep-copied gets its other mode captured at compile. Later switches
+# cost nothing.
 
 
 def _other_mode(
-    model, mode, ws, args, kwargs, first: Captured, plan, rank, shapes, group_name, program, sharding, options, recompute
+    model, mode, ws, args, kwargs, frontend: str, plan, rank, shapes, group_name, want: Mapping[str, Any], options, recompute
 ) -> tuple[torch.export.ExportedProgram, torch.fx.GraphModule]:
     """Capture, plan and rewrite ``model`` in ``mode``; its parameters must be sharded as in
-    the compiled mode's plan (NOTE: [modes]). ``options``: ``(sequence_parallel, expert_parallel)``."""
-    with _in_mode(model, mode == "train"):
-        captured, other, _ = _analyze(model, ws, args, kwargs, first.frontend, plan, rank, shapes, report=False,
+    the compiled mode's plan, ``want`` (``{fqn: placement}``, NOTE: [modes]); ``options``:
+    ``(sequence_parallel, expert_parallel)``, the compiled graph's."""
+    with in_mode(model, mode == "train"):
+        captured, other, _ = _analyze(model, ws, args, kwargs, frontend, plan, rank, shapes, report=False,
                                       sequence=options[0], experts=options[1])
-    _check_same_shards(parameter_placements(program, sharding), captured.program, other, f"in {mode} mode",
-                       "compile in the other mode")
+    _check_same_shards(want, captured.program, other, f"in {mode} mode", "compile in the other mode")
     return captured.program, _recomputed(captured, other, ws, rank, group_name, recompute)
+
+
+def _mode_graphs(copied, compiled, code, specs, ws, args, kwargs, frontend, plan, rank, shapes, tp_group, group_name, want,
+                 options, recompute) -> Callable[[ParallelModule, str], Any]:
+    """What ``pm.train()`` / ``pm.eval()`` calls to capture a mode's graph on the first switch
+    to it (NOTE: [modes]): the pipeline on the model's ``meta`` copy ``copied`` with ``meta``
+    inputs shaped like the example, bound to the module's own parameters. Holds neither the
+    user's model nor its weights."""
+    meta_args, meta_kwargs = pytree.tree_map_only(
+        torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), (args, kwargs)
+    )
+    if isinstance(shapes, torch.export.ShapesCollection):  # keyed by the example tensors: by position instead
+        shapes = shapes.dynamic_shapes(copied, args, kwargs)
+
+    def capture_mode(pm: ParallelModule, mode: str) -> Any:
+        start = time.perf_counter()
+        program, gm = _other_mode(copied, mode, ws, meta_args, meta_kwargs, frontend, plan, rank, shapes, group_name, want,
+                                  options, recompute)
+        same = gm.code == code and input_specs(program) == specs
+        pm.report.modes[mode] = "captured at the first switch to it" + (": the same graph" if same else ": its own graph")
+        pm.report.timings["modes_s"] = time.perf_counter() - start
+        if same:
+            return pm.mode_graph(compiled)
+        if tp_group is not None and draws_random(program.graph) and not pm.report.generator_check:
+            pm.report.generator_check = True  # NOTE: [dropout across ranks]: every rank switches at the same call
+            sync_generators(tp_group)
+        return pm.bind_graph(program, gm)
+
+    return capture_mode
 
 
 def _recomputed(captured: Captured, sharding: ShardingPlan, ws: int, rank: int, group_name: Optional[str], recompute) -> torch.fx.GraphModule:
@@ -241,20 +279,17 @@ def _check_same_shards(want: Mapping[str, Any], program, sharding: ShardingPlan,
             )
 
 
-def _size_graphs(model, ws, how, plans, rank, group_name, want, options, recompute) -> Optional[SizeGraphs]:
+def _size_graphs(copied, ws, how, plans, rank, group_name, want, options, recompute) -> SizeGraphs:
     """What makes the graphs for sizes 0 and 1 on first use (NOTE: [size-1 graphs] in
-    fxtp/runtime/variants.py): the pipeline above on the model's ``meta`` copy. ``plans``: the
-    plans to try in order, the compiled graph's layer styles first (a layer the compiled graph
-    kept replicated stays so), then the user's ``plan=``."""
-    copied = meta_copy(model)
-    if copied is None:
-        return None
+    fxtp/runtime/variants.py): the pipeline above on the model's ``meta`` copy ``copied``.
+    ``plans``: the plans to try in order, the compiled graph's layer styles first (a layer the
+    compiled graph kept replicated stays so), then the user's ``plan=``."""
 
     def build(meta_model: nn.Module, args: tuple, kwargs: dict, mode: str):
         error: Optional[FxtpPlanError] = None
         for plan in plans:
             try:
-                with contextlib.nullcontext() if mode == "mixed" else _in_mode(meta_model, mode == "train"):
+                with contextlib.nullcontext() if mode == "mixed" else in_mode(meta_model, mode == "train"):
                     captured, sharding, _ = _analyze(meta_model, ws, args, kwargs, how, plan, rank,
                                                      auto_dynamic_shapes(args, kwargs), report=False, sequence=options[0],
                                                      experts=options[1])
@@ -270,8 +305,12 @@ def _size_graphs(model, ws, how, plans, rank, group_name, want, options, recompu
 
 def _rewrite(program, sharding: ShardingPlan, ws: int, rank: int, group_name: Optional[str]) -> torch.fx.GraphModule:
     if ws == 1:
-        return copy.deepcopy(program.graph_module)
-    return rewrite(program.graph_module, sharding, rank=rank, group_name=group_name or "")
+        gm = copy.deepcopy(program.graph_module)
+    else:
+        gm = rewrite(program.graph_module, sharding, rank=rank, group_name=group_name or "")
+    causal_attention(gm.graph)  # NOTE: [causal masks] in fxtp/core/local_ops.py
+    gm.recompile()
+    return gm
 
 
 def _shapes_spec(args: tuple, kwargs: dict, dynamic: bool, dynamic_shapes: Any) -> Any:
@@ -294,22 +333,30 @@ def analyze(
     dynamic_shapes: Any = None,
     rank: int = 0,
     sequence_parallel: bool = False,
+    activation_checkpointing: Optional[str] = None,
     expert_parallel: bool = False,
 ) -> Report:
     """The :class:`Report` ``compile`` would give, without creating any shard.
 
     Works on models on the ``meta`` device. Arguments and errors as in :func:`compile`
     (one mode: the model's); ``rank``: the rank the report is for (its parameter bytes: uneven
-    shards hold more on the first ranks, NOTE: [uneven shards]).
+    shards hold more on the first ranks, NOTE: [uneven shards]). The report lists the regions
+    recomputed in backward (the model's ``torch.utils.checkpoint`` calls, or those
+    ``activation_checkpointing=`` makes) and counts their collectives again in the backward.
     """
     ws = check_world_size(world_size)
+    checkpointing = check_checkpointing(activation_checkpointing)
     args, kwargs = check_inputs(model, example_inputs, example_kwargs)
     defaults, left_out = call_defaults(model, kwargs)  # NOTE: [Hugging Face call defaults]
     kwargs |= defaults
     shapes = _shapes_spec(args, kwargs, dynamic, spec_with_defaults(dynamic_shapes, defaults))
-    report = _analyze(model, ws, args, kwargs, capture, plan, rank, shapes,
-                      sequence=check_flag("sequence_parallel", sequence_parallel),
-                      experts=check_flag("expert_parallel", expert_parallel))[2]
+    captured, sharding, report = _analyze(model, ws, args, kwargs, capture, plan, rank, shapes,
+                                          sequence=check_flag("sequence_parallel", sequence_parallel),
+                                          experts=check_flag("expert_parallel", expert_parallel))
+    regions = checkpoint_regions(captured.program.graph, checkpointing, repeated_blocks(model), frozenset(captured.context_fns))
+    if regions:  # the rank graph of a meta model holds meta tensors: nothing is materialized
+        gm = recompute_regions(_rewrite(captured.program, sharding, ws, rank, None), regions, captured.context_fns)
+        add_recompute(report, regions, gm)
     report.left_out = left_out
     return report
 
@@ -347,41 +394,14 @@ def _analyze(model, ws, args, kwargs, how, plan, rank, shapes=None, report: bool
 def _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes, sequence: bool,
                       kv_heads: bool = False, experts: bool = False) -> tuple[Captured, ShardingPlan, float]:
     """Capture, normalize and plan (sequence parallelism with ``sequence``; keep a cache's needed
-    kv heads with ``kv_heads``); also the seconds the capture took."""
+    kv heads with ``kv_heads``; expert parallelism with ``experts``); also the seconds the capture took."""
     start = time.perf_counter()
     captured = capture(model, args, kwargs, how, dynamic_shapes=shapes)
     capture_s = time.perf_counter() - start
     program = captured.program
-    param_fqns, written = _normalized(program)
-    sharding = _plan(program, param_fqns, written, ws, overrides, sequence, kv_heads, experts)
+    param_fqns, written = normalized(program)
+    sharding = plan_program(program, param_fqns, written, ws, overrides, sequence, kv_heads, experts)
     return captured, sharding, capture_s
-
-
-def _normalized(program: torch.export.ExportedProgram) -> tuple[dict[str, str], dict[str, str]]:
-    """Normalize the captured graph in place (fxtp's own copy); ``({placeholder: FQN} of the
-    parameters and written state, the written state's)``."""
-    normalize(program.graph_module.graph)
-    program.graph_module.recompile()
-    param_fqns = {
-        spec.arg.name: spec.target for spec in program.graph_signature.input_specs if spec.kind == InputKind.PARAMETER
-    }
-    written = written_state(program)
-    return param_fqns | written, written  # NOTE: [sharded state] in passes/rules/variants.py
-
-
-def _plan(program, param_fqns, written, ws: int, overrides, sequence: bool, kv_heads: bool, experts: bool = False) -> ShardingPlan:
-    """The plan of a normalized program at ``ws`` (it does not modify the graph)."""
-    blocks, overrides = select_blocks(program.graph, param_fqns, overrides, experts, ws)  # NOTE: [expert parallelism]
-    if blocks and sequence:
-        raise FxtpConfigError("expert_parallel and sequence_parallel=True together are not supported yet: the experts' "
-                              "dispatch reads the MoE input replicated. fix: pass one of them")
-    sharding = plan_sharding(program.graph, param_fqns, ws, overrides)
-    sharding = defer_reductions(program.graph, expert_parallel(program.graph, sharding, blocks, param_fqns))
-    if kv_heads:  # NOTE: [kv heads kept by the ranks that need them] in passes/kv_heads.py
-        sharding = keep_needed_kv_heads(program.graph, sharding, written)
-    if sequence:  # NOTE: [sequence parallelism] in passes/sequence.py
-        sharding = sequence_parallel(program.graph, sharding, frozenset(param_fqns))
-    return sharding
 
 
 def plan_world_sizes(
@@ -402,7 +422,7 @@ def plan_world_sizes(
     if capture not in (*FRONTENDS, "auto"):
         raise FxtpConfigError(f"capture must be one of {', '.join(repr(f) for f in (*FRONTENDS, 'auto'))}, not {capture!r}")
     program = _capture(model, args, kwargs, capture, dynamic_shapes=None).program
-    param_fqns, written = _normalized(program)
-    return program, {ws: _plan(program, param_fqns, written, ws, {}, False, False) for ws in sizes}
+    param_fqns, written = normalized(program)
+    return program, {ws: plan_program(program, param_fqns, written, ws, {}) for ws in sizes}
 
 

@@ -11,10 +11,20 @@ import torch.distributed as dist
 from torch import nn
 
 from fxtp.core.errors import FxtpConfigError, FxtpInputError
+from fxtp.core.strategy import TensorParallelStrategy
 from passes.checkpointing import MODES as CHECKPOINTING
 from passes.plan import STYLES
 
-__all__ = ["Group", "check_checkpointing", "check_flag", "check_inputs", "check_plan", "check_world_size", "resolve_group"]
+__all__ = [
+    "Group",
+    "check_checkpointing",
+    "check_flag",
+    "check_inputs",
+    "check_plan",
+    "check_strategy",
+    "check_world_size",
+    "resolve_group",
+]
 
 Group = Union["dist.ProcessGroup", "torch.distributed.device_mesh.DeviceMesh", None]
 
@@ -84,3 +94,36 @@ def resolve_group(ws: int, rank: Optional[int], group: Group) -> tuple[Optional[
         raise FxtpConfigError(f"rank={rank} but this process is rank {group_rank} of the group; drop rank=")
     return group.group_name, group_rank
 
+
+
+def check_strategy(
+    strategy: Any, world_size: int, sequence_parallel: bool, activation_checkpointing: Optional[str], plan: dict[str, str]
+) -> tuple[bool, Optional[str], dict[str, str]]:
+    """``compile``'s ``(sequence_parallel, activation_checkpointing, plan)`` under ``strategy``
+    (a ``fxtp.ParallelPlan``, or its ``tensor_parallel``): the strategy's, with the caller's
+    ``plan=`` entries applied after its layer styles (so they win). The caller's other options
+    must be left at their defaults or agree with the strategy.
+
+    Raises:
+        FxtpConfigError: not a plan, a ``world_size`` other than the plan's ``tp``, or an
+            option the plan sets otherwise.
+    """
+    if strategy is None:
+        return sequence_parallel, activation_checkpointing, plan
+    part = getattr(strategy, "tensor_parallel", strategy)
+    if not isinstance(part, TensorParallelStrategy):
+        raise FxtpConfigError(f"strategy must be a fxtp.ParallelPlan (from fxtp.plan), got {type(strategy).__name__}")
+    if world_size != part.tp:
+        raise FxtpConfigError(
+            f"world_size is {world_size} but the plan's tensor-parallel degree is {part.tp}: pass world_size=plan.tp "
+            "and group= the plan's tp sub-mesh (mesh['tp'] of init_device_mesh(..., (plan.dp, plan.tp)))"
+        )
+    if sequence_parallel and not part.sequence_parallel:
+        raise FxtpConfigError("sequence_parallel=True, but the plan runs without it: drop the flag, or plan again")
+    if activation_checkpointing not in (None, part.activation_checkpointing):
+        raise FxtpConfigError(
+            f"activation_checkpointing={activation_checkpointing!r}, but the plan's is {part.activation_checkpointing!r}: "
+            "drop the argument, or plan again"
+        )
+    styles = check_plan(dict(part.layer_styles))
+    return part.sequence_parallel, check_checkpointing(part.activation_checkpointing), styles | plan

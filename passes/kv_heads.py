@@ -1,12 +1,22 @@
-"""KV cache heads kept by the ranks that need them: a plan pass for the generation decoder.
+"""KV heads kept by the ranks that need them: which layers hold them, and a plan pass for the
+generation decoder's cache.
+
+``grouped_kv_layers`` (read by ``passes.plan`` before its rounds) finds the k/v projections of
+grouped-query attentions whose kv heads do not divide world_size and gives each the layout
+NOTE: [grouped shards] (``fxtp/core/placement.py``) describes: every rank holds the kv heads its
+query heads read. The rules then carry that shard to the attention (``passes/rules/repeat.py``,
+``passes/rules/attention.py``); where one refuses it, the layer stays replicated and the
+attention gathers the kv heads it needs (NOTE: [enable_gqa]). This is the one place that
+decides which layers hold kv heads; a fused projection's layout can ask it too.
 
 NOTE: [kv heads kept by the ranks that need them]
 A static KV cache is a state ``(B, Hkv, S, E)`` written in place by ``index_copy_(state, 2,
 cache_position, k)`` and read by the attention (NOTE: [sharded state] in
 ``passes/rules/variants.py``). When the kv heads divide world_size, the k/v projections are
 colwise and the cache is stored sharded by its heads. When they do not (2 kv heads on 4 ranks,
-one kv head: MQA), the projections stay whole and so, without this pass, does the cache on every
-rank, though rank ``r``'s query heads ``[q0, q0 + n)`` attend with kv heads ``[q0 // g,
+one kv head: MQA), the projections hold the kv heads their ranks read (NOTE: [grouped shards])
+and the cache is stored so by the rules. Where that layout is refused, the projections stay
+whole and so, without this pass, does the cache on every rank, though rank ``r``'s query heads ``[q0, q0 + n)`` attend with kv heads ``[q0 // g,
 ceil((q0 + n) / g))`` only (``g = Hq // Hkv``, ``local_ops.kv_head_range``). At 8 query heads,
 2 kv heads and world_size 4, ranks 0 and 1 keep kv head 0 and ranks 2 and 3 kv head 1: half the
 cache each. At 6 query heads and 3 kv heads on 2 ranks, rank 0 keeps kv heads 0, 1 and rank 1
@@ -47,21 +57,116 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Collection, Optional
+from typing import Collection, Mapping, Optional
 
 import torch
 from torch.fx import Graph, Node
 
 from fxtp.core import local_ops
-from fxtp.core.placement import Shard
+from fxtp.core.placement import Placement, Shard
 from passes.sharding_plan import KvHeads, ShardingPlan
 from passes.propagate import EdgeAction
-from passes.registry import LocalSize, ShardStart, is_tensor_node, shape_of
+from passes.registry import LocalSize, ShardStart, is_tensor_node, module_of, shape_of
 
-__all__ = ["KvHeads", "keep_needed_kv_heads"]
+__all__ = ["KvHeads", "keep_needed_kv_heads", "grouped_kv_layers", "kv_reads", "held_together"]
 
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
+
+
+def grouped_kv_layers(graph: Graph, layers: Collection[Node], world_size: int) -> dict[str, tuple[int, int]]:
+    """``{layer: (unit, group)}`` for the layers among ``layers`` that compute the kv heads of a
+    grouped-query attention whose kv heads do not divide ``world_size``: their output is
+    ``Hkv`` heads of ``unit`` features, read by ``group`` query heads each (NOTE: [grouped
+    shards]). A layer is the one layer nearest the kv value ``(..., Hkv, S, E)`` the attention
+    repeats (:func:`kv_reads`), with ``Hkv * E`` outputs; kv heads that divide ``world_size`` are
+    sharded as they are, and fewer query heads than ranks leave a rank without any. Reads
+    ``node.meta["val"]``."""
+    layer_set = frozenset(layers)
+    found: dict[str, tuple[int, int]] = {}
+    refused: set[str] = set()
+    for node in graph.nodes:
+        for value, dim, group in kv_reads(node):
+            shape = shape_of(value)
+            heads = shape[dim]
+            if dim != len(shape) - 3 or heads % world_size == 0 or heads * group < world_size:
+                continue  # (..., Hkv, S, E) only; kv heads that divide are sharded as they are
+            layer = _nearest_layer(value, layer_set)
+            if layer is None or shape_of(layer)[-1] != heads * shape[-1]:
+                continue  # the layer's output must be the Hkv heads of E (no fused projection)
+            hint = (shape[-1], group)
+            if found.setdefault(layer.name, hint) != hint:
+                refused.add(layer.name)  # read as kv heads in two ways: no one layout
+    return {name: hint for name, hint in found.items() if name not in refused}
+
+
+def held_together(params: Mapping[str, Placement], owners: Mapping[str, Collection[str]], nodes: Mapping[str, Node]) -> tuple[tuple[str, ...], ...]:
+    """The parameters of ``params`` held as grouped shards, in groups whose gradients one
+    all_reduce sums over their holders (``ShardingPlan.holders``): those of the layers called
+    by one module (an attention's k and v projections, weights and biases), whose gradients are
+    ready together. ``owners``: parameter -> the layer nodes that shard it."""
+    groups: dict[str, list[str]] = {}
+    for name, placement in params.items():
+        if isinstance(placement, Shard) and placement.overlaps:
+            owner = min(owners.get(name, ()), default=None)
+            key = module_of(nodes[owner]).rpartition(".")[0] if owner in nodes else name
+            groups.setdefault(key, []).append(name)
+    return tuple(tuple(names) for names in groups.values())
+
+
+def kv_reads(node: Node) -> list[tuple[Node, int, int]]:
+    """``(kv value, heads dim, group)`` for each kv value ``node`` repeats for grouped-query
+    attention, ``group`` query heads per kv head: ``scaled_dot_product_attention(q, k, v,
+    enable_gqa=True)`` (its ``k`` and ``v``), Hugging Face's ``repeat_kv`` (``reshape(expand(
+    unsqueeze(x, d + 1), [.., Hkv, g, ..]), [.., Hkv * g, ..])``) and ``repeat_interleave(x, g, d)``."""
+    if node.op != "call_function":
+        return []
+    if node.target is _SDPA and node.kwargs.get("enable_gqa", False):
+        q, k, v = node.args[:3]
+        d = len(shape_of(q)) - 3
+        hq, hk = shape_of(q)[d], shape_of(k)[d]
+        return [(k, d, hq // hk), (v, d, hq // hk)] if d >= 0 and hk < hq and hq % hk == 0 and shape_of(v)[d] == hk else []
+    if node.target is aten.repeat_interleave.self_int and len(node.args) >= 3 and isinstance(node.args[1], int):
+        x = node.args[0]
+        d = node.args[2] % len(shape_of(x))
+        return [(x, d, node.args[1])] if node.args[1] > 1 else []
+    if node.target in (aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+        expand = node.args[0]
+        if not (isinstance(expand, Node) and expand.target is aten.expand.default):
+            return []
+        unsqueeze = _whole(expand.args[0])  # x[:, :, None, :, :] keeps its full slices under dynamic shapes
+        if not (isinstance(unsqueeze, Node) and unsqueeze.target is aten.unsqueeze.default and is_tensor_node(unsqueeze.args[0])):
+            return []
+        x, (shape, out) = unsqueeze.args[0], (shape_of(expand), shape_of(node))
+        d = unsqueeze.args[1] % len(shape) - 1
+        if d < 0 or shape[d + 1] < 2 or tuple(out) != (*shape[:d], shape[d] * shape[d + 1], *shape[d + 2:]):
+            return []
+        return [(x, d, shape[d + 1])]
+    return []
+
+
+def _whole(node: object) -> object:
+    """``node`` without the slices around it that keep every element (``x[:, :]``)."""
+    while isinstance(node, Node) and node.target is aten.slice.Tensor and is_tensor_node(node.args[0]) and shape_of(node) == shape_of(node.args[0]):
+        node = node.args[0]
+    return node
+
+
+def _nearest_layer(value: Node, layers: frozenset[Node]) -> Optional[Node]:
+    """The one layer among ``value``'s nearest layer ancestors (not through another layer), or
+    ``None`` where there are none or several."""
+    found: set[Node] = set()
+    seen, todo = {value}, [value]
+    while todo:
+        node = todo.pop()
+        if node in layers:
+            found.add(node)
+            continue
+        for a in node.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return next(iter(found)) if len(found) == 1 else None
 
 
 @dataclass(frozen=True)

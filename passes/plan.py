@@ -27,6 +27,8 @@ import passes.rules  # noqa: F401  (registers the op rules)
 from fxtp.core.errors import FxtpError, FxtpPlanError
 from fxtp.core.placement import REPLICATE, Partial, Placement, Shard
 from passes.layers import (
+    MAX_SEGMENTS,
+    RepeatedBlocks,
     apply_overrides,
     check_forced,
     is_output_head,
@@ -34,11 +36,17 @@ from passes.layers import (
     keep_small_embeddings,
     layer_decision,
     layer_names,
+    layer_segments,
+    refine_layout,
+    refine_uneven,
+    mirror_blocks,
     rowwise_feeds,
+    snapshot,
     weight_numel,
     weight_of,
     weight_placeholder,
 )
+from passes.kv_heads import grouped_kv_layers, held_together
 from passes.propagate import ParamPiece, PlannerState, Propagation, param_root, propagate
 from passes.registry import Conflict, LayerNote, module_of, shape_of
 from passes.rules.matmul import layer_operands
@@ -78,12 +86,19 @@ def plan_sharding(
     apply_overrides(overrides or {}, layers, names, state)
     keep_small_embeddings(layers, state, param_names)
     keep_renormed_tables(graph, layers, state, param_names)
+    if world_size > 1:  # NOTE: [grouped shards]: the k/v projections hold the kv heads their ranks read
+        for name, (unit, group) in grouped_kv_layers(graph, layers, world_size).items():
+            if state.forced.get(name) in (None, "colwise") and name not in state.demoted:
+                state.units[name], state.groups[name] = unit, group
     terminal = _terminal_layers(graph, layers)
-    max_rounds = (_MAX_SEGMENTS + 5) * len(layers) + 8
+    max_rounds = (MAX_SEGMENTS + 5) * len(layers) + 8
+    blocks = RepeatedBlocks.of(graph)  # NOTE: [repeated blocks decided alike] in passes/layers.py
     for rounds in range(1, max_rounds + 1):
         res = propagate(graph, state, world_size, param_names)
+        before = {n.name: snapshot(state, n.name) for n in layers}
         if not _resolve(res, state, world_size, param_names, {n.name: names[n] for n in layers}, param_fqns, terminal):
             break
+        mirror_blocks(state, before, blocks, layers)
     else:  # pragma: no cover - demotions and refinements only grow
         raise FxtpError(f"internal: planning did not converge in {max_rounds} rounds; please report this model")
     feeds = rowwise_feeds(layers, names, res, param_names)
@@ -103,6 +118,7 @@ def plan_sharding(
         },
         layers=decisions,
         rounds=rounds,
+        holders=held_together(state.params, state.param_owners, {n.name: n for n in layers}),
     )
 
 
@@ -118,7 +134,6 @@ _LAYOUT_CODES = frozenset(
         "layout-mismatch",
     }
 )
-_MAX_SEGMENTS = 8  # fused projections have few parts (Q|K|V, gate|up, K|V)
 
 
 def _resolve(
@@ -162,10 +177,10 @@ def _act_on_conflicts(res: Propagation, state: PlannerState, ws: int, param_name
                     state.first[n.name] = note
             if c.unit is not None:  # the first layout under which whole heads would fit
                 for n in demotable:
-                    state.unit_hints.setdefault(n.name, (state.segments.get(n.name), c.unit))
+                    state.unit_hints.setdefault(n.name, (layer_segments(n, c.unit_segments) or state.segments.get(n.name), c.unit))
             if refined_now & set(demotable):
                 continue
-            if _refine_layout(demotable, c.refine, state, ws, refined_now):
+            if refine_uneven(demotable, c.unit_segments or c.refine, c.unit, state, refined_now, ws) or refine_layout(demotable, c.refine, state, ws, refined_now):
                 changed = True
                 continue
         heads = c.code == "needs-gather" and rej.node.op == "output" and demotable
@@ -188,27 +203,6 @@ def _act_on_conflicts(res: Propagation, state: PlannerState, ws: int, param_name
                 state.demoted[n.name] = state.first.get(n.name, note) if c.code in _LAYOUT_CODES else note
             changed = True
     return changed
-
-
-def _refine_layout(demotable: list[Node], hint: Any, state: PlannerState, ws: int, refined_now: set[Node]) -> bool:
-    """Give the layers the next segment layout to try, or, with none left, whole heads split
-    unevenly (NOTE: [uneven shards]); whether a layer got a new layout."""
-    refined = {n: _next_segments(n, state, hint, ws) for n in demotable}
-    if any(seg is not None for seg in refined.values()):
-        refined_now.update(demotable)
-        for n, seg in refined.items():
-            if seg is not None:
-                state.segments[n.name] = seg
-        return True
-    hinted = [n for n in demotable if n.name in state.unit_hints and n.name not in state.units]
-    for n in hinted:
-        refined_now.add(n)
-        segments, state.units[n.name] = state.unit_hints[n.name]
-        if segments is None:
-            state.segments.pop(n.name, None)
-        else:
-            state.segments[n.name] = segments
-    return bool(hinted)
 
 
 def _place_parameters(
@@ -374,20 +368,6 @@ def _replicate_cheaper_side(res: Propagation, state: PlannerState, param_names: 
                 )
                 changed = True
     return changed
-
-
-def _next_segments(layer: Node, state: PlannerState, hint: Optional[tuple[int, ...]], ws: int) -> Optional[tuple[int, ...]]:
-    """The next untried segment layout for ``layer``'s output: the rule's hint, then k equal
-    segments for k = 2..8; ``None`` when all are tried."""
-    out = shape_of(layer)[-1]
-    tried = state.tried.setdefault(layer.name, {state.segments.get(layer.name, (out,))})
-    candidates = [hint] if hint is not None and sum(hint) == out and all(s % ws == 0 for s in hint) else []
-    candidates += [(out // k,) * k for k in range(2, _MAX_SEGMENTS + 1) if out % k == 0 and (out // k) % ws == 0]
-    for seg in candidates:
-        if seg not in tried:
-            tried.add(seg)
-            return seg
-    return None
 
 
 def _combine(requests: list[tuple[ParamPiece, Placement, Any]], name: str) -> Placement:

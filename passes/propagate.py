@@ -28,7 +28,7 @@ import torch
 from torch.fx import Graph, Node
 
 from fxtp.core.placement import REPLICATE, Partial, Placement, Replicate, Shard, is_sharded
-from passes.registry import Conflict, Decision, LayerNote, LayerState, RuleContext, is_tensor_node, takes_uneven
+from passes.registry import Conflict, Decision, LayerNote, LayerState, RuleContext, is_tensor_node, takes_overlap, takes_uneven
 from passes.rules._common import norm_dim, tensor_inputs
 from passes.rules.matmul import layer_weight
 from passes.rules.variants import rule_for
@@ -82,6 +82,7 @@ class PlannerState:
     forced: dict[str, str] = field(default_factory=dict)
     segments: dict[str, tuple[int, ...]] = field(default_factory=dict)
     units: dict[str, int] = field(default_factory=dict)  # split granularity of a layer's output, NOTE: [uneven shards]
+    groups: dict[str, int] = field(default_factory=dict)  # kv heads a layer's output holds, NOTE: [grouped shards]
     unit_hints: dict[str, tuple[Optional[tuple[int, ...]], int]] = field(default_factory=dict)  # (segments, unit) a view asked for
     params: dict[str, Placement] = field(default_factory=dict)
     param_owners: dict[str, frozenset[str]] = field(default_factory=dict)
@@ -202,7 +203,7 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
     def layer_state(node: Node) -> LayerState:
         return LayerState(
             state.demoted.get(node.name), state.forced.get(node.name), state.segments.get(node.name), node.name in state.slice_input,
-            state.whole_input.get(node.name), state.units.get(node.name, 1),
+            state.whole_input.get(node.name), state.units.get(node.name, 1), state.groups.get(node.name, 1),
         )
 
     for node in graph.nodes:
@@ -271,12 +272,20 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
 
 
 def _refuse_uneven(node: Node, rule: Any, placements: list, world_size: int) -> None:
-    """NOTE: [uneven shards]: only rules marked ``uneven_ok`` see an uneven shard."""
-    if takes_uneven(rule):
+    """NOTE: [uneven shards]: only rules marked ``uneven_ok`` see an uneven shard; NOTE: [grouped
+    shards]: only rules marked ``overlap_ok`` see a grouped one."""
+    if takes_overlap(rule):
         return
     for p in placements:
         for q in p if isinstance(p, tuple) else (p,):
-            if isinstance(q, Shard) and not q.divisible(world_size):
+            if isinstance(q, Shard) and q.overlaps:
+                raise Conflict(
+                    "not-divisible",
+                    f"{node.target} gets kv heads held by the ranks whose query heads read them ({q}) and is not "
+                    "taught grouped shards",
+                    f"use a world_size that divides the kv head count {q.size // q.unit}, or keep the kv projections replicated",
+                )
+            if isinstance(q, Shard) and not q.divisible(world_size) and not takes_uneven(rule):
                 raise Conflict(
                     "not-divisible",
                     f"{node.target} gets a shard uneven at world_size {world_size} ({q}, dim of size {q.size}) "

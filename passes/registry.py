@@ -18,6 +18,8 @@ Registering an op twice is an error (DTensor's registry silently overwrites; we 
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -34,6 +36,8 @@ __all__ = [
     "LocalSize",
     "uneven_ok",
     "takes_uneven",
+    "overlap_ok",
+    "takes_overlap",
     "GroupName",
     "LayerNote",
     "LayerState",
@@ -44,6 +48,8 @@ __all__ = [
     "registered_ops",
     "is_tensor_node",
     "shape_of",
+    "module_of",
+    "source_line",
 ]
 
 # An op, or the qualified name of an op from an optional library (``"transformers::grouped_mm_fallback"``),
@@ -131,6 +137,8 @@ class Conflict(Exception):
         unit: a split granularity (NOTE: [uneven shards]) for the producing layers' output
             that would make the rule succeed: the head size where a view splits heads that do
             not divide the world size.
+        unit_segments: the segments under which ``unit`` applies (default: the layer's current
+            ones): an uneven layout, where ``refine`` proposes even ones.
     """
 
     def __init__(
@@ -143,6 +151,7 @@ class Conflict(Exception):
         culprits: Optional[Sequence[Node]] = None,
         blame: Optional[Sequence[Node]] = None,
         unit: Optional[int] = None,
+        unit_segments: Optional[tuple[int, ...]] = None,
     ) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
@@ -152,6 +161,7 @@ class Conflict(Exception):
         self.culprits = tuple(culprits) if culprits is not None else None
         self.blame = tuple(blame) if blame is not None else None
         self.unit = unit
+        self.unit_segments = unit_segments
 
 
 class RuleContext:
@@ -202,6 +212,7 @@ class LayerState:
     slice_input: bool = False  # rowwise on a replicated input sliced locally, NOTE: [rowwise fallback]
     whole_input: Optional[LayerNote] = None  # why its input must arrive replicated, NOTE: [tied uses]
     unit: int = 1  # split granularity of its output (whole heads), NOTE: [uneven shards]
+    group: int = 1  # its output holds kv heads read in groups of this many query heads, NOTE: [grouped shards]
 
 
 Rule = Callable[[RuleContext], Decision]
@@ -237,6 +248,21 @@ def takes_uneven(rule: Optional[Rule]) -> bool:
     return bool(getattr(rule, "fxtp_uneven", False))
 
 
+def overlap_ok(fn: Rule) -> Rule:
+    """Mark ``fn`` (already ``uneven_ok``) as handling grouped shards, whose units several ranks
+    hold (NOTE: [grouped shards] in ``fxtp/core/placement.py``): it keeps ``Shard.groups`` on
+    its output, or turns the kv units into the query heads that read them, and never sums over
+    the grouped dim (the holders would count a unit twice). The planner refuses a grouped shard
+    to any other rule (``not-divisible``)."""
+    assert takes_uneven(fn), f"{fn.__name__}: mark it uneven_ok first"
+    fn.fxtp_overlap = True  # type: ignore[attr-defined]
+    return fn
+
+
+def takes_overlap(rule: Optional[Rule]) -> bool:
+    return bool(getattr(rule, "fxtp_overlap", False))
+
+
 def get_rule(op: OpKey) -> Optional[Rule]:
     """The rule of ``op``: registered for the op itself, or for its qualified name
     (``OpOverload.name()``, e.g. ``"transformers::grouped_mm_fallback"`` for its default overload)."""
@@ -261,6 +287,16 @@ def module_of(node: Node) -> str:
         return ""
     path = list(stack.values())[-1][0]
     return str(path)
+
+
+def source_line(node: Node) -> str:
+    """The user's source line that made ``node``, as ``file.py:LINE `code` `` (the innermost frame
+    of export's ``meta["stack_trace"]``), or ``""`` when the capture recorded none."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n[ \t]*([^\n]*)', node.meta.get("stack_trace") or "")
+    if not frames:
+        return ""
+    path, line, code = frames[-1]
+    return f"{os.path.basename(path)}:{line} `{code.strip()}`"
 
 
 def shape_of(node: Node) -> tuple[int, ...]:

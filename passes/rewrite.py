@@ -14,6 +14,8 @@ For each node, in order:
   NOTE: [dropout across ranks]);
 * an expert-parallel block's rows come from ``dispatch_to_experts`` and its output from
   ``combine_from_experts`` (``passes/moe/parallel.py``, NOTE: [expert parallelism]);
+* a parameter held as a grouped shard (NOTE: [grouped shards]) is used through
+  ``copy_to_holders``, which sums its gradient over the ranks that hold it;
 * a ``Partial`` output gets ``g`` (all_reduce) right after it and the bias added after that
   (under sequence parallelism a reduce_scatter, NOTE: [sequence parallelism])::
 
@@ -27,6 +29,7 @@ For each node, in order:
 from __future__ import annotations
 
 import copy
+import operator
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -131,6 +134,19 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
         gathered = gather(value, action.placement)
         return enter(gathered) if action.enter else gathered
 
+    anchor = last_placeholder
+    for names in plan.holders:  # NOTE: [grouped shards]: gradients summed over the holders, one all_reduce per group
+        held = [nodes[n] for n in names if getattr(nodes[n].meta.get("val"), "requires_grad", False)]
+        if held:
+            shards = [plan.params[old_name[p]] for p in held]
+            layout = tuple((s.dim, tuple(local_ranges(s, rank, ws)), s.size) for s in shards)
+            with graph.inserting_after(anchor):
+                summed = anchor = graph.call_function(collectives.copy_to_holders, (held, layout, group_name))
+            for i, (p, shard) in enumerate(zip(held, shards)):
+                with graph.inserting_after(anchor):
+                    anchor = graph.call_function(operator.getitem, (summed, i))
+                p.replace_all_uses_with(anchor, delete_user_cb=lambda user: user is not summed)
+                anchor.meta["fxtp_placement"] = str(shard)
     for node in list(old_name):
         name = old_name[node]
         placement = plan.placements.get(name)

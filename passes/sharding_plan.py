@@ -88,6 +88,9 @@ class ShardingPlan:
     tokens: frozenset[str] = frozenset()  # the values sharded on tokens (same NOTE)
     # placeholder -> the kv heads each rank keeps of a replicated cache (passes/kv_heads.py)
     kv_heads: Mapping[str, KvHeads] = field(default_factory=dict)
+    # parameters held as grouped shards, in the groups whose gradients one all_reduce sums over
+    # their holders (NOTE: [grouped shards] in fxtp/core/placement.py; passes/kv_heads.py)
+    holders: tuple[tuple[str, ...], ...] = ()
     # the experts blocks run expert parallel (NOTE: [expert parallelism], passes/moe/parallel.py)
     experts: tuple[ExpertBlock, ...] = ()
 

@@ -137,18 +137,13 @@ def test_allocator_bytes_after_forward(pool, build, single_checkpointed):
     known = []
     for figures in pool.run(_figures, build, single_checkpointed):
         single = figures["single"][0]
-        if figures["tp_sp"][0] > (1 / ws + 0.05) * single and build is _llama_128 and ws == 2:
-            # Not sequence parallelism's: the rank graph's GQA attention holds every rank's q heads' kv heads
-            # as copies (local_ops.grouped_query_attention) and a float causal mask the single device does
-            # not build (is_causal); 0.555 at ws 2, both counted alike by the allocator and fxtp's counter.
-            known.append(figures["tp_sp"][0] / single)
-        else:
-            assert figures["tp_sp"][0] <= (1 / ws + 0.05) * single, figures
+        assert figures["tp_sp"][0] <= (1 / ws + 0.05) * single, figures
         assert figures["tp_sp"][0] < figures["tp"][0], figures
         ac = figures["tp_sp_ac"][0] / (figures["single_ac"][0] / ws)
         if ac > 1.10 and build is _llama_128 and ws == 4:
-            # The replicated pieces the blocks take as inputs (causal mask, rotary cos/sin) are a tenth of a
-            # checkpointed tiny Llama's bytes per rank at ws 4: 1.13 of single_ac / ws.
+            # The traced causal mask (bool (B, 1, T, T), 16,384 B here) is an input of every checkpointed block,
+            # held once per rank; the eager single device makes none (is_causal, NOTE: [attention operands]).
+            # Without it 1.09; measured 1.19 (201,088 B per rank against 168,800).
             known.append(ac)
         else:
             assert ac <= 1.10, figures
@@ -156,8 +151,8 @@ def test_allocator_bytes_after_forward(pool, build, single_checkpointed):
             allocated, counted = figures[key]
             assert abs(counted - allocated) <= 0.02 * allocated, (key, figures)
     if known:
-        pytest.xfail(f"tiny Llama over its bound ({', '.join(f'{k:.3f}' for k in known)}): replicated GQA kv copies, "
-                     "causal mask and rotary tables, counted alike by the allocator and fxtp's counter")
+        pytest.xfail(f"tiny Llama at ws 4 with checkpointed blocks over its bound ({', '.join(f'{k:.3f}' for k in known)}): "
+                     "the traced causal mask is a block input")
 
 
 def test_activation_checkpointing_is_checked():
@@ -178,3 +173,23 @@ def test_report_lists_the_recomputed_regions():
     assert [r["name"] for r in regions] == ["layers.0", "layers.1"] and all(r["selective"] for r in regions), regions
     assert "activation checkpointing: 2 regions recomputed in backward" in str(pm.report)
     assert fxtp.compile(model, 1, inputs).report.to_dict()["activation_checkpointing"] == []
+
+
+def test_analyze_lists_the_recomputed_regions():
+    """``fxtp.analyze(..., activation_checkpointing=)`` reports the regions ``compile`` would, on
+    ``meta`` without a weight: Llama-3-8B shapes with ``num_hidden_layers`` cut to 2 (a region per
+    block; the depth adds nothing), world_size 8, sequence parallelism; the backward counts each
+    block's forward collectives again."""
+    model, inputs = examples.llama3_8b(n_layers=2)
+    plain = fxtp.analyze(model, 8, inputs, sequence_parallel=True)
+    report = fxtp.analyze(model, 8, inputs, sequence_parallel=True, activation_checkpointing="blocks")
+    assert all(p.is_meta for p in model.parameters())
+    regions = report.to_dict()["activation_checkpointing"]
+    assert [(r["name"], r["source"]) for r in regions] == [("model.layers.0", "blocks"), ("model.layers.1", "blocks")]
+    # per block: 2 all_gathers (attention, MLP inputs) and 2 reduce_scatters run again in backward
+    assert all(r["recomputed_collectives"] == {"all_gather": 2, "reduce_scatter": 2} for r in regions), regions
+    assert plain.to_dict()["activation_checkpointing"] == []
+    assert report.count("forward", "all_gather") == plain.count("forward", "all_gather")
+    assert report.count("backward", "reduce_scatter") == plain.count("backward", "reduce_scatter") + 4
+    user, ids = _reference(user_checkpoint=True)
+    assert len(fxtp.analyze(user, 2, ids).to_dict()["activation_checkpointing"]) == 2  # the model's own calls

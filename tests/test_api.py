@@ -142,11 +142,12 @@ def test_a_parameter_used_whole_elsewhere_keeps_its_layer_replicated():
 
 
 def test_fewer_kv_heads_than_ranks_keeps_the_megatron_plan():
-    """2 kv heads at world_size 4: k/v replicated, everything else as Megatron; a norm weight
-    sharded in an intermediate planning round must not sustain its own shard."""
+    """2 kv heads at world_size 4: each rank holds the kv head its query heads read (NOTE:
+    [grouped shards]), everything else as Megatron; a norm weight sharded in an intermediate
+    planning round must not sustain its own shard."""
     report = fxtp.analyze(_GQABlock(), 4, (torch.randn(2, 8, 64),))
     assert report.plan == {
-        "q": "colwise", "k": "replicate", "v": "replicate", "o": "rowwise",
+        "q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise",
         "gate": "colwise", "up": "colwise", "down": "rowwise", "head": "replicate",
     }  # fmt: skip
     assert report.count("forward", "all_reduce") == 2

@@ -44,6 +44,7 @@ MODELS = {
     "fused-qkv": lambda: build_case("5a-fused-chunk"),
     "uneven": lambda: build_case("2-uneven"),  # 5 features: uneven at 2 and 4 (NOTE: [uneven shards])
     "heads-96": lambda: build_case("3-heads-96"),  # 6 heads: 3/3 at 2, 2/2/1/1 whole heads at 4
+    "gqa": lambda: build_case("4-gqa"),  # 2 kv heads: one per rank at 2; at 4 each held by 2 ranks (NOTE: [grouped shards])
 }
 
 
@@ -104,6 +105,7 @@ def test_dcp_reshards_every_layout(rank_pools, tmp_path, saved_ws, loaded_ws):
     assert kinds["tied-lm"]["out.bias"] == "DTensor[Replicate()]" and kinds["tied-lm"]["scale"] == "Tensor"
     assert kinds["uneven"]["0.weight"] == kinds["uneven"]["2.weight"] == "LocalChunks"  # DTensor's blocks are torch.chunk's
     assert kinds["heads-96"]["q.weight"] == ("LocalChunks" if saved_ws == 4 else "DTensor[Shard(dim=0)]")
+    assert kinds["gqa"]["k.weight"] == ("LocalChunks" if saved_ws == 4 else "DTensor[Shard(dim=0)]")  # a kv head, saved once
     results = [_load(str(tmp_path))] if loaded_ws == 1 else rank_pools(loaded_ws).run(_load, str(tmp_path))
     for loaded, outs in results:
         for name, full in fulls.items():

@@ -6,6 +6,7 @@ must only address the tensor-parallel group of the rank.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -89,3 +90,62 @@ def test_dp_x_tp_matches_single_device_on_the_global_batch(pool):
         assert {name for _, name in r["calls"]} == {r["tp_name"]}  # only TP peers, never dp or world
         assert r["tp_name"] != r["dp_name"]
         assert [op for op, _ in r["calls"]] == ["all_reduce"] * 3  # one g per forward, 3 steps
+
+
+def _accumulation_in_low_precision():
+    """Gradient accumulation over 2 micro-batches per dp replica under bf16 autocast, 3 SGD
+    steps, against the single device's fp32 steps on the global batch (bf16 tolerance):
+
+    * DDP on mesh["dp"], no gradient sync on the first micro-batch (``ddp.no_sync()``), clipped
+      with torch's ``clip_grad_norm_``;
+    * FSDP2 on mesh["dp"], no reduce-scatter on the first micro-batch
+      (``set_requires_gradient_sync(False)``), clipped with ``pm.clip_grad_norm_``.
+
+    (bf16 parameters with fp32 master weights: ``tests/test_training_loop.py``'s
+    ``_low_precision``; FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` is not run:
+    it casts the inputs to bf16, which the float32 graph refuses, docs/training.md.)
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from test_training_loop import X, _block, _loss
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp, dp = mesh["tp"], mesh["dp"]
+    local = X.chunk(2)[dp.get_local_rank()]
+    micro = local.chunk(2)
+    bf16 = {"rtol": 2e-2, "atol": 2e-2}
+    ref = _block()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)  # linear in the gradients (Adam scales bf16 noise up to lr)
+    ddp_pm = fxtp.compile(copy.deepcopy(ref), 2, (micro[0],), group=tp)
+    ddp = DDP(ddp_pm, process_group=dp.get_group())
+    fsdp_pm = fxtp.compile(copy.deepcopy(ref), 2, (micro[0],), group=tp)
+    fully_shard(fsdp_pm, mesh=dp)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ddp, fsdp_pm)]
+    for step in range(3):
+        _loss(ref(X)).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for i, x in enumerate(micro):  # each micro-batch's loss is half of the replica's mean
+            with ddp.no_sync() if i == 0 else contextlib.nullcontext(), torch.autocast("cpu", dtype=torch.bfloat16):
+                out = ddp(x)
+            (_loss(out) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.5)
+        for i, x in enumerate(micro):
+            fsdp_pm.set_requires_gradient_sync(i == 1)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = fsdp_pm(x)
+            (_loss(out) / 2).backward()
+        fsdp_pm.clip_grad_norm_(0.5)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        for pm, what in ((ddp_pm, "ddp"), (fsdp_pm, "fsdp2")):
+            full = pm.full_state_dict()
+            for key, value in ref.state_dict().items():
+                torch.testing.assert_close(full[key].float(), value, **bf16, msg=lambda m, key=key, what=what: f"{what} step {step} {key}: {m}")
+    return True
+
+
+def test_accumulation_in_bf16_autocast_with_ddp_and_fsdp2_matches_one_device(pool):
+    assert all(pool.run(_accumulation_in_low_precision))

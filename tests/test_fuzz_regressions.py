@@ -27,8 +27,9 @@ REGRESSIONS: dict[str, tuple[Spec, dict[int, str]]] = {
         {},  # fixed: SDPA dropout on sharded heads runs the math form with this rank's slice of one mask
     ),
     "gqa-whole-kv-sdpa-dropout": (
-        # ws 4: 2 kv heads do not divide, k/v stay whole and each rank gathers its query heads' kv
-        # heads (local_ops.grouped_query_attention); its dropout drew a per-rank mask
+        # ws 4: 2 kv heads do not divide; k/v stayed whole and each rank gathered its query heads'
+        # kv heads (local_ops.grouped_query_attention), whose dropout drew a per-rank mask. Now
+        # each rank holds those kv heads (NOTE: [grouped shards]) and draws the same slice
         Spec(hidden=16, blocks=(Attn(heads=4, kv_heads=2, repeat="enable_gqa", sdpa_dropout=True),), train=True),
         {},  # fixed: rng.sharded_grouped_attention draws this rank's slice of the one global mask
     ),

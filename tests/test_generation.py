@@ -58,9 +58,10 @@ def _uneven(name: str) -> nn.Module:
 
 
 def _fewer_kv_heads(name: str) -> nn.Module:
-    """kv heads that do not divide world_size (their projections stay whole): Llama with one kv
-    head (MQA), Qwen2 8 heads / 2 kv heads, Mistral 12 heads / 3 kv heads (at ws 4 ranks 1 and 2
-    need 2 of them: NOTE: [kv heads kept by the ranks that need them])."""
+    """kv heads that do not divide world_size (each rank holds the kv heads its query heads read,
+    NOTE: [grouped shards]): Llama with one kv head (MQA), Qwen2 8 heads / 2 kv heads, Mistral
+    12 heads / 3 kv heads (at ws 4 ranks 1 and 2 need 2 of them), Qwen2 6 heads / 2 kv heads
+    (uneven GQA: query heads 2/2/1/1, rank 1's heads 2, 3 read kv heads 0 and 1)."""
     torch.manual_seed(0)
     if name == "llama-mqa":
         return examples.llama(num_key_value_heads=1)[0]
@@ -70,6 +71,10 @@ def _fewer_kv_heads(name: str) -> nn.Module:
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         return Qwen2ForCausalLM(Qwen2Config(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, **small)).eval()
+    if name == "qwen2-6q-2kv":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        return Qwen2ForCausalLM(Qwen2Config(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, **small)).eval()
     from transformers import MistralConfig, MistralForCausalLM
 
     return MistralForCausalLM(MistralConfig(hidden_size=96, num_attention_heads=12, num_key_value_heads=3, sliding_window=None,
@@ -141,6 +146,7 @@ _KV_HEADS_KEPT_BY_RANK = {
     "llama-mqa": {2: [1, 1], 4: [1, 1, 1, 1]},  # 4 heads, 1 kv head: each rank keeps it
     "qwen2-8-heads": {4: [1, 1, 1, 1]},  # 8 heads, 2 kv heads: ranks 0, 1 keep kv head 0; ranks 2, 3 kv head 1
     "mistral-12-heads": {4: [1, 2, 2, 1]},  # 12 heads, 3 kv heads: rank 1's heads 3..5 use kv heads 0, 1
+    "qwen2-6q-2kv": {4: [1, 2, 1, 1]},  # 6 heads 2/2/1/1, 2 kv heads: uneven GQA (test_gqa.py trains it)
 }
 
 

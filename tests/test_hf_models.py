@@ -95,15 +95,13 @@ def test_llama_gqa(pool):
         assert layers[p + "self_attn.q_proj"]["style"] == "colwise"
         assert layers[p + "self_attn.o_proj"]["style"] == "rowwise"
         assert [layers[p + f"mlp.{m}_proj"]["style"] for m in ("gate", "up", "down")] == ["colwise", "colwise", "rowwise"]
-        if ws == 2:  # 2 kv heads: one per rank
-            assert layers[p + "self_attn.k_proj"]["style"] == layers[p + "self_attn.v_proj"]["style"] == "colwise"
-        else:  # 2 kv heads cannot be split 4 ways: k/v stay whole, each rank slices the heads it needs
-            for m in ("k_proj", "v_proj"):
-                assert (layers[p + "self_attn." + m]["style"], layers[p + "self_attn." + m]["code"]) == ("replicate", "not-divisible")
+        # ws 2: one kv head per rank; ws 4: each rank holds the kv head its 2 query heads read
+        assert layers[p + "self_attn.k_proj"]["style"] == layers[p + "self_attn.v_proj"]["style"] == "colwise"
+        assert layers[p + "self_attn.k_proj"]["local_weight_shape"] == [16, 64]
     forward, backward = megatron_floor(r["report"], N_BLOCKS)
     assert r["forward"] == forward
-    # Replicated k/v sliced to local heads: their gradient is summed over ranks (f), 2 per block.
-    assert r["backward"] == (backward if ws == 2 else {"all_reduce": backward["all_reduce"] + 2 * N_BLOCKS})
+    # ws 4: the k/v gradients are summed over the ranks that hold them, one all_reduce per block
+    assert r["backward"] == (backward if ws == 2 else {"all_reduce": backward["all_reduce"] + N_BLOCKS})
     _every_replicated_layer_says_why(r)
 
 
@@ -113,7 +111,7 @@ def test_llama_kv_head_counts(pool, kv_heads):
     (r, *_) = pool.run(_train, "llama", num_key_value_heads=kv_heads)
     layers = _layers(r)
     k = layers["model.layers.0.self_attn.k_proj"]
-    assert k["style"] == ("colwise" if kv_heads % pool.world_size == 0 else "replicate")
+    assert k["style"] == "colwise"  # MQA: every rank holds the one kv head (NOTE: [grouped shards])
     assert layers["model.layers.0.self_attn.q_proj"]["style"] == "colwise"
     assert r["forward"] == megatron_floor(r["report"], N_BLOCKS)[0]
     _every_replicated_layer_says_why(r)

@@ -5,6 +5,7 @@ gloo process groups at world sizes 2 and 4 against the single-device model.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -82,9 +83,11 @@ def _modes(compiled_in: str):
     ref = copy.deepcopy(model)
     torch.manual_seed(100 + rank)  # different on every rank: fxtp.compile syncs the generators
     pm = fxtp.compile(model, ws, _ids(2, 16, 64, 1))
+    other = "eval" if compiled_in == "train" else "train"
+    assert pm.report.modes[other].startswith("captured at the first switch")
     modes = []
-    with no_capture():
-        for mode in (["eval", "train", "eval"] if compiled_in == "train" else ["train", "eval", "train"]):
+    for i, mode in enumerate([other, compiled_in, other]):
+        with contextlib.nullcontext() if i == 0 else no_capture():  # the first switch captures, later ones nothing
             pm.train(mode == "train")
             ref.train(mode == "train")
             for shape in ((2, 16), (3, 8)):
@@ -92,7 +95,8 @@ def _modes(compiled_in: str):
                 gathered = [torch.empty_like(out) for _ in range(ws)]
                 dist.all_gather(gathered, out)
                 assert all(torch.equal(g, out) for g in gathered), "replicated output differs across ranks"
-            modes.append(pm.mode)
+        modes.append(pm.mode)
+    with no_capture():
         eval_ids = _ids(4, 12, 64, 3)[0]
         pm.eval()
         ref.eval()

@@ -140,7 +140,9 @@ def test_llama31_405b_on_64_devices_does_not_fit_and_says_how_much_it_needs(plan
     need = plan.memory_per_device["total"]
     # fp32 parameter, gradient and AdamW's two states, 16 B an element over 64 devices, at least
     assert need > 405e9 * 16 / 64 > H100
-    assert all(need <= a.estimate.peak for a in plan.alternatives)  # the smallest configuration priced
+    # the smallest configuration inside a node (tp 16 crosses nodes: with kv heads held by the ranks that
+    # read them, NOTE: [grouped shards], it needs less, but is not what fxtp would run)
+    assert all(need <= a.estimate.peak for a in plan.alternatives if a.estimate.choice.tp <= 8)
     assert f"needs {need / GiB:.1f} GiB" in str(plan)
 
 

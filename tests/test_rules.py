@@ -2,7 +2,7 @@
 
 Three levels:
 
-* the shape helpers directly (``group_dims``, ``view_placement``, ``_split_pieces``),
+* the shape helpers directly (``group_dims``, ``view_placement``, ``split_pieces``),
 * the registry's own contract (no silent re-registration),
 * rules through tiny real graphs: ``fxtp.api._analyze`` captures the model, plans it, and we
   assert node placements, parameter placements, layer styles and rejection codes.
@@ -22,7 +22,8 @@ from _rule_graphs import S, conflict_of
 from fxtp.core.placement import REPLICATE, Shard, shard_tensor
 from passes import registry
 from passes.registry import Decision, get_rule, register_rule, registered_ops
-from passes.rules.shape import _split_pieces, group_dims, view_placement
+from passes.rules.indexing import split_pieces
+from passes.rules.shape import group_dims, view_placement
 
 aten = torch.ops.aten
 
@@ -240,32 +241,34 @@ def test_view_placement_local_blocks_match_a_real_view():
 
 
 # --------------------------------------------------------------------------------------------
-# _split_pieces
+# split_pieces
 
 
 def test_split_aligned_per_piece_shards():
-    assert _split_pieces(S(0, 64, 64, 64), [64, 64, 64], 2) == [S(0, 64), S(0, 64), S(0, 64)]
-    assert _split_pieces(S(2, 64, 64, 64), [64, 128], 2) == [S(2, 64), S(2, 64, 64)]
+    assert split_pieces(S(0, 64, 64, 64), [64, 64, 64], 2) == [S(0, 64), S(0, 64), S(0, 64)]
+    assert split_pieces(S(2, 64, 64, 64), [64, 128], 2) == [S(2, 64), S(2, 64, 64)]
     # Grouped-query layout: q 64 | k 32 | v 32.
-    assert _split_pieces(S(1, 64, 32, 32), [64, 32, 32], 4) == [S(1, 64), S(1, 32), S(1, 32)]
+    assert split_pieces(S(1, 64, 32, 32), [64, 32, 32], 4) == [S(1, 64), S(1, 32), S(1, 32)]
 
 
 def test_split_misaligned_refines_to_common_refinement():
-    c = conflict_of(_split_pieces, S(0, 192), [64, 64, 64], 2)
+    c = conflict_of(split_pieces, S(0, 192), [64, 64, 64], 2)
     assert c.code == "split-crosses-shard"
     assert c.refine == (64, 64, 64)
-    c = conflict_of(_split_pieces, S(0, 64, 64, 64), [96, 96], 2)
+    c = conflict_of(split_pieces, S(0, 64, 64, 64), [96, 96], 2)
     assert c.code == "split-crosses-shard"
     assert c.refine == (64, 32, 32, 64)
     # The refinement makes the split aligned.
-    assert _split_pieces(S(0, *c.refine), [96, 96], 2) == [S(0, 64, 32), S(0, 32, 64)]
+    assert split_pieces(S(0, *c.refine), [96, 96], 2) == [S(0, 64, 32), S(0, 32, 64)]
 
 
 @pytest.mark.parametrize("sizes, ws", [([64, 64, 64], 3), ([96, 96], 64), ([63, 129], 2)])
 def test_split_not_divisible(sizes, ws):
-    c = conflict_of(_split_pieces, S(0, 192), sizes, ws)
+    """No even layout: the split asks for its pieces as segments split unevenly (NOTE: [uneven shards])."""
+    c = conflict_of(split_pieces, S(0, 192), sizes, ws)
     assert c.code == "not-divisible"
     assert c.refine is None
+    assert (c.unit_segments, c.unit) == (tuple(sizes), 1)
 
 
 # --------------------------------------------------------------------------------------------

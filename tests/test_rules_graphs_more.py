@@ -160,7 +160,7 @@ def test_glu_halves_not_divisible_keep_the_producer_replicated():
 
 
 def test_glu_segments():
-    from passes.rules.glu import glu_segments
+    from passes.rules.indexing import glu_segments
 
     assert glu_segments((256,)) == (128, 128)
     assert glu_segments((128, 128)) == (128, 128)
@@ -228,14 +228,14 @@ def test_sdpa_enable_gqa_shards_kv_heads_when_they_divide():
     assert "scaled_dot_product_attention" not in plan.local_targets
 
 
-def test_sdpa_enable_gqa_gathers_kv_heads_per_rank_when_they_do_not_divide():
+def test_sdpa_enable_gqa_holds_kv_heads_per_rank_when_they_do_not_divide():
     from fxtp.core import local_ops
 
     placements, plan, report, layers = analyze(GQA(), torch.randn(2, 4, 64), ws=4)
     assert layers["q"].style == "colwise" and layers["o"].style == "rowwise"
-    assert layers["k"].style == layers["v"].style == "replicate"
-    assert plan.local_targets["scaled_dot_product_attention"] is local_ops.grouped_query_attention
-    assert plan.local_args["scaled_dot_product_attention"][1] == 4  # q heads per kv head
+    # k/v hold the kv heads their ranks' query heads read (NOTE: [grouped shards]), not replicated
+    assert layers["k"].style == layers["v"].style == "colwise"
+    assert plan.local_targets["scaled_dot_product_attention"] is local_ops.grouped_query_attention_local_kv
     assert report.count("forward", "all_reduce") == 1
 
 

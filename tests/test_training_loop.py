@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxtp
 from fxtp.core.placement import Shard, local_ranges, shard_tensor
+from fxtp.runtime.clipping import FsdpClippingWarning
 from fxtp.runtime.sharded import ShardedParameter, local_tensor
 
 
@@ -334,10 +336,17 @@ def _fsdp_tp_clipping():
     pm = fxtp.compile(copy.deepcopy(ref), 2, (local,), group=mesh["tp"])
     fully_shard(pm, mesh=mesh["dp"])
     opt, ref_opt = torch.optim.AdamW(pm.parameters(), lr=0.05), torch.optim.AdamW(ref.parameters(), lr=0.05)
-    calls = []
+    calls, warned = [], []
     for step in range(3):
-        _loss(pm(local)).backward()  # FSDP2 averages over dp: the global batch's mean
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _loss(pm(local)).backward()  # FSDP2 averages over dp: the global batch's mean
+        warned.append([str(w.message) for w in caught if issubclass(w.category, FsdpClippingWarning)])
         _loss(ref(X)).backward()
+        if step == 0:  # NOTE: [clipping under FSDP2]: torch's norm there is the tp rank's own (hence the warning)
+            per_rank = torch.nn.utils.get_total_norm([p.grad for p in pm.parameters()])
+            whole = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+            assert float(per_rank.full_tensor() if hasattr(per_rank, "full_tensor") else per_rank) < 0.99 * float(whole)
         with C10dCounter() as counter:
             got = pm.clip_grad_norm_(0.05)
         calls.append(counter.calls)
@@ -348,12 +357,15 @@ def _fsdp_tp_clipping():
     full = pm.full_state_dict()
     for key, value in ref.state_dict().items():
         torch.testing.assert_close(full[key], value, msg=lambda m, key=key: f"{key}: {m}")
-    return calls
+    return calls, warned
 
 
 def test_fsdp2_x_tp_clipping_is_the_norm_over_both_dims(rank_pools):
-    for calls in rank_pools(4).run(_fsdp_tp_clipping):
+    """dp 2 x tp 2 at ws 4: pm.clip_grad_norm_ is exact; torch's get_total_norm on FSDP2's
+    parameters is each tp rank's own, which the first forward warns about, once."""
+    for calls, warned in rank_pools(4).run(_fsdp_tp_clipping):
         assert calls == [["allreduce_"]] * 3
+        assert [len(w) for w in warned] == [1, 0, 0] and "pm.clip_grad_norm_" in warned[0][0], warned
 
 
 def test_the_fuzzers_property_holds_with_clipping_in_the_loop(pool):

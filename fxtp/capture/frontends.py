@@ -118,17 +118,19 @@ _USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in \w+\n\s*(.+)')
 def _quiet_torch_logs() -> Iterator[None]:
     """Silence torch's own logging and prints while a frontend runs: a failed attempt is reported
     by fxtp in one line, not by torch's tracebacks and graph dumps."""
+    # ``disabled``, not ``setLevel``: each ``setLevel`` clears every logger's cache, and torch
+    # has some 300 loggers (a second per capture on a loaded machine, measured with cProfile).
     loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n == "torch" or n.startswith("torch.")]
-    levels = [lg.level for lg in loggers]
+    disabled = [lg.disabled for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.CRITICAL)
+        lg.disabled = True
     sink = io.StringIO()  # export prints the partial graph of a failed trace
     try:
         with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
             yield
     finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+        for lg, flag in zip(loggers, disabled):
+            lg.disabled = flag
 
 
 def _one_line(exc: BaseException) -> str:

@@ -11,7 +11,9 @@ region:
   rowwise layer's partial sums: the summed output is replicated, so is its gradient.
 
 :func:`gather_from_tp` (all_gather forward, local slice backward) is used only where a user
-plan forces a shard into a consumer that needs the whole tensor.
+plan forces a shard into a consumer that needs the whole tensor. :func:`copy_to_holders` is
+``f`` for a parameter whose units several ranks hold (NOTE: [grouped shards] in
+``fxtp/core/placement.py``).
 
 Sequence parallelism (Korthikanti et al. 2022, section 4.2.2; NOTE: [sequence parallelism] in
 passes/sequence.py) replaces ``g`` by :func:`reduce_scatter_to_sp` (reduce_scatter forward,
@@ -36,10 +38,11 @@ from torch.autograd import Function
 
 from fxtp.core import activations
 from fxtp.core.errors import FxtpInputError
-from fxtp.core.placement import Shard, local_ranges
+from fxtp.core.placement import Shard, local_ranges, owned_ranges
 
 __all__ = [
     "copy_to_tp",
+    "copy_to_holders",
     "reduce_from_tp",
     "gather_from_tp",
     "reduce_scatter_to_sp",
@@ -85,23 +88,26 @@ def all_reduce(t: torch.Tensor, group_name: str, op: str = "sum") -> torch.Tenso
 
 
 def all_gather(
-    t: torch.Tensor, dim: int, segments: tuple[int, ...], world_size: int, group_name: str, unit: int = 1
+    t: torch.Tensor, dim: int, segments: tuple[int, ...], world_size: int, group_name: str, unit: int = 1,
+    groups: tuple[int, ...] = (),
 ) -> torch.Tensor:
     """The full tensor from every rank's shard along ``dim`` (layout: NOTE: [segments]).
 
-    Uneven shards (NOTE: [uneven shards]): each rank pads its piece to rank 0's size (the
-    largest), the padded pieces are all_gathered, and each rank's real rows are narrowed out.
+    Uneven shards (NOTE: [uneven shards]): each rank pads its piece to the largest, the padded
+    pieces are all_gathered, and each rank's real rows are narrowed out. Grouped shards (NOTE:
+    [grouped shards]): ``t`` is the part the rank owns (``placement.owned_part``).
     """
-    shard = Shard(dim, tuple(segments), unit)
+    shard = Shard(dim, tuple(segments), unit, tuple(groups))
+    held = owned_ranges if shard.overlaps else local_ranges
     moved = t.movedim(dim, 0)
-    longest = shard.local_size(world_size, 0)
+    ranges = [held(shard, r, world_size) for r in range(world_size)]
+    longest = max(sum(length for _, length in r) for r in ranges)
     if moved.shape[0] < longest:
         moved = torch.cat([moved, moved.new_zeros((longest - moved.shape[0], *moved.shape[1:]))])
     moved = moved.contiguous()
     flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(moved, world_size, group_name))
     _handed(moved, flat)
     per_rank = flat.chunk(world_size, dim=0)
-    ranges = [local_ranges(shard, r, world_size) for r in range(world_size)]
     pieces = []
     for i in range(len(segments)):
         for r in range(world_size):
@@ -171,6 +177,34 @@ class _CopyToTP(Function):
         return all_reduce(grad, ctx.group_name), None
 
 
+class _CopyToHolders(Function):
+    @staticmethod
+    def forward(ctx, layout, group_name, *tensors):  # type: ignore[override]
+        ctx.layout, ctx.group_name = layout, group_name
+        ctx.meta = [(t.shape, t.dtype, t.device) for t in tensors]
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        fulls = []
+        for grad, (shape, dtype, device), (dim, ranges, size) in zip(grads, ctx.meta, ctx.layout):
+            full = torch.zeros((*shape[:dim], size, *shape[dim + 1:]), dtype=dtype, device=device)
+            pos = 0
+            for start, length in ranges:
+                if grad is not None:
+                    full.narrow(dim, start, length).copy_(grad.narrow(dim, pos, length))
+                pos += length
+            fulls.append(full)
+        flat = all_reduce(torch.cat([f.reshape(-1).to(fulls[0].dtype) for f in fulls]), ctx.group_name)
+        out, offset = [], 0
+        for full, (dim, ranges, _) in zip(fulls, ctx.layout):
+            summed = flat[offset:offset + full.numel()].view(full.shape).to(full.dtype)
+            offset += full.numel()
+            pieces = [summed.narrow(dim, start, length) for start, length in ranges]
+            out.append(torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0].contiguous())
+        return (None, None, *out)
+
+
 class _ReduceFromTP(Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group_name: str) -> torch.Tensor:  # type: ignore[override]
@@ -234,6 +268,32 @@ class _ScatterToSP(Function):
 def copy_to_tp(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Megatron's ``f``: identity forward, all_reduce backward. Same shape and dtype as ``x``."""
     return _CopyToTP.apply(x, group_name)
+
+
+def copy_to_holders(
+    tensors: list[torch.Tensor], layout: tuple[tuple[int, tuple[tuple[int, int], ...], int], ...], group_name: str
+) -> tuple[torch.Tensor, ...]:
+    """``f`` on parameters held as grouped shards (NOTE: [grouped shards] in
+    ``fxtp/core/placement.py``): identity forward; backward, each unit's gradient summed over the
+    ranks that hold it. Each rank holds in its gradient the part its own query heads give.
+
+    The sum is one all_reduce over the whole tensor-parallel group, for all of ``tensors`` (an
+    attention's k and v projections), of zero tensors of their global sizes into which each rank
+    puts its rows (a rank that does not hold a unit adds zeros): exact, no sub-groups to create
+    (they would need every rank of the job), and the parameters' global bytes once per backward
+    (the holders' sub-group reductions would move about as much when, as here, the kv heads are
+    shared by most ranks or each by a few ranks of a ring).
+
+    Args:
+        tensors: this rank's rows of each parameter (its ``local_ranges``, concatenated).
+        layout: per tensor ``(dim, ranges, size)``: the grouped dim, the ``(start, length)`` of
+            each of its local ranges in the global parameter, and the global size of ``dim``.
+        group_name: the tensor-parallel process group.
+
+    Returns:
+        ``tensors`` (views), whose gradients are the sums over the holders.
+    """
+    return _CopyToHolders.apply(layout, group_name, *tensors)
 
 
 def reduce_from_tp(x: torch.Tensor, group_name: str) -> torch.Tensor:

@@ -5,15 +5,18 @@ from __future__ import annotations
 import torch
 
 from fxtp.core.errors import FxtpInputError
+from fxtp.core.placement import kv_unit_range
 
 __all__ = [
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
+    "attention",
     "grouped_query_attention",
     "grouped_query_attention_local_kv",
     "index_copy_kv_heads",
     "kv_head_range",
     "repeat_interleave",
+    "repeat_kv_heads",
 ]
 
 
@@ -85,6 +88,50 @@ def vocab_parallel_embedding(
     return out.masked_fill(outside.unsqueeze(-1), 0)
 
 
+# NOTE: [causal masks]
+# A traced Hugging Face model hands its attentions a boolean mask even where the eager model
+# calls ``is_causal=True`` without one (NOTE: [attention operands] in passes/normalize.py),
+# and ATen converts that mask into an additive float mask per attention and saves it for
+# backward: ``(B, 1, T, T)`` floats per layer, on every rank (4 B * T**2 per sequence: 64 MiB a
+# layer at T = 4096). :func:`attention` checks the mask's values instead: when it is exactly
+# ``tril(ones(L, S))`` (broadcast over the leading dims), the result of ``is_causal=True`` is the
+# same softmax over the same keys, so it calls that and nothing mask-shaped is saved. The answer
+# is kept on the mask tensor, so the layers that share one mask pay one comparison per forward
+# (and one device-to-host read). Under ``torch.compile`` the mask is used as it is (the check
+# would break the graph).
+
+
+def _causal(mask: torch.Tensor, length: int, source: int) -> bool:
+    """Whether the boolean ``mask`` is ``tril(ones(length, source))`` broadcast (NOTE: [causal masks])."""
+    known = mask.__dict__.get("_fxtp_causal")
+    if known is None:
+        known = (mask.dim() >= 2 and tuple(mask.shape[-2:]) == (length, source) and mask.device.type != "meta"
+                 and torch.equal(mask, torch.ones(length, source, dtype=torch.bool, device=mask.device).tril().expand(mask.shape)))
+        mask.__dict__["_fxtp_causal"] = known
+    return known
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: "torch.Tensor | None" = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: "float | None" = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention``, run with ``is_causal=True`` and no mask when the boolean
+    ``attn_mask`` is exactly the causal mask (NOTE: [causal masks]); arguments, shapes and result
+    as in ``torch.nn.functional.scaled_dot_product_attention``."""
+    if (attn_mask is not None and attn_mask.dtype == torch.bool and not is_causal and not attn_mask.requires_grad
+            and not torch.compiler.is_compiling() and _causal(attn_mask, query.shape[-2], key.shape[-2])):
+        attn_mask, is_causal = None, True
+    return torch.ops.aten.scaled_dot_product_attention.default(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                                               enable_gqa=enable_gqa)
+
+
 def grouped_query_attention(
     q_start: int,
     group: int,
@@ -114,7 +161,7 @@ def grouped_query_attention(
         ``(q_start + j) // group``, as on one device.
     """
     key, value = kv_heads_of(q_start, group, query, key, value)
-    return torch.ops.aten.scaled_dot_product_attention.default(query, key, value, attn_mask, dropout_p, is_causal, scale=scale)
+    return attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale)
 
 
 def kv_heads_of(
@@ -129,12 +176,11 @@ def kv_heads_of(
 
 def kv_head_range(q_start: int, q_count: int, group: int) -> tuple[int, int]:
     """``(start, length)`` of the kv heads that query heads ``[q_start, q_start + q_count)``
-    attend with, ``group`` query heads per kv head (NOTE: [kv heads kept by the ranks that need
-    them] in ``passes/kv_heads.py``): at 8 query heads, 2 kv heads, world_size 4, rank 1's heads
-    2, 3 give ``(0, 1)``; at 6 query heads, 3 kv heads, world_size 2, rank 0's heads 0..2 give
-    ``(0, 2)``."""
-    start = q_start // group
-    return start, -(-(q_start + q_count) // group) - start
+    attend with, ``group`` query heads per kv head (NOTE: [grouped shards] in
+    ``fxtp/core/placement.py``, which defines it: :func:`~fxtp.core.placement.kv_unit_range`):
+    at 8 query heads, 2 kv heads, world_size 4, rank 1's heads 2, 3 give ``(0, 1)``; at 6 query
+    heads, 3 kv heads, world_size 2, rank 0's heads 0..2 give ``(0, 2)``."""
+    return kv_unit_range(q_start, q_count, group)
 
 
 def index_copy_kv_heads(
@@ -188,6 +234,24 @@ def repeat_interleave(x: torch.Tensor, repeats: int, dim: int, output_size: "int
             local output is ``x.shape[dim] * repeats``).
     """
     return torch.ops.aten.repeat_interleave.self_int(x, repeats, dim)
+
+
+def repeat_kv_heads(x: torch.Tensor, dim: int, q_start: int, q_count: int, group: int, merged: bool) -> torch.Tensor:
+    """This rank's query heads' kv heads, from the kv heads it holds (NOTE: [repeated kv heads]
+    in ``passes/rules/repeat.py``).
+
+    Args:
+        x: the kv heads :func:`kv_head_range` ``(q_start, q_count, group)`` along ``dim``:
+            ``(..., h, group, ...)`` expanded (``merged``, Hugging Face's ``repeat_kv`` before its
+            reshape) or ``(..., h, ...)`` (``repeat_interleave``).
+        q_start, q_count: this rank's first query head and number of query heads.
+        group: query heads per kv head.
+
+    Returns:
+        ``(..., q_count, ...)``, contiguous: row ``j`` is kv head ``(q_start + j) // group``.
+    """
+    repeated = x.flatten(dim, dim + 1) if merged else torch.ops.aten.repeat_interleave.self_int(x, group, dim)
+    return repeated.narrow(dim, q_start % group, q_count).contiguous()
 
 
 # NOTE: [vocab-parallel cross entropy]

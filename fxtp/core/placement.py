@@ -22,6 +22,22 @@ front-loaded, as Megatron-LM's and vLLM's uneven partitions are: rank ``r`` gets
 the most. An even shard (every segment's units divide the world size) is the equal split above,
 whatever its unit. The local size of an uneven shard depends on the rank, so rules write a
 ``passes.registry.LocalSize`` where an even shard gets a number, and the rewrite fills it in.
+
+NOTE: [grouped shards]
+Grouped-query attention reads kv head ``j`` from query heads ``[j * g, (j + 1) * g)`` (``g =
+Hq // Hkv``). With the query heads split front-loaded in whole heads, rank ``r``'s heads
+``[q0, q0 + n)`` read kv heads ``[q0 // g, ceil((q0 + n) / g))`` only (:func:`kv_unit_range`):
+vLLM's kv-head replication when kv heads are fewer than ranks, and the mixed case where a rank's
+query heads span two kv groups. A segment with a group ``g > 1`` (``Shard.groups``) holds such
+kv units: rank ``r`` holds the units its block of the ``units * g`` query units reads. At 28
+query heads, 4 kv heads (``g = 7``) and world_size 8, ranks hold the query heads 4/4/4/4/3/3/3/3
+and the kv heads ``[0]``, ``[0, 1]``, ``[1]``, ``[1, 2]``, ``[2]``, ``[2, 3]``, ``[3]``, ``[3]``.
+The ranges overlap: a unit lives on every rank that reads it, with the same value. Its first
+holder (the rank of query unit ``j * g``) *owns* it (:func:`owned_ranges`): whole-tensor
+reductions and gathers count owned units only. In backward each holder has the part of the
+gradient its own query heads give, so the gradient of a grouped parameter is summed over the
+holders (``fxtp.core.collectives.copy_to_holders``). A grouped shard is never ``divisible``:
+only rules that know overlapping units see one (``passes.registry.overlap_ok``).
 """
 
 from __future__ import annotations
@@ -31,7 +47,8 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["Replicate", "Shard", "Partial", "Placement", "shard_tensor", "local_ranges", "is_sharded", "REPLICATE"]
+__all__ = ["Replicate", "Shard", "Partial", "Placement", "shard_tensor", "local_ranges", "is_sharded", "REPLICATE",
+           "kv_unit_range", "owned_ranges", "owned_part"]
 
 
 @dataclass(frozen=True)
@@ -59,15 +76,26 @@ class Shard:
         segments: global sizes of the segments along ``dim``.
         unit: the split granularity (NOTE: [uneven shards]): every segment is split in whole
             units of this size (1: elements; a head_dim: whole heads).
+        groups: empty, or one per segment: a segment's group ``g > 1`` holds kv units read by
+            query units in groups of ``g`` (NOTE: [grouped shards]); 1 is a plain segment.
     """
 
     dim: int
     segments: tuple[int, ...]
     unit: int = 1
+    groups: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         assert self.dim >= 0 and len(self.segments) >= 1 and self.unit >= 1, self
         assert all(s % self.unit == 0 for s in self.segments), self
+        assert not self.groups or len(self.groups) == len(self.segments) and min(self.groups) >= 1, self
+        if self.groups and max(self.groups) == 1:
+            object.__setattr__(self, "groups", ())  # one spelling of a plain shard
+
+    @property
+    def overlaps(self) -> bool:
+        """Some units are held by several ranks (NOTE: [grouped shards])."""
+        return bool(self.groups)
 
     @property
     def size(self) -> int:
@@ -84,16 +112,17 @@ class Shard:
 
     def divisible(self, world_size: int) -> bool:
         """Every rank holds the same size (every segment's units divide the world size)."""
-        return all((s // self.unit) % world_size == 0 for s in self.segments)
+        return not self.overlaps and all((s // self.unit) % world_size == 0 for s in self.segments)
 
     def with_dim(self, dim: int) -> "Shard":
-        return Shard(dim, self.segments, self.unit)
+        return Shard(dim, self.segments, self.unit, self.groups)
 
     def __str__(self) -> str:
         unit = f", unit={self.unit}" if self.unit != 1 else ""
+        groups = f", groups={list(self.groups)}" if self.groups else ""
         if len(self.segments) == 1:
-            return f"S({self.dim}{unit})"
-        return f"S({self.dim}, segments={list(self.segments)}{unit})"
+            return f"S({self.dim}{unit}{groups})"
+        return f"S({self.dim}, segments={list(self.segments)}{unit}{groups})"
 
 
 Placement = Union[Replicate, Shard, Partial]
@@ -107,18 +136,52 @@ def is_sharded(placement: object) -> bool:
     return isinstance(placement, Shard)
 
 
-def local_ranges(shard: Shard, rank: int, world_size: int) -> list[tuple[int, int]]:
-    """``(start, length)`` of every global range rank ``rank`` holds along ``shard.dim``, in order
-    (one per segment; front-loaded when uneven, NOTE: [uneven shards])."""
+def _front_loaded(units: int, rank: int, world_size: int) -> tuple[int, int]:
+    """``(first, count)`` of rank ``rank``'s block of ``units`` (NOTE: [uneven shards])."""
+    base, extra = divmod(units, world_size)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
+def kv_unit_range(q_start: int, q_count: int, group: int) -> tuple[int, int]:
+    """``(start, length)`` of the kv units that query units ``[q_start, q_start + q_count)``
+    read, ``group`` query units per kv unit (NOTE: [grouped shards]): at 28 query heads, 4 kv
+    heads, world_size 8, rank 1's heads 4..7 give ``(0, 2)``; no query units, no kv units."""
+    if q_count == 0:
+        return q_start // group, 0
+    start = q_start // group
+    return start, (q_start + q_count - 1) // group + 1 - start
+
+
+def _ranges(shard: Shard, rank: int, world_size: int, owned: bool) -> list[tuple[int, int]]:
     ranges = []
     offset = 0
-    for seg in shard.segments:
-        base, extra = divmod(seg // shard.unit, world_size)
-        first = rank * base + min(rank, extra)
-        count = base + (rank < extra)
+    for i, seg in enumerate(shard.segments):
+        group = shard.groups[i] if shard.groups else 1
+        q_first, q_count = _front_loaded(seg // shard.unit * group, rank, world_size)
+        if group == 1:
+            first, count = q_first, q_count
+        elif owned:  # the kv units whose first reader, query unit j * g, is on this rank
+            first = -(-q_first // group)
+            count = max(0, (q_first + q_count - 1) // group + 1 - first) if q_count else 0
+        else:
+            first, count = kv_unit_range(q_first, q_count, group)
         ranges.append((offset + first * shard.unit, count * shard.unit))
         offset += seg
     return ranges
+
+
+def local_ranges(shard: Shard, rank: int, world_size: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of every global range rank ``rank`` holds along ``shard.dim``, in order
+    (one per segment; front-loaded when uneven, NOTE: [uneven shards]; the kv units its query
+    units read for a grouped segment, NOTE: [grouped shards])."""
+    return _ranges(shard, rank, world_size, owned=False)
+
+
+def owned_ranges(shard: Shard, rank: int, world_size: int) -> list[tuple[int, int]]:
+    """The part of each of :func:`local_ranges` that rank ``rank`` owns: all of it for a plain
+    segment; for a grouped one the units this rank is the first holder of (NOTE: [grouped
+    shards]). Over the ranks they tile the dim exactly once. Starts are global."""
+    return _ranges(shard, rank, world_size, owned=True)
 
 
 def shard_tensor(full: torch.Tensor, placement: Placement, rank: int, world_size: int) -> torch.Tensor:
@@ -133,3 +196,16 @@ def shard_tensor(full: torch.Tensor, placement: Placement, rank: int, world_size
         raise ValueError(f"tensor of shape {tuple(full.shape)} does not match {placement}")
     pieces = [full.detach().narrow(placement.dim, start, length) for start, length in local_ranges(placement, rank, world_size)]
     return torch.cat(pieces, dim=placement.dim).clone() if len(pieces) > 1 else pieces[0].clone()
+
+
+def owned_part(local: torch.Tensor, shard: Shard, rank: int, world_size: int) -> torch.Tensor:
+    """The rows of rank ``rank``'s ``local`` tensor (its :func:`local_ranges` along ``shard.dim``,
+    concatenated) that it owns (:func:`owned_ranges`): ``local`` itself unless ``shard`` is
+    grouped; over the ranks these tile the whole tensor once (NOTE: [grouped shards])."""
+    if not shard.overlaps:
+        return local
+    pieces, pos = [], 0
+    for (start, length), (first, count) in zip(local_ranges(shard, rank, world_size), owned_ranges(shard, rank, world_size)):
+        pieces.append(local.narrow(shard.dim, pos + first - start, count))
+        pos += length
+    return torch.cat(pieces, shard.dim) if len(pieces) > 1 else pieces[0]

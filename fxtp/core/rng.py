@@ -126,15 +126,18 @@ def sharded_call(
     """The call that replaces a random op whose output is sharded as ``shard``: ``(fn, args,
     kwargs)``, or ``None`` when the op draws nothing or is not covered (NOTE: [dropout across ranks]).
     ``target`` may also be a rule's local op that wraps a random op
-    (``local_ops.grouped_query_attention``, the GQA attention with whole k/v). ``tokens``: the
+    (``local_ops.grouped_query_attention``, the GQA attention with whole k/v, and its form on the
+    rank's own kv heads, ``grouped_query_attention_local_kv``). ``tokens``: the
     shard is sequence parallelism's token shard, whose size is read at run time
     (:func:`token_random`; NOTE: [sequence parallelism] in passes/sequence.py)."""
     if tokens and target in ELEMENTWISE and is_random(target, args, kwargs):
         return token_random, (target, shard.dim, rank, world_size, *args), dict(kwargs)
     where = (shard.dim, tuple(shard.segments), rank, world_size)
-    if target is local_ops.grouped_query_attention:
+    if target in (local_ops.grouped_query_attention, local_ops.grouped_query_attention_local_kv):
         if _dropout_p(args[2:], kwargs) == 0:
             return None
+        if target is local_ops.grouped_query_attention_local_kv:  # its own kv heads: NOTE: [grouped shards]
+            args = (args[0] % args[1], *args[1:])
         return sharded_grouped_attention, (*where, *args), dict(kwargs)
     if not is_random(target, args, kwargs):
         return None

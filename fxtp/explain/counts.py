@@ -117,6 +117,9 @@ def collectives(program: ExportedProgram, plan: ShardingPlan, nodes: dict[str, A
     scattered_back = {p for p, summed in sp_gathered if summed and p in needs_grad}
     sliced_in = {p for (_, p), a in plan.edges.items() if a.kind == "sp_scatter" and a.enter and p in needs_grad}
     regathered = regathered_values(program, plan, nodes)
+    # NOTE: [grouped shards]: copy_to_holders all_reduces a grouped parameter's gradient at its global size
+    held = [[p for p in names if p in needs_grad] for names in plan.holders]
+    held = [names for names in held if names]
     # Emitted ops that all_reduce themselves: a vocab-parallel loss, 3 of fp32 (N,) for (N, C) logits.
     inside = [
         (nodes[name], local_ops.FORWARD_COLLECTIVES[target])
@@ -128,7 +131,8 @@ def collectives(program: ExportedProgram, plan: ShardingPlan, nodes: dict[str, A
     return (
         CollectiveStat("forward", "all_reduce", len(reduces) + inside_count, nbytes(reduces) + inside_bytes),
         CollectiveStat("forward", "all_gather", len(tp_gathered) + len(sp_gathered), nbytes(tp_gathered) + nbytes(p for p, _ in sp_gathered)),
-        CollectiveStat("backward", "all_reduce", len(entered) + len(entered_gathered), nbytes(entered) + nbytes(entered_gathered)),
+        CollectiveStat("backward", "all_reduce", len(entered) + len(entered_gathered) + len(held),
+                       nbytes(entered) + nbytes(entered_gathered) + sum(nbytes(names) for names in held)),
         CollectiveStat("forward", "reduce_scatter", len(reduce_scattered), nbytes(reduce_scattered)),
         CollectiveStat(
             "backward",

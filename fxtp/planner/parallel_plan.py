@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from tabulate import tabulate
 
+from fxtp.core.strategy import TensorParallelStrategy
 from fxtp.planner.costs import Choice, Estimate
 from fxtp.planner.hardware import GiB, Hardware
 
@@ -94,6 +95,8 @@ class ParallelPlan:
     n_blocks: int
     solve_s: float
     notes: tuple[str, ...] = field(default=())
+    # the chosen tp's layer styles, as plan= entries (NOTE: [repeated blocks] in fxtp/planner/params.py)
+    layer_styles: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def tp(self) -> int:
@@ -110,6 +113,21 @@ class ParallelPlan:
     @property
     def activation_checkpointing(self) -> Optional[str]:
         return self.chosen.choice.activation_checkpointing
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per micro-batch on a dp rank."""
+        return self.chosen.choice.micro_batch
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (gradient accumulation)."""
+        return self.chosen.choice.accumulation
+
+    @property
+    def tensor_parallel(self) -> TensorParallelStrategy:
+        """What ``fxtp.compile(model, plan.tp, ..., strategy=plan)`` applies on the tp sub-mesh."""
+        return TensorParallelStrategy(self.tp, self.sequence_parallel, self.activation_checkpointing, dict(self.layer_styles))
 
     @property
     def memory_per_device(self) -> dict[str, int]:
@@ -136,6 +154,7 @@ class ParallelPlan:
             "tp_param_bytes": {str(k): v for k, v in self.tp_param_bytes.items()},
             "analyzed_blocks": self.analyzed_blocks,
             "n_blocks": self.n_blocks,
+            "layer_styles": dict(self.layer_styles),
             "alternatives": [a.to_dict(self.device_memory) for a in self.alternatives],
             "skipped": [dict(s) for s in self.skipped],
             "solve_s": self.solve_s,
@@ -156,6 +175,7 @@ class ParallelPlan:
             f"step: {fmt_time(s['total'])} = compute {fmt_time(s['compute'])} (recompute {fmt_time(s['recompute'])}) + tp comm "
             f"{fmt_time(s['tp_comm'])} + fsdp comm not hidden {fmt_time(s['fsdp_exposed'])} (of {fmt_time(s['fsdp_comm'])})",
             self._params_line(),
+            self._styles_line(),
             "",
             tabulate(self._rows(), headers=["tp", "dp", "sp", "checkpointing", "micro-batch", "memory", "step", ""],
                      colalign=("right", "right", "left", "left", "left", "right", "right", "left")),
@@ -201,6 +221,11 @@ class ParallelPlan:
         return f"parameters per tp rank ({how}): " + ", ".join(
             f"tp {tp} {fmt_size(b)}" for tp, b in sorted(self.tp_param_bytes.items())
         ) + " (model dtype; FSDP2 keeps them in fp32 over dp)"
+
+    def _styles_line(self) -> str:
+        counts = {style: list(self.layer_styles.values()).count(style) for style in ("colwise", "rowwise", "replicate")}
+        return (f"layer styles at tp {self.tp}: " + ", ".join(f"{n} {style}" for style, n in counts.items() if n)
+                + " (plan.layer_styles; fxtp.compile(model, plan.tp, ..., strategy=plan, group=mesh['tp']) applies them)")
 
     def _rows(self) -> list[list[Any]]:
         """The chosen row, then each other tp's best (``to_dict()`` has every alternative)."""

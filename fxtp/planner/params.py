@@ -47,6 +47,7 @@ class ParamShapes:
     n_blocks: int
     analyzed_blocks: int  # the depth fxtp analyzed (2 when extrapolated)
     all_reduces: int = 0  # the analyzed graph's, forward + backward, as the plan inserts them
+    styles: tuple[tuple[str, str], ...] = ()  # the analyzed graph's layer styles as plan= entries
 
     def outside_reduces(self) -> int:
         """All_reduces outside the blocks per forward and backward: the analyzed graph's less
@@ -174,16 +175,42 @@ def _collect(program: Any, plans: dict[int, Any], blocks: Optional[Blocks], dept
             piece = (tuple(shape), tensor.element_size())
             index = _block_index(fqn, blocks.fqn) if blocks is not None and depth else None
             (other if index is None else per_block.setdefault(index, [])).append(piece)
+        extrapolated = blocks is not None and 0 < depth < blocks.count
+        styles = _styles(plan, blocks.fqn if extrapolated else None)
         if blocks is None or not depth:
-            out[tp] = ParamShapes(tp, tuple(other), (), 0, 0, reduces)
-        elif depth < blocks.count:
+            out[tp] = ParamShapes(tp, tuple(other), (), 0, 0, reduces, styles)
+        elif extrapolated:
             first, counted = (tuple(per_block.get(i, ())) for i in (0, 1))
-            if first != counted:
+            if first != counted or styles is None:
                 return None
-            out[tp] = ParamShapes(tp, tuple(other), counted, blocks.count, depth, reduces)
+            out[tp] = ParamShapes(tp, tuple(other), counted, blocks.count, depth, reduces, styles)
         else:
-            out[tp] = ParamShapes(tp, tuple(other + [p for i in sorted(per_block) for p in per_block[i]]), (), 0, depth, reduces)
+            pieces = tuple(other + [p for i in sorted(per_block) for p in per_block[i]])
+            out[tp] = ParamShapes(tp, pieces, (), 0, depth, reduces, styles)
     return out
+
+
+def _styles(plan: Any, blocks_fqn: Optional[str]) -> Optional[tuple[tuple[str, str], ...]]:
+    """The plan's ``{layer: style}`` as ``plan=`` entries (glob patterns, ``[`` escaped); with
+    ``blocks_fqn`` (two blocks analyzed for many), block 1's layers as ``{blocks_fqn}.*.``
+    globs, or None where block 0's styles differ from block 1's."""
+    out: dict[str, str] = {}
+    per_block: dict[str, dict[str, str]] = {"0": {}, "1": {}}
+    for layer in plan.layers:
+        name = layer.name.partition(":")[0]  # a module called twice: its calls share the module's key
+        index = _block_index(name, blocks_fqn) if blocks_fqn is not None else None
+        if index is not None:
+            rest = name[len(blocks_fqn) + 1:].partition(".")[2]
+            per_block[str(index)][rest] = layer.style
+            continue
+        key = name.replace("[", "[[]")
+        out[key] = layer.style if out.get(key, layer.style) == layer.style else "replicate"
+    if blocks_fqn is None:
+        return tuple(out.items())
+    if per_block["0"] != per_block["1"]:
+        return None
+    glob = f"{blocks_fqn}.*." if blocks_fqn else "*."
+    return tuple(out.items()) + tuple((glob + rest.replace("[", "[[]"), style) for rest, style in per_block["1"].items())
 
 
 def _block_index(fqn: str, prefix: str) -> Optional[int]:

@@ -129,6 +129,7 @@ def plan(
         analyzed_blocks=params[1].analyzed_blocks,
         n_blocks=blocks.count,
         solve_s=time.perf_counter() - start,
+        layer_styles=dict(params[best.choice.tp].styles),
     )
 
 

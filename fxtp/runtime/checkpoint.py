@@ -36,7 +36,7 @@ from fxtp.core.errors import FxtpInputError, FxtpRuntimeError
 from fxtp.runtime import sharded
 from fxtp.runtime.layout import local_form
 from fxtp.runtime.sharded import local_tensor
-from fxtp.core.placement import REPLICATE, Placement, Shard, local_ranges, shard_tensor
+from fxtp.core.placement import REPLICATE, Placement, Shard, local_ranges, owned_part, shard_tensor
 
 __all__ = ["LoadStats", "bind_state_keys", "full_state_dict", "load_full_state_dict", "load_safetensors"]
 
@@ -114,7 +114,9 @@ def full_state_dict(pm: nn.Module) -> dict[str, torch.Tensor]:
                     local = local.full_tensor()
                 placement = pm.placements.get(owner, REPLICATE)
                 if isinstance(placement, Shard) and pm._world_size > 1:
-                    gathered[owner] = all_gather(local, placement.dim, placement.segments, pm._world_size, pm._group_name, placement.unit)
+                    owned = owned_part(local, placement, pm._rank, pm._world_size)  # NOTE: [grouped shards]
+                    gathered[owner] = all_gather(owned, placement.dim, placement.segments, pm._world_size, pm._group_name,
+                                                 placement.unit, placement.groups)
                 else:
                     gathered[owner] = local.clone()
             out[key] = gathered[owner]

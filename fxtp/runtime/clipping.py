@@ -5,15 +5,30 @@ parameters] in fxtp/runtime/sharded.py), but it all_reduces once per sharded par
 after FSDP2's ``fully_shard`` (whose DTensor parameters span the data-parallel mesh only), it
 would miss the tensor-parallel dim. :func:`clip_grad_norm_` sums every rank's share once:
 
-* a tensor-parallel shard counts on every rank (its elements are on that rank only);
+* a tensor-parallel shard counts on every rank (its elements are on that rank only; of a grouped
+  shard, NOTE: [grouped shards], the rows the rank owns);
 * a replicated parameter counts on tensor-parallel rank 0 only (every rank holds it);
 * under FSDP2 each rank counts its data-parallel block of the above, and the one all_reduce
   spans the data-parallel x tensor-parallel ranks (the default group, which must be exactly those).
+
+NOTE: [clipping under FSDP2]
+FSDP2's ``fully_shard(pm, mesh=mesh["dp"])`` replaces every parameter by its own DTensor over the
+data-parallel mesh, made from the rank's tensor-parallel shard as a plain tensor. torch's
+``clip_grad_norm_`` and ``get_total_norm`` on those reduce over the data-parallel mesh only, so
+each tensor-parallel rank gets the norm of its own shards (too small) and clips by its own
+coefficient, and replicated parameters drift apart. DTensor would express the 2-D layout
+(``(Shard(0), Shard(d))`` on a ``(dp, tp)`` mesh, torchtitan's parameters) only if fxtp's
+parameters were tensor-parallel DTensors before ``fully_shard``, which they are not (NOTE:
+[sharded parameters] says why), and a DTensor gradient's reductions cannot be intercepted. So
+the first forward of a ``ParallelModule`` wrapped by ``fully_shard`` with sharded parameters
+warns (:func:`warn_under_fsdp`, an :class:`FsdpClippingWarning`) that torch's whole-tensor
+utilities would be per-rank there, and points to :func:`clip_grad_norm_`, which is exact.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from typing import Optional
 
@@ -23,10 +38,34 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fxtp.core.errors import FxtpConfigError
-from fxtp.core.placement import REPLICATE, Shard
+from fxtp.core.placement import REPLICATE, Shard, owned_part
 from fxtp.runtime.sharded import local_tensor, resolve_group
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "FsdpClippingWarning", "warn_under_fsdp"]
+
+
+class FsdpClippingWarning(UserWarning):
+    """torch's whole-tensor utilities on FSDP2's parameters of a ``ParallelModule`` would miss
+    the tensor-parallel dim (NOTE: [clipping under FSDP2])."""
+
+
+def warn_under_fsdp(pm: nn.Module) -> bool:
+    """Warn once when ``pm`` is wrapped by FSDP2's ``fully_shard`` and has sharded parameters
+    (NOTE: [clipping under FSDP2]); returns whether it is so wrapped (nothing left to check)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(pm, FSDPModule):
+        return False
+    sharded = [fqn for fqn, p in pm.placements.items() if isinstance(p, Shard)]
+    if sharded and pm._world_size > 1:
+        warnings.warn(
+            f"fxtp: this ParallelModule is wrapped by FSDP2's fully_shard, whose DTensor parameters span the "
+            f"data-parallel mesh only; {len(sharded)} parameters (e.g. {sharded[0]!r}) are also sharded over the "
+            f"tensor-parallel group ({pm._world_size} ranks), so torch.nn.utils.clip_grad_norm_, get_total_norm or a "
+            "norm of these parameters would give each tensor-parallel rank its own shards' value and clip it by its own "
+            "coefficient (NOTE: [clipping under FSDP2]). fix: clip with pm.clip_grad_norm_(max_norm), the norm over "
+            "both dims in one all_reduce", FsdpClippingWarning, stacklevel=3)
+    return True
 
 
 def _group(pm: nn.Module, grads: list[torch.Tensor]) -> Optional[dist.ProcessGroup]:
@@ -76,7 +115,10 @@ def clip_grad_norm_(pm: nn.Module, max_norm: float, norm_type: float = 2.0, *, e
             continue
         grad = p.grad
         grads.append(grad.to_local() if isinstance(grad, DTensor) else local_tensor(grad))
-        if isinstance(pm.placements.get(fqn, REPLICATE), Shard) or pm._rank == 0:
+        placement = pm.placements.get(fqn, REPLICATE)
+        if isinstance(placement, Shard) and placement.overlaps and not isinstance(grad, DTensor):
+            counted.append(owned_part(grads[-1], placement, pm._rank, pm._world_size))  # NOTE: [grouped shards]
+        elif isinstance(placement, Shard) or pm._rank == 0:
             counted.append(grads[-1])
     group = _group(pm, [p.grad for p in pm.parameters() if p.grad is not None])
     device = grads[0].device if grads else torch.device("cpu")

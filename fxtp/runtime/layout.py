@@ -23,7 +23,8 @@ of a state dict says which rectangles this rank holds:
   that holds the local tensor and the rectangles, and implements DCP's ``_Checkpointable``
   protocol (``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``, the
   three methods ``DTensor`` itself implements for DCP) so the default planners save and reshard
-  it. Keys stay the original model's FQNs and shapes its full shapes, so a checkpoint of one
+  it (a grouped shard's kv heads, NOTE: [grouped shards], one chunk per head, saved once by
+  DCP's deduplication). Keys stay the original model's FQNs and shapes its full shapes, so a checkpoint of one
   layout (any world size, ``fxtp.compile(..., 1)``, the plain model) loads into any other.
 * buffers, and everything when there is no process group (``world_size`` 1, inspection): plain
   tensors, the local tensor being the full one.
@@ -146,9 +147,14 @@ def _tp_chunks(local_shape: tuple[int, ...], placement: Placement, rank: int, wo
     if not isinstance(placement, Shard):
         return [Chunk(zero, zero, local_shape)]
     chunks, pos = [], 0
+    # NOTE: [grouped shards]: a kv head held by several ranks is one chunk per head, the same
+    # rectangle on every holder, which DCP's planner saves once (dedup_save_plans)
+    step = placement.unit if placement.overlaps else None
     for start, length in local_ranges(placement, rank, world_size):
         dim = placement.dim
-        chunks.append(Chunk(_replace(zero, dim, pos), _replace(zero, dim, start), _replace(local_shape, dim, length)))
+        for offset in range(0, length, step or max(length, 1)):
+            size = min(step or length, length - offset)
+            chunks.append(Chunk(_replace(zero, dim, pos + offset), _replace(zero, dim, start + offset), _replace(local_shape, dim, size)))
         pos += length
     return chunks
 

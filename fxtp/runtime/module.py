@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.utils._pytree as pytree
@@ -21,7 +21,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from fxtp.core import activations, collectives, rng
 from fxtp.runtime import checkpoint, clipping, generation, layout, sharded
-from fxtp.runtime.variants import SizeGraphs, differs_in_zero_one
+from fxtp.runtime.variants import SizeGraphs, differs_in_zero_one, held
 from fxtp.capture.frontends import written_state
 from fxtp.core.errors import FxtpInputError, FxtpRuntimeError
 from fxtp.core.placement import REPLICATE, Placement, Shard, shard_tensor
@@ -124,6 +124,9 @@ class ParallelModule(nn.Module):
         self.written_state: set[str] = set()  # buffers and constants the graphs write in place (a KV cache)
         self._generation = None  # set by fxtp.compile for a Hugging Face causal LM (fxtp.runtime.generation)
         self._size_graphs: Optional[SizeGraphs] = None  # set by fxtp.compile (NOTE: [size-1 graphs])
+        # (module, mode) -> that mode's ModeGraph, captured on the first switch to it; set by fxtp.compile (NOTE: [modes])
+        self._mode_graphs: Optional[Callable[["ParallelModule", str], ModeGraph]] = None
+        self._fsdp_warned = False
         self._call_defaults: dict[str, Any] = {}  # keywords a call gets unless it gives them (NOTE: [Hugging Face call defaults])
         self._fxtp_constants = nn.Module()
         self._constant_targets: dict[str, str] = {}  # fxtp's name of a constant -> the model's
@@ -152,6 +155,7 @@ class ParallelModule(nn.Module):
         inputs: list[tuple[str, str]] = []
         known = {target: key for key, target in self._constant_targets.items()} if share_constants else {}
         written = written_state(program)
+        from_meta = share_constants and self._holds_values()  # once, not per buffer
         for spec in program.graph_signature.input_specs:
             if spec.kind == InputKind.PARAMETER:
                 if placements is not None:
@@ -169,7 +173,7 @@ class ParallelModule(nn.Module):
             elif spec.kind == InputKind.BUFFER:
                 if not self._has(spec.target):
                     source = program.state_dict if spec.persistent else program.constants
-                    value = self._local_state(spec.arg.name, source[spec.target])
+                    value = self._local_state(spec.arg.name, held(source[spec.target], spec.target, from_meta))
                     self._register(spec.target, value, persistent=bool(spec.persistent))
                 if spec.arg.name in written:
                     self.written_state.add(spec.target)
@@ -178,7 +182,8 @@ class ParallelModule(nn.Module):
                 inputs.append(("buffer", known[spec.target]))
             elif spec.kind == InputKind.CONSTANT_TENSOR:
                 key = f"c{len(self._fxtp_constants._buffers)}"
-                self._fxtp_constants.register_buffer(key, self._local_state(spec.arg.name, program.constants[spec.target]), persistent=False)
+                value = held(program.constants[spec.target], spec.target, from_meta)
+                self._fxtp_constants.register_buffer(key, self._local_state(spec.arg.name, value), persistent=False)
                 self._constant_targets[f"_fxtp_constants.{key}"] = spec.target
                 if spec.arg.name in written:
                     self.written_state.add(f"_fxtp_constants.{key}")
@@ -206,6 +211,9 @@ class ParallelModule(nn.Module):
         placement = self._state_placements.get(placeholder, REPLICATE)
         return shard_tensor(full, placement, self._rank, self._world_size)
 
+    def _holds_values(self) -> bool:
+        return not all(p.is_meta for p in self.parameters())
+
     def _has(self, fqn: str) -> bool:
         try:
             self.get_buffer(fqn)
@@ -224,7 +232,18 @@ class ParallelModule(nn.Module):
         switches every module of the model (NOTE: [modes] in fxtp/api.py)."""
         super().train(mode)
         self._mode = "train" if mode else "eval"
+        if self._mode not in self._graphs and self._mode_graphs is not None:
+            self._graphs[self._mode] = self._mode_graphs(self, self._mode)  # the first switch to it: captured now
         return self
+
+    def mode_graph(self, mode: str) -> ModeGraph:
+        """The graph of ``mode`` (NOTE: [modes] in fxtp/api.py)."""
+        return self._graphs[mode]
+
+    def bind_graph(self, program: ExportedProgram, gm: GraphModule) -> ModeGraph:
+        """``gm`` (the rank graph of ``program``, captured from the model's ``meta`` copy) made a ``ModeGraph`` on
+        this module's parameters, buffers and constants; ``FxtpInputError`` if it uses a parameter the compiled one does not."""
+        return ModeGraph.of(program, gm, self._bind(program, None, share_constants=True))
 
     def _register(self, fqn: str, value: torch.Tensor, persistent: bool = True) -> None:
         *path, leaf = fqn.split(".")
@@ -269,8 +288,7 @@ class ParallelModule(nn.Module):
         except FxtpInputError as exc:
             if self._size_graphs is None or not differs_in_zero_one(flat, graph.specs):
                 raise
-            bind = lambda program, gm: ModeGraph.of(program, gm, self._bind(program, None, share_constants=True))  # noqa: E731
-            return self._size_graphs.graph_for(self.report, self._mode, graph, flat, exc, bind)
+            return self._size_graphs.graph_for(self.report, self._mode, graph, flat, exc, self.bind_graph)
         return graph
 
     def _input_slots(self, graph: "ModeGraph") -> list[tuple[Optional[nn.Module], str]]:
@@ -307,6 +325,8 @@ class ParallelModule(nn.Module):
                 "process group was initialized when fxtp.compile ran, so it can only be inspected. fix: call "
                 "torch.distributed.init_process_group(...) (or pass group=) before fxtp.compile, on every rank"
             )
+        if not self._fsdp_warned:  # NOTE: [clipping under FSDP2] in fxtp/runtime/clipping.py
+            self._fsdp_warned = clipping.warn_under_fsdp(self)
         graph = self._graphs[self._mode]
         flat = self._flatten(graph, args, kwargs)
         graph = self._graph_for(graph, flat)

@@ -10,7 +10,9 @@ Every parameter whose placement is a ``Shard`` (any: one segment, fused Q|K|V se
 front-loaded units, NOTE: [uneven shards]) is a :class:`ShardedParameter`: an ``nn.Parameter``
 over the plain local tensor (same storage, same shape: the rank's slice), whose
 ``__torch_function__`` knows that the elements of the full parameter are split over the
-tensor-parallel group, each element on exactly one rank. Its ``.grad`` and what pointwise and
+tensor-parallel group, each element on exactly one rank (a grouped shard's kv heads live on
+every rank that reads them: its reductions count the rows this rank owns, NOTE: [grouped shards]
+in fxtp/core/placement.py). Its ``.grad`` and what pointwise and
 shape ops make of it (``p.grad * c``, ``p.detach().float()``, ``torch.zeros_like(p)``, ``p.T``)
 are :class:`ShardedTensor` s with the same knowledge. On them:
 
@@ -60,7 +62,7 @@ from torch import nn
 from torch.distributed.distributed_c10d import _resolve_process_group  # NOTE: [group by name]: private, wrapped here only
 
 from fxtp.core.errors import FxtpRuntimeError
-from fxtp.core.placement import Shard
+from fxtp.core.placement import Shard, owned_part
 
 __all__ = ["ShardLayout", "ShardedTensor", "ShardedParameter", "plain", "local_tensor", "layout_of", "like", "plain_inputs", "resolve_group"]
 
@@ -278,10 +280,19 @@ def _all_reduce(values: list[torch.Tensor], op: Any, layout: ShardLayout) -> lis
     return [v.to(dtype) for v in stacked.unbind()]
 
 
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """The elements of a sharded ``t`` this rank counts in a whole-tensor reduction: all of its
+    shard, or of a grouped shard the rows it owns (NOTE: [grouped shards]); call under ``plain``."""
+    layout = layout_of(t) if isinstance(t, ShardedTensor) else None
+    if layout is None or not layout.placement.overlaps:
+        return t
+    return owned_part(t, layout.placement, dist.get_rank(layout.group()), layout.world_size)
+
+
 def _norms(func: Callable, tensors: Sequence[torch.Tensor], order: float, dtype: Any) -> list[torch.Tensor]:
     """Exact norms of ``tensors`` (sharded ones over the group, in one all_reduce)."""
     with plain():
-        local = [torch.linalg.vector_norm(t, order, dtype=dtype) for t in tensors]
+        local = [torch.linalg.vector_norm(_owned(t), order, dtype=dtype) for t in tensors]
     sharded = [i for i, t in enumerate(tensors) if layout_of(t) is not None]
     if not sharded:
         return local
@@ -318,6 +329,9 @@ def _reduce(func: Callable, args: Sequence[Any], kwargs: dict) -> Any:
     if extra or kwargs.get("dim") not in (None, ()) and "dim" in kwargs:
         raise _refuse(func, layout, "a reduction along a dim may reduce over the sharded dim")
     with plain():
+        if name in ("sum", "nansum", "count_nonzero", "mean", "nanmean"):
+            x = _owned(x)
+            args = (x, *args[1:])
         if name in ("sum", "nansum", "count_nonzero"):
             (total,) = _all_reduce([func(*args, **kwargs)], dist.ReduceOp.SUM, layout)
             return total

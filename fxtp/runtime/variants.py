@@ -23,10 +23,11 @@ runs meanwhile. Later calls of that kind cost one more ``check_inputs``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.utils._pytree as pytree
@@ -37,10 +38,29 @@ from torch.fx import GraphModule
 from fxtp.capture.shapes import InputSpec, check_inputs
 from fxtp.core.errors import FxtpError, FxtpInputError
 
-__all__ = ["SizeGraphs", "meta_copy", "differs_in_zero_one"]
+__all__ = ["SizeGraphs", "meta_copy", "differs_in_zero_one", "held", "in_mode", "mode_of"]
 
 # fxtp.api's pipeline for one more graph: (meta model, args, kwargs, mode) -> (program, rank graph)
 Build = Callable[[nn.Module, tuple, dict, str], tuple[ExportedProgram, GraphModule]]
+
+
+def mode_of(model: nn.Module) -> str:
+    """``"train"``, ``"eval"``, or ``"mixed"`` (NOTE: [modes] in fxtp/api.py)."""
+    flags = {m.training for m in model.modules()}
+    return "mixed" if len(flags) > 1 else ("train" if flags.pop() else "eval")
+
+
+@contextlib.contextmanager
+def in_mode(model: nn.Module, training: bool) -> Iterator[None]:
+    """Every module's ``training`` flag set for the block, then restored one by one."""
+    saved = [(m, m.training) for m in model.modules()]
+    try:
+        for m, _ in saved:
+            m.training = training
+        yield
+    finally:
+        for m, flag in saved:
+            m.training = flag
 
 
 def meta_copy(model: nn.Module) -> Optional[nn.Module]:
@@ -55,6 +75,22 @@ def meta_copy(model: nn.Module) -> Optional[nn.Module]:
         return copy.deepcopy(model, memo)
     except Exception:  # noqa: BLE001 - a model that refuses deepcopy just gets no size-1 graphs
         return None
+
+
+def held(value: torch.Tensor, target: str, from_meta_copy: bool) -> torch.Tensor:
+    """``value``, a buffer or constant of a graph captured after compile; ``from_meta_copy``:
+    from the model's meta copy, by a module whose weights are real.
+
+    Raises:
+        FxtpInputError: ``value`` is then a ``meta`` tensor the compiled graph never used, so
+            fxtp holds no real value for it.
+    """
+    if from_meta_copy and value.is_meta:
+        raise FxtpInputError(
+            f"{target} is used only by a graph captured after compile (another mode, or sizes 0 and 1), from the "
+            "model's meta copy, so fxtp has no value for it. fix: compile the model in that mode, or at those sizes"
+        )
+    return value
 
 
 def differs_in_zero_one(flat: list[Any], specs: tuple[InputSpec, ...]) -> bool:

@@ -14,6 +14,12 @@ whole (replicated) and each rank gathers the kv heads its query heads use
 (``fxtp.core.local_ops.grouped_query_attention``): at 8 query heads, 2 kv heads and world_size 4,
 ranks 0 and 1 use kv head 0, ranks 2 and 3 kv head 1, as the ``expand`` form of GQA does by
 slicing the repeated heads.
+
+With the kv heads as a grouped shard (NOTE: [grouped shards] in ``fxtp/core/placement.py``:
+each rank holds the kv heads its query heads read), the query sharded on its heads in whole
+heads (even or front-loaded), each rank pairs them locally
+(``fxtp.core.local_ops.grouped_query_attention_local_kv``): 28 query heads, 4 kv heads at
+world_size 8 attend on every rank with 1 or 2 kv heads of its own.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from torch.fx import Node
 
 from fxtp.core import local_ops
 from fxtp.core.placement import Shard
-from passes.registry import Conflict, Decision, RuleContext, ShardStart, register_rule, shape_of, uneven_ok
+from passes.registry import Conflict, Decision, RuleContext, ShardStart, overlap_ok, register_rule, shape_of, uneven_ok
 from passes.rules._common import ndim
 
 __all__: list[str] = []
@@ -32,6 +38,7 @@ aten = torch.ops.aten
 
 
 @register_rule(aten.scaled_dot_product_attention.default)
+@overlap_ok
 @uneven_ok
 def sdpa_rule(ctx: RuleContext) -> Decision:
     q, k, v = ctx.node.args[:3]
@@ -61,6 +68,10 @@ def sdpa_rule(ctx: RuleContext) -> Decision:
     if any(len(p.segments) != nseg for p in shards.values()):
         raise Conflict("layout-mismatch", "q, k, v sharded with different segment counts", "keep the producers replicated")
     group = shape_of(q)[dim] // shape_of(k)[dim] if gqa and dim == nd - 3 else 1
+    if any(p.overlaps for p in shards.values()):
+        return _grouped_kv_heads(ctx, q, k, v, shards, group, mask, dim, nd)
+    if group > 1 and q in shards and k not in shards and v not in shards and not _heads_divide(k, dim, nseg, ctx.world_size):
+        return _gathered_kv_heads(ctx, q, placements[q], group, mask, dim, nd)
     uneven = [p for p in shards.values() if not p.divisible(ctx.world_size)]
     if uneven and (len(shards) != 3 or len(set(shards.values())) != 1 or group != 1):
         raise Conflict(  # NOTE: [uneven shards]: q, k and v must hold the same heads
@@ -68,8 +79,6 @@ def sdpa_rule(ctx: RuleContext) -> Decision:
             f"attention with heads split unevenly ({uneven[0]}) at world_size {ctx.world_size} needs q, k and v sharded alike",
             "use a world_size that divides the head count, or keep the producers replicated",
         )
-    if group > 1 and q in shards and k not in shards and v not in shards and not _heads_divide(k, dim, nseg, ctx.world_size):
-        return _gathered_kv_heads(ctx, q, placements[q], group, mask, dim, nd)
     if group > 1 and q in shards and any(
         t in shards and [s * group for s in shards[t].segments] != list(shards[q].segments) for t in (k, v)
     ):
@@ -84,6 +93,9 @@ def sdpa_rule(ctx: RuleContext) -> Decision:
             size = shape_of(t)[dim]
             if size == 1 and not gqa:
                 continue  # broadcast over the heads (or batch): used whole
+            if q in shards and t is not q and size == shape_of(q)[dim]:
+                wants[t] = shards[q]  # repeated kv heads, sliced to the query's heads (even or not)
+                continue
             if size % nseg or (size // nseg) % ctx.world_size:
                 raise Conflict("not-divisible", f"{size} heads of an unsharded attention input at world_size {ctx.world_size}", "keep the producers replicated")
             wants[t] = Shard(dim, (size // nseg,) * nseg)
@@ -115,3 +127,24 @@ def _gathered_kv_heads(ctx: RuleContext, q: Node, pq: Shard, group: int, mask, d
     _want_mask(ctx, mask, dim, nd, pq, wants)
     args = (ShardStart(q), group, *ctx.node.args)
     return Decision(pq, wants, local_args=args, local_target=local_ops.grouped_query_attention)
+
+
+def _grouped_kv_heads(ctx: RuleContext, q: Node, k: Node, v: Node, shards: dict, group: int, mask, dim: int, nd: int) -> Decision:
+    """NOTE: [enable_gqa] with k and v as grouped shards: each rank attends with its own kv heads."""
+    pq, pk = shards.get(q), shards.get(k)
+    fits = (
+        isinstance(pq, Shard) and not pq.overlaps and len(pq.segments) == 1 and pq.unit == 1 and pq.dim == dim == nd - 3
+        and isinstance(pk, Shard) and shards.get(v) == pk and pk.groups == (group,) and pk.unit == 1 and pk.dim == dim
+        and pk.size * group == pq.size
+    )
+    if not fits:
+        raise Conflict(
+            "layout-mismatch",
+            f"attention with kv heads held by the ranks that read them needs enable_gqa, q sharded on its heads and "
+            f"k, v alike (q {pq}, k {pk}, v {shards.get(v)})",
+            "keep the kv projections replicated",
+        )
+    wants: dict = {q: pq, k: pk, v: pk}
+    _want_mask(ctx, mask, dim, nd, pq, wants)
+    args = (ShardStart(q), group, *ctx.node.args)
+    return Decision(pq, wants, local_args=args, local_target=local_ops.grouped_query_attention_local_kv)

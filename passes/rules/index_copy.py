@@ -4,7 +4,8 @@
 Sharded on another dim than ``dim`` (the cache's heads), each rank writes its slice: ``self``
 and ``source`` take the same shard (a replicated one is sliced; a cache state is stored so,
 NOTE: [sharded state] in ``passes/rules/variants.py``), ``index`` stays whole. Uneven shards
-(heads split 2/2/1/1) pass as they are: nothing is computed along the sharded dim. Written
+(heads split 2/2/1/1) and grouped ones (kv heads kept by every rank that reads them, NOTE: [grouped
+shards]) pass as they are: nothing is computed along the sharded dim. Written
 along its sharded dim, the positions would land on other ranks: refused.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from fxtp.core.placement import REPLICATE, Replicate, Shard
-from passes.registry import Conflict, Decision, RuleContext, register_rule, uneven_ok
+from passes.registry import Conflict, Decision, RuleContext, overlap_ok, register_rule, uneven_ok
 from passes.rules._common import ndim, norm_dim
 
 __all__: list[str] = []
@@ -22,6 +23,7 @@ aten = torch.ops.aten
 
 
 @register_rule(aten.index_copy.default)
+@overlap_ok
 @uneven_ok
 def index_copy_rule(ctx: RuleContext) -> Decision:
     target, dim, index, source = ctx.node.args[:4]

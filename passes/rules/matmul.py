@@ -23,8 +23,8 @@ import torch
 from torch.fx import Node
 
 from fxtp.core import local_ops
-from fxtp.core.placement import REPLICATE, Partial, Shard
-from passes.registry import Conflict, Decision, LayerNote, RuleContext, ShardStart, module_of, register_rule, shape_of, uneven_ok
+from fxtp.core.placement import REPLICATE, Partial, Shard, local_ranges
+from passes.registry import Conflict, Decision, LayerNote, RuleContext, ShardStart, module_of, overlap_ok, register_rule, shape_of, uneven_ok
 from passes.rules._common import activation_placement, ndim
 from passes.rules.experts import grouped_operands
 
@@ -89,6 +89,7 @@ def layer_weight(node: Node, is_param: Callable[[Node], bool]) -> Optional[Node]
 
 
 @register_rule(aten.linear.default)
+@overlap_ok
 @uneven_ok
 def linear_rule(ctx: RuleContext) -> Decision:
     ops = layer_operands(ctx.node, ctx.is_param)
@@ -97,6 +98,7 @@ def linear_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.addmm.default)
+@overlap_ok
 @uneven_ok
 def addmm_rule(ctx: RuleContext) -> Decision:
     """GPT-2's ``Conv1D``: ``addmm(bias, x, W)`` with ``W`` of shape ``(in, out)``."""
@@ -129,6 +131,12 @@ def _layer_rule(ctx: RuleContext, ops: LayerOperands) -> Decision:
         else:
             code, why = "user-plan", "the plan makes the consumer colwise"
         raise Conflict(code, f"{why}, so its input must be replicated", "drop the plan entry for the consumer")
+    if isinstance(px, Shard) and px.overlaps:
+        raise Conflict(  # NOTE: [grouped shards]: the holders of a kv head would each add its part
+            "contracts-sharded-dim",
+            f"a layer contracts over kv heads held by several ranks ({px})",
+            "keep the kv projections replicated",
+        )
     if isinstance(px, Shard) or state.forced == "rowwise" or state.slice_input and state.demoted is None:
         shard = px if isinstance(px, Shard) else Shard(last, (in_features,))
         if not isinstance(px, Shard) and in_features < ctx.world_size:
@@ -148,16 +156,21 @@ def _layer_rule(ctx: RuleContext, ops: LayerOperands) -> Decision:
         return Decision(REPLICATE, whole, layer=state.demoted)
     segments = state.segments or (out_features,)
     unit = state.unit if all(s % state.unit == 0 for s in segments) else 1
-    if any(s < unit * ctx.world_size for s in segments):  # a rank would hold nothing
+    group = state.group if unit > 1 and len(segments) == 1 else 1  # kv heads, NOTE: [grouped shards]
+    if any(s * group < unit * ctx.world_size for s in segments):  # a rank would hold nothing
         return Decision(REPLICATE, whole, layer=_not_divisible("out_features", out_features, ctx.world_size))
-    out = Shard(last, segments, unit)  # uneven when the units do not divide ws, NOTE: [uneven shards]
+    out = Shard(last, segments, unit, (group,) if group > 1 else ())  # uneven when the units do not divide ws, NOTE: [uneven shards]
     wants = {w: out.with_dim(ops.out_dim)}
     if b is not None:
         wants[b] = out.with_dim(0)
     reason = "output stays sharded until a rowwise layer"
     if len(segments) > 1:
         reason += f"; fused output, each rank holds its block of every segment {list(segments)}"
-    if not out.divisible(ctx.world_size):
+    if out.overlaps:
+        held = ["".join(f"[{a // unit}:{(a + n) // unit}]" for a, n in local_ranges(out, r, ctx.world_size)) for r in range(ctx.world_size)]
+        reason += (f"; kv heads {' '.join(held)} per rank: each rank holds the {unit}-wide heads its query heads "
+                   f"read ({group} per kv head), their gradient summed over the holders (NOTE: [grouped shards])")
+    elif not out.divisible(ctx.world_size):
         rows = "/".join(str(out.local_size(ctx.world_size, r)) for r in range(ctx.world_size))
         heads = f", whole units of {unit} (heads)" if unit > 1 else ""
         reason += f"; uneven: {rows} output features per rank{heads}"
@@ -214,6 +227,7 @@ def embedding_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.matmul.default, aten.bmm.default, aten.mm.default)
+@overlap_ok
 @uneven_ok
 def matmul_rule(ctx: RuleContext) -> Decision:
     """``a @ b`` between activations: a shard on batch dims, rows of ``a`` or columns of ``b``

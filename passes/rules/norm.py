@@ -10,7 +10,7 @@ import torch
 
 from fxtp.core import local_ops
 from fxtp.core.placement import REPLICATE, Shard
-from passes.registry import Conflict, Decision, GroupName, RuleContext, ShardStart, module_of, register_rule, shape_of, uneven_ok
+from passes.registry import Conflict, Decision, GroupName, RuleContext, ShardStart, module_of, register_rule, shape_of, overlap_ok, uneven_ok
 from passes.rules._common import ndim, norm_dim
 
 __all__: list[str] = []
@@ -27,6 +27,7 @@ def _reduces(ctx: RuleContext, what: str, dim: int) -> Conflict:
 
 
 @register_rule(aten.layer_norm.default, aten.rms_norm.default)
+@overlap_ok
 @uneven_ok
 def norm_rule(ctx: RuleContext) -> Decision:
     """``layer_norm``/``rms_norm`` over the last ``len(normalized_shape)`` dims."""
@@ -40,6 +41,7 @@ def norm_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
+@overlap_ok
 @uneven_ok
 def softmax_rule(ctx: RuleContext) -> Decision:
     x, dim = ctx.node.args[:2]
@@ -54,6 +56,7 @@ def softmax_rule(ctx: RuleContext) -> Decision:
 @register_rule(
     aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.var.correction, aten.std.correction
 )
+@overlap_ok
 @uneven_ok
 def reduction_rule(ctx: RuleContext) -> Decision:
     """Reductions over a dim list; ``keepdim`` decides whether the sharded dim moves."""

@@ -11,8 +11,9 @@ import operator
 
 import torch
 
+from fxtp.core import rng
 from fxtp.core.placement import REPLICATE, Placement, Shard
-from passes.registry import Conflict, Decision, RuleContext, register_rule, shape_of, uneven_ok
+from passes.registry import Conflict, Decision, RuleContext, overlap_ok, register_rule, shape_of, uneven_ok
 from passes.rules._common import activation_placement, ndim, tensor_inputs
 
 __all__ = ["broadcast_rule"]
@@ -46,6 +47,7 @@ POINTWISE_OPS = tuple(op for op in map(_overload, _POINTWISE_NAMES) if op is not
 
 
 @register_rule(*POINTWISE_OPS)
+@overlap_ok
 @uneven_ok
 def broadcast_rule(ctx: RuleContext) -> Decision:
     """Output shard = the activations' common shard, aligned from the right (broadcasting).
@@ -70,6 +72,12 @@ def broadcast_rule(ctx: RuleContext) -> Decision:
             )
     if out is None:
         return Decision(REPLICATE)
+    if out.overlaps and rng.is_random(ctx.node.target, ctx.node.args, ctx.node.kwargs):
+        raise Conflict(  # the holders of a kv head would need one mask: not drawn so (NOTE: [grouped shards])
+            "dropout-on-shard",
+            f"{ctx.node.target} draws on kv heads held by several ranks ({out})",
+            "keep the kv projections replicated, or drop the dropout on k/v",
+        )
     wants: dict = {}
     for a, p in placements.items():
         if isinstance(p, Shard):
@@ -95,6 +103,7 @@ def native_dropout_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(operator.getitem)
+@overlap_ok
 @uneven_ok
 def getitem_rule(ctx: RuleContext) -> Decision:
     """An element of a multi-output node keeps that output's placement (recorded by the producer)."""

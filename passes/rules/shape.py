@@ -1,4 +1,4 @@
-"""Shape ops: views, permutations, indexing, split and cat.
+"""Shape ops: views, permutations, expand and cat (indexing and splits: ``rules/indexing.py``).
 
 The view rule is the general one (NOTE: [view of a sharded dim]); squeeze/unsqueeze/flatten/
 unflatten are views and use it too. The size of the sharded dim in views, expands and splits is
@@ -14,8 +14,9 @@ from typing import Optional
 import torch
 
 from fxtp.core.placement import REPLICATE, Shard
-from passes.registry import Conflict, Decision, LocalSize, RuleContext, register_rule, shape_of, uneven_ok
+from passes.registry import Conflict, Decision, RuleContext, overlap_ok, register_rule, shape_of, uneven_ok
 from passes.rules._common import activation_placement, local_size, local_sizes, ndim, norm_dim
+from passes.rules.repeat import repeat_kv_decision, repeats_kv_heads
 
 __all__ = ["view_placement", "group_dims"]
 
@@ -72,12 +73,16 @@ def view_placement(shard: Shard, in_shape: tuple[int, ...], out_shape: tuple[int
     """
     group = next(g for g in group_dims(in_shape, out_shape) if shard.dim in g[0])
     ins, outs = group
+    if ins == [shard.dim] and len(outs) == 1:
+        return shard.with_dim(outs[0])
     big_in = [i for i in ins if in_shape[i] != 1]
     big_out = [o for o in outs if out_shape[o] != 1]
     if big_in == [shard.dim] and len(big_out) == 1:
+        if shard.overlaps and shard.size == shard.unit == out_shape[big_out[0]] and big_out[0] - 1 in outs:
+            return Shard(big_out[0] - 1, (1,), 1, shard.groups)  # one kv head of E: (.., E) -> (.., 1, E)
         return shard.with_dim(big_out[0])
     if shard.unit != 1 or not shard.divisible(ws):
-        return _uneven_view(shard, in_shape, out_shape, big_in, big_out, ws)
+        return _uneven_view(shard, in_shape, out_shape, ins, big_out, ws)
     s = shard.segments[0]
     if any(seg != s for seg in shard.segments):
         raise Conflict(
@@ -112,42 +117,66 @@ def view_placement(shard: Shard, in_shape: tuple[int, ...], out_shape: tuple[int
 
 
 # NOTE: [uneven views]
-# An uneven shard (NOTE: [uneven shards] in fxtp/core/placement.py) of one segment goes through the
-# views attention needs, and no others: a 1:1 pass (above), a split of the sharded dim into
-# (heads, head_dim, ...) whose inner span I divides the unit (``(B, T, 96)`` in units of 16 ->
-# ``(B, T, 6, 16)`` sharded on the 6 heads in units of 1), and the merge back (the sharded dim
-# outermost of the merged dims: the unit grows by the inner span). Splitting whole units
+# An uneven shard (NOTE: [uneven shards] in fxtp/core/placement.py) goes through the views
+# attention needs, and no others: a 1:1 pass (above); a split of the sharded dim into
+# (segments, heads, head_dim, ...) whose leading dims count its equal segments and whose inner
+# span I divides the unit (``(B, T, 96)`` in units of 16 -> ``(B, T, 6, 16)`` sharded on the 6
+# heads in units of 1; a timm ViT's ``(B, N, 288)`` with segments (96, 96, 96) ->
+# ``(B, N, 3, 6, 16)``, sharded on the 6 heads of each of q, k, v); and the merge back (the sharded
+# dim outermost of the merged dims: the unit grows by the inner span). Splitting whole units
 # front-loaded over the outer dim gives the same rows as over the merged dim. Anything else
-# conflicts; a split whose inner span is a multiple of the unit asks the producing layer for
-# whole heads (``Conflict.unit``).
+# conflicts: a split whose inner span is a multiple of the unit asks the producing layer for
+# whole heads (``Conflict.unit``), else one that counts whole outer elements asks for one segment
+# per element (``Conflict.unit_segments``: a gate/up pair ``(B, T, 2F) -> (B, T, 2, F)`` wants (F, F)).
+
+
+def _segment_dims(shard: Shard, out_shape, big_in: list[int], big_out: list[int]) -> Optional[list[int]]:
+    """The output dims that index within one segment, when the view splits the sharded dim alone
+    and its leading output dims count the segments (all equal); else ``None``."""
+    k, s = len(shard.segments), shard.segments[0]
+    if big_in != [shard.dim] or any(seg != s for seg in shard.segments):
+        return None
+    for j in range(len(big_out)):
+        if math.prod(out_shape[o] for o in big_out[:j]) == k and math.prod(out_shape[o] for o in big_out[j:]) == s:
+            return big_out[j:]
+    return None
 
 
 def _head_unit(shard: Shard, out_shape, big_in: list[int], big_out: list[int], ws: int) -> Optional[int]:
     """The split unit (a head's span) under which a view that splits the sharded dim into
-    ``(heads, head_dim, ...)`` is local with whole heads per rank, or ``None``."""
-    if big_in != [shard.dim] or len(big_out) < 2 or len(shard.segments) != 1:
+    ``(segments, heads, head_dim, ...)`` is local with whole heads per rank, or ``None``."""
+    dims = _segment_dims(shard, out_shape, big_in, big_out)
+    if dims is None or len(dims) < 2:
         return None
-    inner = math.prod(out_shape[o] for o in big_out[1:])
-    if inner % shard.unit or inner == shard.unit or shard.size // inner < ws:
+    inner = math.prod(out_shape[o] for o in dims[1:])
+    if inner % shard.unit or inner == shard.unit or shard.segments[0] // inner < ws:
         return None
     return inner
 
 
-def _uneven_view(shard: Shard, in_shape, out_shape, big_in: list[int], big_out: list[int], ws: int) -> Shard:
+def _uneven_view(shard: Shard, in_shape, out_shape, ins: list[int], big_out: list[int], ws: int) -> Shard:
     """NOTE: [uneven views]."""
-    if len(shard.segments) == 1 and big_in == [shard.dim] and len(big_out) >= 2:
-        inner = math.prod(out_shape[o] for o in big_out[1:])
+    big_in = [i for i in ins if in_shape[i] != 1]
+    dims = _segment_dims(shard, out_shape, big_in, big_out)
+    if dims is not None and (len(dims) >= 2 or len(shard.segments) > 1) and not (shard.overlaps and len(shard.segments) > 1):
+        inner = math.prod(out_shape[o] for o in dims[1:])
         if shard.unit % inner == 0:
-            return Shard(big_out[0], (out_shape[big_out[0]],), shard.unit // inner)
+            return Shard(dims[0], (out_shape[dims[0]],), shard.unit // inner, shard.groups)
     if len(shard.segments) == 1 and len(big_out) == 1 and big_in and big_in[0] == shard.dim:
         inner = math.prod(in_shape[i] for i in big_in[1:])
-        return Shard(big_out[0], (shard.size * inner,), shard.unit * inner)
+        return Shard(big_out[0], (shard.size * inner,), shard.unit * inner, shard.groups)
+    unit = _head_unit(shard, out_shape, big_in, big_out, ws)
+    outer = None  # one segment per element of the outermost split dim
+    if unit is None and len(shard.segments) == 1 and big_in == [shard.dim] and len(big_out) >= 2:
+        span = math.prod(out_shape[o] for o in big_out[1:])
+        outer = (span,) * out_shape[big_out[0]] if span % shard.unit == 0 and span // shard.unit >= ws else None
     raise Conflict(
         "not-divisible",
         f"view {list(in_shape)} -> {list(out_shape)} regroups a dim sharded unevenly ({shard}, size {shard.size}) "
         f"at world_size {ws}",
         f"use a world_size that divides {shard.size}, or keep the producing layer replicated",
-        unit=_head_unit(shard, out_shape, big_in, big_out, ws),
+        unit=unit if outer is None else shard.unit,
+        unit_segments=outer,
     )
 
 
@@ -176,6 +205,8 @@ def _view_decision(ctx: RuleContext, size_arg: Optional[int]) -> Decision:
     p = ctx.placement(x)
     if not isinstance(p, Shard):
         return Decision(REPLICATE)
+    if p.overlaps and size_arg is not None and repeats_kv_heads(p, shape_of(x), ctx.out_shape):
+        return repeat_kv_decision(ctx, x, p, merged=True)
     out = view_placement(p, shape_of(x), ctx.out_shape, ctx.world_size)
     if size_arg is None:
         return Decision(out)
@@ -185,6 +216,7 @@ def _view_decision(ctx: RuleContext, size_arg: Optional[int]) -> Decision:
 
 
 @register_rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+@overlap_ok
 @uneven_ok
 def view_rule(ctx: RuleContext) -> Decision:
     """``view(x, size)``: sizes become the local output shape (no ``-1`` left)."""
@@ -192,6 +224,7 @@ def view_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.unsqueeze.default, aten.flatten.using_ints)
+@overlap_ok
 @uneven_ok
 def squeeze_rule(ctx: RuleContext) -> Decision:
     """Dim-only views: the args name dims, not sizes, so nothing is rewritten."""
@@ -199,6 +232,7 @@ def squeeze_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+@overlap_ok
 @uneven_ok
 def global_squeeze_rule(ctx: RuleContext) -> Decision:
     """``squeeze``: only dims of global size 1. A sharded dim whose local size is 1 (4 heads
@@ -219,6 +253,7 @@ def global_squeeze_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.unflatten.int)
+@overlap_ok
 @uneven_ok
 def unflatten_rule(ctx: RuleContext) -> Decision:
     """``unflatten(x, dim, sizes)``: sizes become local."""
@@ -234,6 +269,7 @@ def unflatten_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.transpose.int)
+@overlap_ok
 @uneven_ok
 def transpose_rule(ctx: RuleContext) -> Decision:
     x, d0, d1 = ctx.node.args
@@ -247,6 +283,7 @@ def transpose_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.t.default, aten.numpy_T.default)
+@overlap_ok
 @uneven_ok
 def t_rule(ctx: RuleContext) -> Decision:
     p = ctx.placement(ctx.node.args[0])
@@ -256,6 +293,7 @@ def t_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(aten.permute.default)
+@overlap_ok
 @uneven_ok
 def permute_rule(ctx: RuleContext) -> Decision:
     x, dims = ctx.node.args
@@ -266,33 +304,8 @@ def permute_rule(ctx: RuleContext) -> Decision:
     return Decision(p.with_dim([norm_dim(d, nd) for d in dims].index(p.dim)))
 
 
-@register_rule(aten.select.int)
-@uneven_ok
-def select_rule(ctx: RuleContext) -> Decision:
-    x, dim, _ = ctx.node.args
-    p = ctx.placement(x)
-    if not isinstance(p, Shard):
-        return Decision(REPLICATE)
-    dim = norm_dim(dim, ndim(x))
-    if dim == p.dim:
-        raise Conflict("indexes-sharded-dim", f"select on the sharded dim {dim}", "keep the producing layer replicated")
-    return Decision(p.with_dim(p.dim - (dim < p.dim)))
-
-
-@register_rule(aten.slice.Tensor)
-@uneven_ok
-def slice_rule(ctx: RuleContext) -> Decision:
-    x = ctx.node.args[0]
-    p = ctx.placement(x)
-    if not isinstance(p, Shard):
-        return Decision(REPLICATE)
-    dim = norm_dim(ctx.node.args[1] if len(ctx.node.args) > 1 else 0, ndim(x))
-    if dim == p.dim and shape_of(x)[dim] != ctx.out_shape[dim]:
-        raise Conflict("indexes-sharded-dim", f"slice of the sharded dim {dim}", "keep the producing layer replicated")
-    return Decision(p)
-
-
 @register_rule(aten.expand.default)
+@overlap_ok
 @uneven_ok
 def expand_rule(ctx: RuleContext) -> Decision:
     """``expand(x, sizes)``: the sharded dim keeps its local size."""
@@ -305,85 +318,8 @@ def expand_rule(ctx: RuleContext) -> Decision:
     return Decision(out, local_args=(x, sizes, *ctx.node.args[2:]))
 
 
-def _split_pieces(shard: Shard, sizes: list[int], ws: int) -> list[Shard]:
-    """Segments of each split piece; raise Conflict (with a refinement) if a piece cuts a segment."""
-    bounds = {0}
-    acc = 0
-    for seg in shard.segments:
-        acc += seg
-        bounds.add(acc)
-    cuts = {0}
-    acc = 0
-    for size in sizes:
-        acc += size
-        cuts.add(acc)
-    if cuts <= bounds:
-        pieces, segs, acc, i = [], list(shard.segments), 0, 0
-        for size in sizes:
-            take = []
-            while sum(take) < size:
-                take.append(segs[i])
-                i += 1
-            pieces.append(Shard(shard.dim, tuple(take), shard.unit))
-        return pieces
-    merged = sorted(bounds | cuts)
-    refined = tuple(b - a for a, b in zip(merged, merged[1:]))
-    ok = all(seg % ws == 0 for seg in refined)
-    raise Conflict(
-        "split-crosses-shard" if ok else "not-divisible",
-        f"split sizes {sizes} cross the shard boundaries of segments {list(shard.segments)} at world_size {ws}",
-        "use a world_size that divides every split size, or keep the producing layer replicated",
-        refine=refined if ok else None,
-    )
-
-
-@register_rule(aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default)
-@uneven_ok
-def split_rule(ctx: RuleContext) -> Decision:
-    """Split along the sharded dim works segment-wise (fused QKV); sizes become local."""
-    x = ctx.node.args[0]
-    p = ctx.placement(x)
-    pieces_val = ctx.node.meta["val"]
-    n = len(pieces_val)
-    if not isinstance(p, Shard):
-        return Decision((REPLICATE,) * n)
-    dim = norm_dim(ctx.node.args[2] if len(ctx.node.args) > 2 else ctx.node.kwargs.get("dim", 0), ndim(x))
-    if dim != p.dim:
-        return Decision((p,) * n)
-    sizes = [int(v.shape[dim]) for v in pieces_val]
-    pieces = _split_pieces(p, sizes, ctx.world_size)
-    local = [local_size(piece, ctx.world_size) for piece in pieces]
-    uneven = any(isinstance(size, LocalSize) for size in local)
-    if uneven and any(piece != pieces[0] for piece in pieces):  # equal pieces split equally on every rank
-        raise Conflict(
-            "not-divisible",
-            f"split into {sizes} of a dim sharded unevenly at world_size {ctx.world_size} into pieces of different layouts",
-            "keep the producing layer replicated",
-        )
-    if ctx.node.target is aten.split_with_sizes.default:
-        return Decision(tuple(pieces), local_args=(x, local, *ctx.node.args[2:]))
-    if not uneven and (len(set(local[:-1])) > 1 or local[-1] > local[0]):
-        raise Conflict("split-crosses-shard", f"split into {sizes} has no equal local split", "keep the producing layer replicated")
-    if ctx.node.target is aten.split.Tensor:
-        return Decision(tuple(pieces), local_args=(x, local[0], *ctx.node.args[2:]))
-    return Decision(tuple(pieces))  # chunk: the count is unchanged
-
-
-@register_rule(aten.unbind.int)
-@uneven_ok
-def unbind_rule(ctx: RuleContext) -> Decision:
-    x = ctx.node.args[0]
-    p = ctx.placement(x)
-    n = len(ctx.node.meta["val"])
-    if not isinstance(p, Shard):
-        return Decision((REPLICATE,) * n)
-    dim = norm_dim(ctx.node.args[1] if len(ctx.node.args) > 1 else 0, ndim(x))
-    if dim == p.dim:
-        raise Conflict("indexes-sharded-dim", f"unbind of the sharded dim {dim}", "keep the producing layer replicated")
-    return Decision((p.with_dim(p.dim - (dim < p.dim)),) * n)
-
-
 @register_rule(aten.cat.default)
+@overlap_ok
 @uneven_ok
 def cat_rule(ctx: RuleContext) -> Decision:
     """Cat along the sharded dim concatenates segments; along another dim the shard is kept."""
@@ -396,6 +332,8 @@ def cat_rule(ctx: RuleContext) -> Decision:
     if any(p.dim != shards[0].dim for p in shards):
         raise Conflict("layout-mismatch", "cat of tensors sharded on different dims", "keep one producer replicated")
     if shards[0].dim == dim:
+        if any(p.overlaps for p in shards):
+            raise Conflict("layout-mismatch", "cat along kv heads held by several ranks", "keep the kv projections replicated")
         if len(shards) != len(tensors):
             raise Conflict("layout-mismatch", "cat along the sharded dim of sharded and replicated tensors", "keep the producers replicated")
         if len({p.unit for p in shards}) > 1:

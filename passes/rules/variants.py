@@ -35,7 +35,7 @@ import torch
 from torch.fx import Node
 
 from fxtp.core.placement import Replicate, Shard
-from passes.registry import Conflict, Decision, Rule, RuleContext, get_rule, is_tensor_node, takes_uneven, uneven_ok
+from passes.registry import Conflict, Decision, Rule, RuleContext, get_rule, is_tensor_node, overlap_ok, takes_overlap, takes_uneven, uneven_ok
 from passes.rules.dtensor_fallback import dtensor_rule
 
 __all__ = ["rule_for", "functional_variant"]
@@ -118,7 +118,9 @@ def _variant_rule(op: OpOverload, functional: OpOverload) -> Rule:
         return dec
 
     variant_rule.__name__ = f"{functional.overloadpacket.__name__}_variant_rule"
-    return uneven_ok(variant_rule) if takes_uneven(own) else variant_rule
+    if takes_uneven(own):
+        variant_rule = uneven_ok(variant_rule)
+    return overlap_ok(variant_rule) if takes_overlap(own) else variant_rule
 
 
 def _stored_in_layout(ctx: RuleContext, arg: Node, have: Any, out: Any, dec: Decision) -> bool:
