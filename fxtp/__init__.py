@@ -13,7 +13,8 @@ The package is grouped by stage, and imports run one way (``tests/test_structure
 - ``passes`` (a sibling package): analysis and rewrite.
 - ``fxtp.runtime``: the ``ParallelModule``, its parameter layouts, checkpoints, generation.
 - ``fxtp.explain``: the report, rendering, the CLI and its built-in examples.
-- ``fxtp.api``: the pipeline, ``compile`` and ``analyze``.
+- ``fxtp.api``: the pipeline, ``compile`` and ``analyze`` (the passes between capture and
+  rewrite, in order: ``fxtp.planning``).
 - ``fxtp.planner``: ``plan``, the mesh and policies by predicted step time under a memory budget.
 
 ``import fxtp`` loads only the errors and placements; everything else loads on first use.

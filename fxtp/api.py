@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.export.graph_signature import InputKind
 
 from fxtp.arguments import (
     Group,
@@ -26,24 +25,22 @@ from fxtp.arguments import (
 )
 from fxtp.capture.hf_defaults import call_defaults, spec_with_defaults
 # `_capture`: the frontend where an argument named `capture` (the user's choice) shadows it
-from fxtp.capture.frontends import FRONTENDS, Captured, auto_dynamic_shapes, capture, capture as _capture, written_state
+from fxtp.capture.frontends import FRONTENDS, Captured, auto_dynamic_shapes, capture, capture as _capture
 from fxtp.runtime.checkpoint import bind_state_keys
 from fxtp.core.errors import FxtpConfigError, FxtpPlanError
 from fxtp.runtime.generation import generation_for
 from fxtp.explain.recompute import add_recompute
 from fxtp.explain.report import Report, build_report, parameter_placements
 from fxtp.core.rng import draws_random, sync_generators
+from fxtp.planning import normalized, plan_program
 from fxtp.runtime.module import ParallelModule
 from fxtp.runtime.variants import SizeGraphs, in_mode, meta_copy, mode_of
 from fxtp.capture.shapes import input_specs, specialized_shapes
 from passes.dynamic import plan_symbols
-from passes.kv_heads import keep_needed_kv_heads
 from passes.checkpointing import checkpoint_regions, recompute_regions, repeated_blocks
-from passes.normalize import causal_attention, normalize
-from passes.partial import defer_reductions
-from passes.plan import ShardingPlan, plan_sharding
+from passes.normalize import causal_attention
+from passes.plan import ShardingPlan
 from passes.rewrite import rewrite
-from passes.sequence import sequence_parallel
 
 __all__ = ["compile", "analyze", "plan_world_sizes"]
 
@@ -64,6 +61,7 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
     sequence_parallel: bool = False,
     activation_checkpointing: Optional[str] = None,
     strategy: Any = None,
+    expert_parallel: bool = False,
 ) -> ParallelModule:
     """Turn ``model`` into this rank's part of a ``world_size``-way tensor-parallel model.
 
@@ -104,6 +102,12 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
             ``sequence_parallel``, ``activation_checkpointing`` and layer styles are used
             (``plan=`` entries override layer styles; the other two must be left unset or agree).
             FSDP2 over the ``dp`` sub-mesh is the caller's: ``fully_shard(pm, mesh=mesh["dp"])``.
+        expert_parallel: every routed-experts block (Hugging Face's ``grouped_mm`` and
+            ``batched_mm`` experts) holds whole experts per rank, ``E // world_size`` of them
+            (front-loaded), and sends each (token, expert) pair to its expert's rank by
+            all_to_all and back (NOTE: [expert parallelism] in fxtp/core/expert_dispatch.py);
+            the router, shared experts, attention and dense layers keep their plan.
+            ``plan={module: "expert"}`` does this for one block. Not with ``sequence_parallel``.
 
     Returns:
         A :class:`ParallelModule`: same call signature and outputs as ``model``. Its
@@ -128,12 +132,13 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
         check_checkpointing(activation_checkpointing), check_plan(plan),
     )
     return _compile(model, world_size, example_inputs, example_kwargs, rank, group, capture, overrides or plan, dynamic,
-                    dynamic_shapes, modes=("train", "eval"), sequence=sequence, checkpointing=checkpointing)
+                    dynamic_shapes, modes=("train", "eval"), sequence=sequence, checkpointing=checkpointing,
+                    experts=check_flag("expert_parallel", expert_parallel))
 
 
 def _compile(model, world_size, example_inputs, example_kwargs, rank, group, capture, plan, dynamic, dynamic_shapes, *,
              modes: tuple[str, ...], sequence: bool = False, kv_heads: bool = False,
-             checkpointing: Optional[str] = None) -> ParallelModule:
+             checkpointing: Optional[str] = None, experts: bool = False) -> ParallelModule:
     """``compile``, capturing the graphs of ``modes`` besides the model's own (NOTE: [modes]);
     a decoder for ``generate`` runs in eval mode only and needs no other, and keeps of its
     cache the kv heads each rank needs (``kv_heads``, passes/kv_heads.py)."""
@@ -144,7 +149,7 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
     group_name, rank = resolve_group(ws, rank, group)
     shapes = _shapes_spec(args, kwargs, dynamic, spec_with_defaults(dynamic_shapes, defaults))
     captured, sharding, report = _analyze(model, ws, args, kwargs, capture, plan, rank, shapes, sequence=sequence,
-                                          kv_heads=kv_heads)
+                                          kv_heads=kv_heads, experts=experts)
     report.left_out = left_out
     program = captured.program
     start = time.perf_counter()
@@ -164,7 +169,7 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
             continue
         if copied is None:  # a model that cannot be copied: its other mode is captured now
             other = _other_mode(model, mode, ws, args, kwargs, captured.frontend, plan, rank, shapes, group_name, want,
-                                sequence, (checkpointing, blocks))
+                                (sequence, experts), (checkpointing, blocks))
             same = other[1].code == gm.code and input_specs(other[0]) == input_specs(program)
             graphs[mode] = graphs[compiled] if same else other
             report.modes[mode] = "captured at compile" + (": the same graph" if same else ": its own graph")
@@ -183,10 +188,11 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
     bind_state_keys(pm, model)
     if copied is not None and any(mode not in graphs for mode in modes):
         pm._mode_graphs = _mode_graphs(copied, compiled, gm.code, input_specs(program), ws, args, kwargs, captured.frontend,
-                                       plan, rank, shapes, tp_group, group_name, want, sequence, (checkpointing, blocks))
-    if copied is not None and not kv_heads and (dynamic_shapes is not None or dynamic):  # NOTE: [size-1 graphs] in fxtp/runtime/variants.py
-        pm._size_graphs = _size_graphs(copied, ws, captured.frontend, (report.plan, plan), rank, group_name, want, sequence,
+                                       plan, rank, shapes, tp_group, group_name, want, (sequence, experts),
                                        (checkpointing, blocks))
+    if copied is not None and not kv_heads and (dynamic_shapes is not None or dynamic):  # NOTE: [size-1 graphs] in fxtp/runtime/variants.py
+        pm._size_graphs = _size_graphs(copied, ws, captured.frontend, (report.plan, plan), rank, group_name, want,
+                                       (sequence, experts), (checkpointing, blocks))
     pm._generation = generation_for(model, _compile_decoder)  # NOTE: [generation]
     return pm
 
@@ -214,18 +220,20 @@ def _compile_decoder(model: nn.Module, world_size: int, example_inputs: tuple, *
 
 
 def _other_mode(
-    model, mode, ws, args, kwargs, frontend: str, plan, rank, shapes, group_name, want: Mapping[str, Any], sequence, recompute
+    model, mode, ws, args, kwargs, frontend: str, plan, rank, shapes, group_name, want: Mapping[str, Any], options, recompute
 ) -> tuple[torch.export.ExportedProgram, torch.fx.GraphModule]:
     """Capture, plan and rewrite ``model`` in ``mode``; its parameters must be sharded as in
-    the compiled mode's plan, ``want`` (``{fqn: placement}``, NOTE: [modes])."""
+    the compiled mode's plan, ``want`` (``{fqn: placement}``, NOTE: [modes]); ``options``:
+    ``(sequence_parallel, expert_parallel)``, the compiled graph's."""
     with in_mode(model, mode == "train"):
-        captured, other, _ = _analyze(model, ws, args, kwargs, frontend, plan, rank, shapes, report=False, sequence=sequence)
+        captured, other, _ = _analyze(model, ws, args, kwargs, frontend, plan, rank, shapes, report=False,
+                                      sequence=options[0], experts=options[1])
     _check_same_shards(want, captured.program, other, f"in {mode} mode", "compile in the other mode")
     return captured.program, _recomputed(captured, other, ws, rank, group_name, recompute)
 
 
 def _mode_graphs(copied, compiled, code, specs, ws, args, kwargs, frontend, plan, rank, shapes, tp_group, group_name, want,
-                 sequence, recompute) -> Callable[[ParallelModule, str], Any]:
+                 options, recompute) -> Callable[[ParallelModule, str], Any]:
     """What ``pm.train()`` / ``pm.eval()`` calls to capture a mode's graph on the first switch
     to it (NOTE: [modes]): the pipeline on the model's ``meta`` copy ``copied`` with ``meta``
     inputs shaped like the example, bound to the module's own parameters. Holds neither the
@@ -239,7 +247,7 @@ def _mode_graphs(copied, compiled, code, specs, ws, args, kwargs, frontend, plan
     def capture_mode(pm: ParallelModule, mode: str) -> Any:
         start = time.perf_counter()
         program, gm = _other_mode(copied, mode, ws, meta_args, meta_kwargs, frontend, plan, rank, shapes, group_name, want,
-                                  sequence, recompute)
+                                  options, recompute)
         same = gm.code == code and input_specs(program) == specs
         pm.report.modes[mode] = "captured at the first switch to it" + (": the same graph" if same else ": its own graph")
         pm.report.timings["modes_s"] = time.perf_counter() - start
@@ -271,7 +279,7 @@ def _check_same_shards(want: Mapping[str, Any], program, sharding: ShardingPlan,
             )
 
 
-def _size_graphs(copied, ws, how, plans, rank, group_name, want, sequence, recompute) -> SizeGraphs:
+def _size_graphs(copied, ws, how, plans, rank, group_name, want, options, recompute) -> SizeGraphs:
     """What makes the graphs for sizes 0 and 1 on first use (NOTE: [size-1 graphs] in
     fxtp/runtime/variants.py): the pipeline above on the model's ``meta`` copy ``copied``.
     ``plans``: the plans to try in order, the compiled graph's layer styles first (a layer the
@@ -283,7 +291,8 @@ def _size_graphs(copied, ws, how, plans, rank, group_name, want, sequence, recom
             try:
                 with contextlib.nullcontext() if mode == "mixed" else in_mode(meta_model, mode == "train"):
                     captured, sharding, _ = _analyze(meta_model, ws, args, kwargs, how, plan, rank,
-                                                     auto_dynamic_shapes(args, kwargs), report=False, sequence=sequence)
+                                                     auto_dynamic_shapes(args, kwargs), report=False, sequence=options[0],
+                                                     experts=options[1])
                 _check_same_shards(want, captured.program, sharding, "for these input sizes", "call with the compiled sizes")
             except FxtpPlanError as exc:  # e.g. a layer name of the compiled graph this graph lacks
                 error = error or exc
@@ -325,6 +334,7 @@ def analyze(
     rank: int = 0,
     sequence_parallel: bool = False,
     activation_checkpointing: Optional[str] = None,
+    expert_parallel: bool = False,
 ) -> Report:
     """The :class:`Report` ``compile`` would give, without creating any shard.
 
@@ -341,7 +351,8 @@ def analyze(
     kwargs |= defaults
     shapes = _shapes_spec(args, kwargs, dynamic, spec_with_defaults(dynamic_shapes, defaults))
     captured, sharding, report = _analyze(model, ws, args, kwargs, capture, plan, rank, shapes,
-                                          sequence=check_flag("sequence_parallel", sequence_parallel))
+                                          sequence=check_flag("sequence_parallel", sequence_parallel),
+                                          experts=check_flag("expert_parallel", expert_parallel))
     regions = checkpoint_regions(captured.program.graph, checkpointing, repeated_blocks(model), frozenset(captured.context_fns))
     if regions:  # the rank graph of a meta model holds meta tensors: nothing is materialized
         gm = recompute_regions(_rewrite(captured.program, sharding, ws, rank, None), regions, captured.context_fns)
@@ -351,12 +362,12 @@ def analyze(
 
 
 def _analyze(model, ws, args, kwargs, how, plan, rank, shapes=None, report: bool = True,
-             sequence: bool = False, kv_heads: bool = False) -> tuple[Captured, ShardingPlan, Optional[Report]]:
+             sequence: bool = False, kv_heads: bool = False, experts: bool = False) -> tuple[Captured, ShardingPlan, Optional[Report]]:
     if how not in (*FRONTENDS, "auto"):
         raise FxtpConfigError(f"capture must be one of {', '.join(repr(f) for f in (*FRONTENDS, 'auto'))}, not {how!r}")
     overrides = check_plan(plan)
     start = time.perf_counter()
-    captured, sharding, capture_s = _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes, sequence, kv_heads)
+    captured, sharding, capture_s = _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes, sequence, kv_heads, experts)
     symbols = plan_symbols(captured.program.graph, sharding)
     notes = list(captured.notes)
     if symbols:  # NOTE: [dynamic shapes]: a decision reads a dynamic size: specialize it, capture again
@@ -366,7 +377,7 @@ def _analyze(model, ws, args, kwargs, how, plan, rank, shapes=None, report: bool
         respec = specialized_shapes(flat, specs, set(symbols))
         first = captured
         captured, sharding, again_s = _capture_and_plan(model, ws, args, kwargs, first.frontend, overrides, respec, sequence,
-                                                        kv_heads)
+                                                        kv_heads, experts)
         captured = dataclasses.replace(captured, attempts=first.attempts + captured.attempts)
         capture_s += again_s
         notes += list(captured.notes)
@@ -381,38 +392,16 @@ def _analyze(model, ws, args, kwargs, how, plan, rank, shapes=None, report: bool
 
 
 def _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes, sequence: bool,
-                      kv_heads: bool = False) -> tuple[Captured, ShardingPlan, float]:
+                      kv_heads: bool = False, experts: bool = False) -> tuple[Captured, ShardingPlan, float]:
     """Capture, normalize and plan (sequence parallelism with ``sequence``; keep a cache's needed
-    kv heads with ``kv_heads``); also the seconds the capture took."""
+    kv heads with ``kv_heads``; expert parallelism with ``experts``); also the seconds the capture took."""
     start = time.perf_counter()
     captured = capture(model, args, kwargs, how, dynamic_shapes=shapes)
     capture_s = time.perf_counter() - start
     program = captured.program
-    param_fqns, written = _normalized(program)
-    sharding = _plan(program, param_fqns, written, ws, overrides, sequence, kv_heads)
+    param_fqns, written = normalized(program)
+    sharding = plan_program(program, param_fqns, written, ws, overrides, sequence, kv_heads, experts)
     return captured, sharding, capture_s
-
-
-def _normalized(program: torch.export.ExportedProgram) -> tuple[dict[str, str], dict[str, str]]:
-    """Normalize the captured graph in place (fxtp's own copy); ``({placeholder: FQN} of the
-    parameters and written state, the written state's)``."""
-    normalize(program.graph_module.graph)
-    program.graph_module.recompile()
-    param_fqns = {
-        spec.arg.name: spec.target for spec in program.graph_signature.input_specs if spec.kind == InputKind.PARAMETER
-    }
-    written = written_state(program)
-    return param_fqns | written, written  # NOTE: [sharded state] in passes/rules/variants.py
-
-
-def _plan(program, param_fqns, written, ws: int, overrides, sequence: bool, kv_heads: bool) -> ShardingPlan:
-    """The plan of a normalized program at ``ws`` (it does not modify the graph)."""
-    sharding = defer_reductions(program.graph, plan_sharding(program.graph, param_fqns, ws, overrides))
-    if kv_heads:  # NOTE: [kv heads kept by the ranks that need them] in passes/kv_heads.py
-        sharding = keep_needed_kv_heads(program.graph, sharding, written)
-    if sequence:  # NOTE: [sequence parallelism] in passes/sequence.py
-        sharding = sequence_parallel(program.graph, sharding, frozenset(param_fqns))
-    return sharding
 
 
 def plan_world_sizes(
@@ -433,7 +422,7 @@ def plan_world_sizes(
     if capture not in (*FRONTENDS, "auto"):
         raise FxtpConfigError(f"capture must be one of {', '.join(repr(f) for f in (*FRONTENDS, 'auto'))}, not {capture!r}")
     program = _capture(model, args, kwargs, capture, dynamic_shapes=None).program
-    param_fqns, written = _normalized(program)
-    return program, {ws: _plan(program, param_fqns, written, ws, {}, False, False) for ws in sizes}
+    param_fqns, written = normalized(program)
+    return program, {ws: plan_program(program, param_fqns, written, ws, {}) for ws in sizes}
 
 

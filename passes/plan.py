@@ -55,7 +55,7 @@ from passes.sharding_plan import LayerDecision, ShardingPlan
 
 __all__ = ["LayerDecision", "ShardingPlan", "plan_sharding", "module_of", "STYLES"]
 
-STYLES = ("colwise", "rowwise", "replicate")
+STYLES = ("colwise", "rowwise", "replicate", "expert")  # "expert": passes/moe/parallel.py
 aten = torch.ops.aten
 
 

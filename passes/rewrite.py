@@ -12,6 +12,8 @@ For each node, in order:
 * a random op on a sharded value (a train-mode dropout, ``bernoulli``, an attention's
   ``dropout_p``) draws this rank's slice of one global mask (``fxtp.core.rng.sharded_call``,
   NOTE: [dropout across ranks]);
+* an expert-parallel block's rows come from ``dispatch_to_experts`` and its output from
+  ``combine_from_experts`` (``passes/moe/parallel.py``, NOTE: [expert parallelism]);
 * a parameter held as a grouped shard (NOTE: [grouped shards]) is used through
   ``copy_to_holders``, which sums its gradient over the ranks that hold it;
 * a ``Partial`` output gets ``g`` (all_reduce) right after it and the bias added after that
@@ -35,6 +37,7 @@ from torch.fx.node import map_arg
 
 from fxtp.core import collectives, rng
 from fxtp.core.placement import Shard, local_ranges
+from passes.moe.parallel import dispatch_experts
 from passes.plan import ShardingPlan
 from passes.propagate import EdgeAction
 from passes.registry import GroupName, LocalSize, ShardStart
@@ -48,6 +51,7 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
     """Return a new GraphModule computing rank ``rank``'s part; ``gm`` is not modified."""
     graph, nodes = _copy_graph(gm.graph)
     old_name = {new: old for old, new in nodes.items()}
+    dispatch_experts(graph, nodes, old_name, plan, rank, group_name)  # NOTE: [expert parallelism]
     last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
     ws = plan.world_size
     cache: dict[tuple, Node] = {}
@@ -55,10 +59,15 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
     def after(node: Node):
         return graph.inserting_after(last_placeholder if node.op == "placeholder" else node)
 
-    def enter(value: Node) -> Node:
+    def enter(value: Node, consumer: Node | None = None) -> Node:
         key = ("enter", value)
         if key not in cache:
-            with after(value):
+            # NOTE: [f of a value written in place]: a buffer filled by in-place writes into its views
+            # (DeepSeek-V2's key_states = new_empty(...); key_states[..., :d] = k) enters after the
+            # writes, just before its first consumer: an autograd view taken before an in-place write
+            # of its base is an error.
+            where = graph.inserting_before(consumer) if consumer is not None and _written_in_place(value) else after(value)
+            with where:
                 cache[key] = graph.call_function(collectives.copy_to_tp, (value, group_name))
             cache[key].meta["fxtp_placement"] = "R"
         return cache[key]
@@ -108,19 +117,19 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
             cache[key].meta["fxtp_placement"] = str(shard)
         return cache[key]
 
-    def materialize(value: Node, action: EdgeAction) -> Node:
+    def materialize(value: Node, action: EdgeAction, consumer: Node) -> Node:
         if action.kind == "sp_gather":  # NOTE: [sequence parallelism]
             assert action.placement is not None
             gathered = gather_sequence(value, action.placement, action.enter, action.regather)
-            return gathered if action.then is None else materialize(gathered, action.then)
+            return gathered if action.then is None else materialize(gathered, action.then, consumer)
         if action.kind == "sp_scatter":
             assert action.placement is not None
             return scatter_sequence(value, action.placement) if action.enter else local_slice(value, action.placement)
         if action.kind == "enter":
-            return enter(value)
+            return enter(value, consumer)
         if action.kind == "slice":
             assert action.placement is not None
-            return local_slice(enter(value) if action.enter else value, action.placement)
+            return local_slice(enter(value, consumer) if action.enter else value, action.placement)
         assert action.kind == "gather" and action.placement is not None
         gathered = gather(value, action.placement)
         return enter(gathered) if action.enter else gathered
@@ -152,7 +161,7 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
         for inp in list(node.all_input_nodes):
             action = plan.edges.get((name, old_name.get(inp, "")))
             if action is not None:
-                node.replace_input_with(inp, materialize(inp, action))
+                node.replace_input_with(inp, materialize(inp, action, node))
         local = (rng.sharded_call(node.target, node.args, node.kwargs, shard, rank, ws, tokens=name in plan.tokens)
                  if isinstance(shard, Shard) else None)
         if local is not None:  # NOTE: [dropout across ranks] in fxtp/core/rng.py
@@ -188,6 +197,23 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
     graph.eliminate_dead_code()
     graph.lint()
     return GraphModule(gm, graph)
+
+
+def _written_in_place(value: Node) -> bool:
+    """Does an in-place op write ``value`` or a view of it (seen through view ops)?"""
+    todo, seen = [value], set()
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            schema = getattr(user.target, "_schema", None)
+            if schema is None or user in seen:
+                continue
+            seen.add(user)
+            if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+                return True
+            if schema.returns and schema.returns[0].alias_info is not None:  # a view of it
+                todo.append(user)
+    return False
 
 
 def _fill_rank_values(args: tuple, plan: ShardingPlan, rank: int, group_name: str) -> tuple:

@@ -15,6 +15,7 @@ import torch
 
 from fxtp.core import local_ops
 from fxtp.core.placement import Placement, Shard, local_ranges
+from passes.moe.blocks import ExpertBlock
 from passes.propagate import EdgeAction
 
 __all__ = ["KvHeads", "LayerDecision", "ShardingPlan"]
@@ -90,4 +91,6 @@ class ShardingPlan:
     # parameters held as grouped shards, in the groups whose gradients one all_reduce sums over
     # their holders (NOTE: [grouped shards] in fxtp/core/placement.py; passes/kv_heads.py)
     holders: tuple[tuple[str, ...], ...] = ()
+    # the experts blocks run expert parallel (NOTE: [expert parallelism], passes/moe/parallel.py)
+    experts: tuple[ExpertBlock, ...] = ()
 

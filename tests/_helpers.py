@@ -38,6 +38,7 @@ _KINDS = {
     "all_reduce": "all_reduce",
     "all_gather_into_tensor": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
 }
 
 

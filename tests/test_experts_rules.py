@@ -1,5 +1,5 @@
 """Rules for MoE expert layers (``passes/rules/experts.py``) and deferred reductions
-(``passes/partial.py``), in process through tiny captured graphs (no process group).
+(``passes/moe/reductions.py``), in process through tiny captured graphs (no process group).
 
 Numerics against the single device on real gloo ranks: ``tests/test_moe.py``.
 """

@@ -54,6 +54,8 @@ __all__ = [
     "all_reduce",
     "all_gather",
     "reduce_scatter",
+    "all_to_all",
+    "exchange_rows",
     "release",
 ]
 
@@ -124,6 +126,33 @@ def reduce_scatter(t: torch.Tensor, dim: int, world_size: int, group_name: str) 
     out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(moved, "sum", world_size, group_name))
     _handed(moved, out)
     return out.movedim(0, dim)
+
+
+def all_to_all(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group_name: str) -> torch.Tensor:
+    """Rows ``t[sum(in_splits[:r]):][:in_splits[r]]`` go to rank ``r``; the result stacks the
+    ``out_splits[r]`` rows each rank ``r`` sent here, in rank order (``all_to_all_single`` with
+    split lists; no autograd). ``t``: ``(sum(in_splits), ...)``; returns ``(sum(out_splits), ...)``."""
+    t = t.contiguous()
+    out = _c10d.wait_tensor(_c10d.all_to_all_single(t, out_splits, in_splits, group_name))
+    _handed(t, out)
+    return out
+
+
+class _ExchangeRows(Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group_name):  # type: ignore[override]
+        ctx.args = (in_splits, out_splits, group_name)
+        return all_to_all(x, out_splits, in_splits, group_name)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return all_to_all(grad, *ctx.args), None, None, None
+
+
+def exchange_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group_name: str) -> torch.Tensor:
+    """:func:`all_to_all` with autograd: backward sends every row's gradient back where the row
+    came from (the same all_to_all, splits swapped)."""
+    return _ExchangeRows.apply(x, out_splits, in_splits, group_name)
 
 
 def _gather_tokens(t: torch.Tensor, dim: int, world_size: int, group_name: str) -> torch.Tensor:

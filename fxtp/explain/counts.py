@@ -30,6 +30,7 @@ from passes.sequence import reduce_scatters, saving_layers
 
 __all__ = [
     "CollectiveStat",
+    "expert_comms",
     "Note",
     "collectives",
     "fmt_bytes",
@@ -148,6 +149,39 @@ def collectives(program: ExportedProgram, plan: ShardingPlan, nodes: dict[str, A
             + nbytes(p for p, _ in regathered),
         ),
         CollectiveStat("backward", "reduce_scatter", len(scattered_back), nbytes(scattered_back)),
+        *expert_comms(plan, nodes, needs_grad),
+    )
+
+
+def expert_comms(plan: ShardingPlan, nodes: dict[str, Any], needs_grad: set[str]) -> tuple[CollectiveStat, ...]:
+    """The collectives of the expert-parallel blocks (NOTE: [expert parallelism] in
+    fxtp/core/expert_dispatch.py), per block: forward, the all_to_all of the pairs' rows to
+    their experts and of the experts' rows back; backward, the two again (reversed) and the
+    all_gathers of the token blocks' gradients of ``hidden`` and ``top_k_weights``. Payload:
+    every pair's row once, ``T * top_k`` rows of ``H``, the ones a rank keeps included."""
+    sent = back = gathered = 0
+    count = {"forward": 0, "backward": 0, "gather": 0}
+    for block in plan.experts:
+        hidden, result = nodes[block.hidden].meta["val"], nodes[block.result].meta["val"]
+        rows = optimization_hint(hidden.shape[0]) * block.top_k * optimization_hint(hidden.shape[-1])
+        sent += rows * (hidden.element_size() + result.element_size())
+        count["forward"] += 2
+        if block.result in needs_grad:
+            count["backward"] += 1
+            back += rows * result.element_size()
+        for name in (block.hidden, block.top_k_weights):
+            if name in needs_grad:
+                count["gather"] += 1
+                gathered += nbytes_of(nodes[name].meta["val"])
+        if block.hidden in needs_grad:
+            count["backward"] += 1
+            back += rows * hidden.element_size()
+    if not plan.experts:
+        return ()
+    return (
+        CollectiveStat("forward", "all_to_all", count["forward"], sent),
+        CollectiveStat("backward", "all_to_all", count["backward"], back),
+        CollectiveStat("backward", "all_gather", count["gather"], gathered),
     )
 
 

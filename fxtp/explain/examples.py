@@ -201,6 +201,55 @@ def qwen2_moe_config(**overrides):
     return Qwen2MoeConfig(**{**base, **overrides})
 
 
+# Tiny MoE configs of the other families (tests/test_expert_parallel.py): 2 layers, hidden 64,
+# 4 heads (2 kv heads), routed experts of 64, top-2.
+_MOE_TINY = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=TINY_SEQ, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                 num_experts_per_tok=2, experts_implementation="grouped_mm")
+
+
+def _tiny_moe(model_class: str, config_class: str, seed: int, base: dict, overrides: dict):
+    """``overrides`` may hold ``device="meta"``: the model and its ids on ``meta`` (shapes only)."""
+    import transformers
+
+    device = overrides.pop("device", "cpu")
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_class)(**{**_MOE_TINY, **base, **overrides})
+    with torch.device(device):
+        model = getattr(transformers, model_class)(config).eval()
+    return model, (_ids(seed, device=device),)
+
+
+def qwen3_moe(seed: int = 0, **overrides) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Tiny ``Qwen3MoeForCausalLM`` (4 experts of 64, top-2, normalized top-k, qk-norm) and (2, 16) ids."""
+    base = dict(intermediate_size=128, moe_intermediate_size=64, num_experts=4, norm_topk_prob=True, head_dim=16)
+    return _tiny_moe("Qwen3MoeForCausalLM", "Qwen3MoeConfig", seed, base, overrides)
+
+
+def deepseek_v2(seed: int = 0, **overrides) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Tiny ``DeepseekV2ForCausalLM`` (MLA attention; 4 routed experts of 64, top-2, scaled by
+    2.0; 2 shared experts as one MLP of 128) and (2, 16) ids."""
+    base = dict(intermediate_size=128, moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=2,
+                kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, head_dim=8,
+                routed_scaling_factor=2.0, first_k_dense_replace=0, num_key_value_heads=4)
+    return _tiny_moe("DeepseekV2ForCausalLM", "DeepseekV2Config", seed, base, overrides)
+
+
+def gpt_oss(seed: int = 0, **overrides) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Tiny ``GptOssForCausalLM`` (4 experts of 64 with biases, interleaved gate/up, clamped
+    SwiGLU; a biased router; sinks, sliding and full attention) and (2, 16) ids."""
+    base = dict(intermediate_size=64, num_local_experts=4, head_dim=16, sliding_window=8,
+                rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+                layer_types=["sliding_attention", "full_attention"] * (overrides.get("num_hidden_layers", 2) // 2)
+                + ["sliding_attention"] * (overrides.get("num_hidden_layers", 2) % 2))
+    model, ids = _tiny_moe("GptOssForCausalLM", "GptOssConfig", seed, base, overrides)
+    with torch.no_grad():  # transformers initializes the experts' biases and the router to zero; random ones test more
+        for name, p in model.named_parameters():
+            if "bias" in name or "router" in name or "sinks" in name:
+                p.normal_(0.0, 0.02)
+    return model, ids
+
+
 def gpt2(seed: int = 0, **overrides) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """Tiny ``GPT2LMHeadModel`` (Conv1D layers, fused ``c_attn``, tied LM head) and (2, 16) ids."""
     from transformers import GPT2LMHeadModel
@@ -350,6 +399,9 @@ EXAMPLES: dict[str, Example] = {
     "llama-3.1-405b": Example(lambda: llama31("405b"), meta=True),
     "mixtral": Example(mixtral),
     "qwen2-moe": Example(qwen2_moe),
+    "qwen3-moe": Example(qwen3_moe),
+    "deepseek-v2": Example(deepseek_v2),
+    "gpt-oss": Example(gpt_oss),
     "mixtral-8x7b": Example(mixtral_8x7b, meta=True),
     "qwen2-moe-a2.7b": Example(qwen2_moe_a2_7b, meta=True),
 }

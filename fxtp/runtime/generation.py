@@ -318,8 +318,9 @@ def _compile_decoder(pm: nn.Module, gen: Generation, batch: int, max_cache_len: 
     decoder = gen.compile(
         wrapper, pm._world_size, (), example_kwargs=example, rank=pm._rank, group=tp_group(pm), dynamic_shapes=shapes,
         # What pm keeps whole the decoder keeps whole (its graph may shard more: another GQA path);
-        # the rest its planner lays out as pm's did, which _share_weights checks.
-        plan={f"model.{layer}": "replicate" for layer, style in pm.report.plan.items() if style == "replicate"},
+        # the rest its planner lays out as pm's did, which _share_weights checks. Expert-parallel
+        # blocks stay so (NOTE: [expert parallelism]).
+        plan={f"model.{layer}": style for layer, style in pm.report.plan.items() if style in ("replicate", "expert")},
     )
     _share_weights(pm, decoder)
     _allocate_cache(decoder, param.device)

@@ -26,7 +26,7 @@ each expert is one Megatron MLP (Shoeybi et al. 2019, section 3), sharded inside
   every expert;
 * rowwise (``x`` sharded on ``K``): ``w`` sharded on ``K``, output ``Partial``, all_reduced
   after the combine (the routing weights, the gather back to token order and the top-k sum are
-  linear in it: NOTE: [deferred reduction] in ``passes/partial.py``).
+  linear in it: NOTE: [deferred reduction] in ``passes/moe/reductions.py``).
 
 The router (a plain ``linear``) stays replicated: its input is replicated and its output feeds
 a softmax/topk over the experts. The offsets and the sort are integer values, replicated.
@@ -116,7 +116,7 @@ def grouped_mm_rule(ctx: RuleContext) -> Decision:
             wants[x] = shard
         reason = (
             "every expert rowwise on its intermediate dim; all_reduce of its partial sums, moved past the routing "
-            "weights and the top-k sum where they follow (NOTE: [deferred reduction] in passes/partial.py)"
+            "weights and the top-k sum where they follow (NOTE: [deferred reduction] in passes/moe/reductions.py)"
         )
         return Decision(Partial(), wants, layer=LayerNote("rowwise", reason))
     if state.demoted is not None:
