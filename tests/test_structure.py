@@ -132,3 +132,13 @@ def test_package_names_that_were_modules_keep_their_names():
         "assert ParallelModule is fxtp.ParallelModule"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+def test_every_package_is_installed():
+    """pyproject's explicit ``packages`` list names every package directory: a wheel (not the
+    editable install the suite uses) would leave an unlisted subpackage out."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(ROOT).parts) for top in PACKAGES for init in (ROOT / top).rglob("__init__.py")}
+    assert found == listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}; remove: {sorted(listed - found)}"
