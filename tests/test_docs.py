@@ -252,3 +252,11 @@ def test_python_block_runs_as_a_file(block, tmp_path):
         out, _ = proc.communicate()
         pytest.fail(f"{block.where} ran over {BLOCK_TIMEOUT_S} s:\n{out[-4000:]}")
     assert proc.returncode == 0, f"{block.where} exited {proc.returncode}:\n{out[-6000:]}"
+
+
+def test_inspecting_lists_every_built_in():
+    """docs/inspecting.md names every built-in MODEL ``fxtp inspect`` accepts."""
+    from fxtp.explain.examples import EXAMPLES
+
+    text = (ROOT / "docs" / "inspecting.md").read_text()
+    assert [name for name in EXAMPLES if f"`{name}`" not in text] == []
