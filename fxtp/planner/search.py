@@ -150,12 +150,14 @@ def _why(e: Estimate, best: Estimate, budget: int, per_node: int) -> str:
 
 
 def _best_micro_batch(tp, dp, sp, ac, shape, params, hw, work: Workload, budget: int) -> Estimate:
-    """The fastest micro-batch that fits for this mesh and policy; the smallest if none fits."""
+    """The fastest micro-batch that fits for this mesh and policy; the smallest if none fits.
+    Between equally fast ones, the fewest micro-batches: each accumulation step costs what the
+    model does not price (launches, collective latency), and with dp 1 the time ties."""
     share = work.batch // dp if work.training else -(-work.batch // dp)
     sizes = [b for b in range(1, share + 1) if share % b == 0] if work.training else [share]
     found = [estimate(Choice(tp, dp, sp, ac, b, share // b), shape, params, hw, work) for b in sizes]
     fitting = [e for e in found if e.peak <= budget]
-    return min(fitting, key=_rank) if fitting else found[0]
+    return min(fitting, key=lambda e: (round(e.step["total"], 9), e.choice.accumulation)) if fitting else found[0]
 
 
 def _positive(name: str, value: Any) -> int:
