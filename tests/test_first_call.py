@@ -138,6 +138,8 @@ def test_a_size_the_model_refuses_is_still_an_input_error():
     static = fxtp.compile(model, 1, (x,), dynamic=False)
     with pytest.raises(fxtp.FxtpInputError, match=r"dim 0 is 1 but the module was compiled with it static at 8"):
         static(torch.randn(1, 64))
+    with pytest.raises(fxtp.FxtpInputError, match=r"bfloat16.*a static compile \(dynamic=False\) keeps its one graph"):
+        static(x.to(torch.bfloat16))  # another dtype: the fix names dynamic=True (FSDP2's MixedPrecisionPolicy)
 
 
 def _hf_default(name: str):

@@ -35,7 +35,9 @@ def _loop(mixed_precision: bool) -> dict:
     torch.manual_seed(0)
     ref = Attention(32, 4, 1, repeat="enable_gqa")  # 1 kv head, 2 tp ranks: both hold it
     local = X.chunk(2)[mesh["dp"].get_local_rank()]
-    pm = fxtp.compile(copy.deepcopy(ref), 2, (local,), group=mesh["tp"], dynamic=False)
+    # dynamic capture: a graph for the bf16 parameters is made at the first call (NOTE:
+    # [low-precision graphs]); a static compile keeps one graph and refuses them
+    pm = fxtp.compile(copy.deepcopy(ref), 2, (local,), group=mesh["tp"], dynamic=mixed_precision)
     grouped = pm.placements["k.weight"].overlaps
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
     fully_shard(pm, mesh=mesh["dp"], **({"mp_policy": policy} if policy else {}))

@@ -37,7 +37,8 @@ exit status: 0 ok, 1 fxtp error (--verbose for the traceback), 2 bad usage
 _INSPECT_EPILOG = """\
 MODEL:
   a built-in example:  mlp, tiny-gpt, transformer (torch's TP reference model), gpt2, llama,
-                       bert, mixtral, qwen2-moe (tiny configs, random weights, real inputs);
+                       bert, mixtral, qwen2-moe, qwen3-moe, deepseek-v2, gpt-oss (tiny
+                       configs, random weights, real inputs);
                        gpt2-124m, llama-7b, llama-3-8b, llama-3.1-70b, llama-3.1-405b,
                        mixtral-8x7b, qwen2-moe-a2.7b (full size on the meta device: tables
                        and graphs, no --verify);

@@ -21,7 +21,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from fxtp.core import activations, collectives, rng
 from fxtp.runtime import checkpoint, clipping, generation, layout, sharded
-from fxtp.runtime.variants import SizeGraphs, differs_in_zero_one, held
+from fxtp.runtime.variants import SizeGraphs, differs_in_zero_one, held, static_refusal
 from fxtp.capture.frontends import written_state
 from fxtp.core.errors import FxtpInputError, FxtpRuntimeError
 from fxtp.core.placement import REPLICATE, Placement, Shard, shard_tensor
@@ -287,7 +287,7 @@ class ParallelModule(nn.Module):
             check_inputs(flat, graph.specs)
         except FxtpInputError as exc:
             if self._size_graphs is None or not differs_in_zero_one(flat, graph.specs):
-                raise
+                raise static_refusal(exc, flat, graph.specs) if self._size_graphs is None else exc
             return self._size_graphs.graph_for(self.report, self._mode, graph, flat, exc, self.bind_graph, self)
         return graph
 

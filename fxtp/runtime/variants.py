@@ -49,7 +49,7 @@ from torch.fx import GraphModule
 from fxtp.capture.shapes import InputSpec, check_inputs
 from fxtp.core.errors import FxtpError, FxtpInputError
 
-__all__ = ["SizeGraphs", "meta_copy", "differs_in_zero_one", "held", "in_mode", "mode_of"]
+__all__ = ["SizeGraphs", "meta_copy", "differs_in_zero_one", "held", "in_mode", "mode_of", "static_refusal"]
 
 # fxtp.api's pipeline for one more graph: (meta model, args, kwargs, mode) -> (program, rank graph)
 Build = Callable[[nn.Module, tuple, dict, str], tuple[ExportedProgram, GraphModule]]
@@ -126,6 +126,16 @@ def differs_in_zero_one(flat: list[Any], specs: tuple[InputSpec, ...]) -> bool:
             elif not dim.dynamic and size != dim.size or dim.dynamic and dim.hi is not None and size > dim.hi:
                 return False  # another misfit: check_inputs says which
     return found
+
+
+def static_refusal(refused: FxtpInputError, flat: list[Any], specs: tuple[InputSpec, ...]) -> FxtpInputError:
+    """``refused``, the input check's error on a static compile (``dynamic=False``: no graphs
+    for sizes 0 and 1 or other dtypes are made), with the fix where another graph would take the
+    call: a size 0 or 1, or parameters in another dtype (FSDP2's ``MixedPrecisionPolicy``)."""
+    if not differs_in_zero_one(flat, specs):
+        return refused
+    return FxtpInputError(f"{refused}; a static compile (dynamic=False) keeps its one graph: compile with dynamic=True "
+                          "(the default) for sizes 0 or 1, or for parameters FSDP2's MixedPrecisionPolicy casts")
 
 
 def _cast_parameters(module: nn.Module, model: nn.Module) -> dict[str, torch.dtype]:
