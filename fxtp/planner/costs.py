@@ -21,35 +21,34 @@ NOTE: [cost model]
 Step time = compute + tensor-parallel communication + the FSDP communication compute does
 not hide.
 
-- compute: model FLOPs (NOTE: [FLOPs]) over all devices at ``mfu`` of the dense BF16 peak.
-  ``mfu = 0.5`` is an assumption: Meta reports 38-43% BF16 MFU end to end, communication
-  included, for Llama-3-405B on 16K H100s (Dubey et al. 2024, "The Llama 3 Herd of Models",
-  table 4), so the matmuls alone run faster than that.
-- tensor parallelism: ring collectives, a rank sends ``2 (t-1)/t`` of an all_reduce's payload
-  and ``(t-1)/t`` of an all_gather's or reduce_scatter's (Patarasuk and Yuan 2009; NCCL's
-  "bus bandwidth", nccl-tests PERFORMANCE.md), over NVLink inside a node (the network when
-  ``tp`` crosses nodes). Per block and micro-batch, in all_reduces of ``(b, s, h)`` bf16:
-  2 forward and 2 backward (Megatron's floor, Shoeybi et al. 2019, section 3; sequence
-  parallelism's all_gather + reduce_scatter pairs move the same bytes, Korthikanti et al.
-  2022, section 4.2.2), 1 more under sequence parallelism (the backward's 2 all_gathers of
-  saved shards, NOTE: [regathered activations]), 2 more when a recomputed forward runs them
-  again (``"blocks"``); outside the blocks, what the collectives fxtp's plan of the analyzed
-  graph inserts there send (e.g. a vocab-sharded embedding's forward all_reduce, the gather
-  of a colwise head's logits and its backward all_reduce; a replicated one has none), scaled
-  from the example's tokens to the micro-batch's (``ParamShapes.outside_sent``; priced from
-  the plan without sequence parallelism; with it, the head's saved input is gathered again in
-  backward, and each rank's gradients of the replicated norm weights are partial sums, an
-  all_reduce of them per backward in the activations' dtype). Not overlapped:
-  Megatron's tensor-parallel collectives sit between dependent matmuls (Narayanan et al.
-  2021, section 3.3).
+- compute: model FLOPs (NOTE: [FLOPs]) over all devices at ``mfu`` of the dense BF16 peak
+  (``mfu = 0.5``, sourced in NOTE: [hardware table] in fxtp/planner/hardware.py: Narayanan et
+  al. 2021 sustain 52% of peak counting recomputation, as this model does).
+- tensor parallelism: per block and micro-batch, in all_reduces of ``(b, s, h)`` bf16: 2
+  forward and 2 backward (Megatron's floor, Shoeybi et al. 2019, section 3), 1 more under
+  sequence parallelism (the backward's 2 all_gathers of saved shards, NOTE: [regathered
+  activations]), 2 more when a recomputed forward runs them again (``"blocks"``); under
+  sequence parallelism each is an all_gather + reduce_scatter pair moving the same bytes
+  (Korthikanti et al. 2022, section 4.2.2), two collectives' latency. Each is timed as one
+  NCCL ring collective, latency plus bytes over bus bandwidth (NOTE: [collective time] in
+  fxtp/planner/comm.py), over NVLink inside a node. Outside the blocks, what the collectives
+  fxtp's plan of the analyzed graph inserts there send (e.g. a vocab-sharded embedding's
+  forward all_reduce, the gather of a colwise head's logits and its backward all_reduce; a
+  replicated one has none), scaled from the example's tokens to the micro-batch's
+  (``ParamShapes.outside_sent``; priced from the plan without sequence parallelism; with it,
+  the head's saved input is gathered again in backward, and each rank's gradients of the
+  replicated norm weights are partial sums, an all_reduce of them per backward in the
+  activations' dtype), timed as one all_reduce of those bytes (one latency for the handful
+  of them). Not overlapped: Megatron's tensor-parallel collectives sit between dependent
+  matmuls (Narayanan et al. 2021, section 3.3).
 - FSDP2: per micro-batch (gradient accumulation does not skip its reduce_scatter by default)
-  an all_gather of the bf16 parameters in forward and again in backward
-  (``reshard_after_forward=True``) and a reduce_scatter of fp32 gradients, ``(dp-1)/dp`` of
-  each over NVLink when ``dp x tp`` fits in a node, else over the network. A fraction
-  ``fsdp_overlap = 0.9`` of the compute time hides it (an assumption: FSDP2 prefetches the
-  next unit's all_gather and reduces asynchronously, Zhao et al. 2023, "PyTorch FSDP",
-  section 3.3; the first all_gather and last reduce_scatter are exposed).
-Not modelled: collective latency, kernels slowed by small shards, pipeline parallelism.
+  an all_gather of each unit's bf16 parameters in forward and again in backward
+  (``reshard_after_forward=True``) and a reduce_scatter of its fp32 gradients, each a ring
+  collective over the ``dp`` group (NOTE: [collective time]: over the network once the group
+  spans nodes, one NIC per member on a node); what compute does not hide is computed per
+  unit (NOTE: [fsdp overlap] in fxtp/planner/comm.py).
+Not modelled: kernels slowed by small shards, NVLink shared by tensor-parallel and FSDP
+collectives inside a node, NCCL's tree and NVLS algorithms, pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -57,6 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from fxtp.planner.comm import Group, Unit, fsdp_exposed, ring_time
 from fxtp.planner.hardware import Hardware
 from fxtp.planner.model import TransformerShape
 from fxtp.planner.params import ParamShapes
@@ -126,23 +126,54 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
     if sp and work.training:  # the head input's regather; the norms' partial gradients, all_reduced
         outside += (tp - 1) / tp + 2 * (tp - 1) / tp * shape.norm_params * work.activation_bytes / payload
     tp_bytes = round(choice.accumulation * (shape.layers * per_block * 2 * (tp - 1) / tp + outside) * payload)
-    tp_bw = hw.intra_node_bw if tp <= work.devices_per_node else hw.inter_node_bw
-    fsdp_bytes = 0
+    tp_group = Group.tp(tp, work.devices_per_node)
+    # a block's all_reduce-equivalents of one payload: all_reduces, or under sequence
+    # parallelism all_gather/reduce_scatter pairs moving the same bytes (NOTE: [collective time])
+    block_s = (2 * per_block * ring_time("all_gather", payload, tp_group, hw) if sp
+               else per_block * ring_time("all_reduce", payload, tp_group, hw))
+    outside_s = ring_time("all_reduce", outside * payload * tp / (2 * (tp - 1)), tp_group, hw) if tp > 1 and outside else 0.0
+    tp_s = choice.accumulation * (shape.layers * block_s + outside_s)
+    fsdp_bytes, fsdp_s, fsdp_exposed_s = 0, 0.0, 0.0
     if work.training and dp > 1:
         fsdp_bytes = int(choice.accumulation * (2 * _COMPUTE + _GRAD) * params.elements() * (dp - 1) / dp)
-    fsdp_bw = hw.intra_node_bw if devices <= work.devices_per_node else hw.inter_node_bw
-    tp_s, fsdp_s = tp_bytes / tp_bw, fsdp_bytes / fsdp_bw
-    fsdp_exposed = max(0.0, fsdp_s - hw.fsdp_overlap * compute)
+        units = _fsdp_units(choice, shape, params, hw, work, compute / choice.accumulation)
+        fsdp_s = choice.accumulation * sum(2 * u.all_gather + u.reduce_scatter for u in units)
+        fsdp_exposed_s = choice.accumulation * fsdp_exposed(units)
     step = {
         "compute": compute,
         "recompute": recompute,
-        "comm": tp_s + fsdp_exposed,
+        "comm": tp_s + fsdp_exposed_s,
         "tp_comm": tp_s,
         "fsdp_comm": fsdp_s,
-        "fsdp_exposed": fsdp_exposed,
-        "total": compute + tp_s + fsdp_exposed,
+        "fsdp_exposed": fsdp_exposed_s,
+        "total": compute + tp_s + fsdp_exposed_s,
     }
     return Estimate(choice, memory, step, {"tp": tp_bytes, "fsdp": fsdp_bytes})
+
+
+def _fsdp_units(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: Hardware, work: Workload,
+                compute: float) -> list[Unit]:
+    """FSDP2's units in forward order, one micro-batch's seconds on one device (NOTE: [fsdp overlap]):
+    the embedding (no matmul), each block, the final norm with the head; ``compute`` is the
+    micro-batch's compute, split by FLOPs (NOTE: [FLOPs]). A model analyzed whole (no
+    repeated blocks counted) is one unit."""
+    group = Group.dp(choice.tp, choice.dp, work.devices_per_node)
+
+    def unit(elements: int, forward: float, backward: float) -> Unit:
+        return Unit(ring_time("all_gather", _COMPUTE * elements, group, hw),
+                    ring_time("reduce_scatter", _GRAD * elements, group, hw), forward, backward)
+
+    if not params.n_blocks:
+        return [unit(params.elements(), compute / 3, 2 * compute / 3)]
+    first, block, last = params.unit_elements()
+    attention = 4 * shape.hidden * work.seq  # a block's attention FLOPs per token, forward (NOTE: [FLOPs])
+    block_forward = 2 * shape.block_params + attention
+    head_forward = 2 * shape.matmul_params - 2 * shape.layers * shape.block_params
+    redo = {"blocks": block_forward, "selective": attention}.get(choice.activation_checkpointing, 0)
+    total = shape.layers * (3 * block_forward + redo) + 3 * head_forward
+    scale = compute / total if total else 0.0
+    blocks = [unit(block, block_forward * scale, (2 * block_forward + redo) * scale)] * shape.layers
+    return [unit(first, 0.0, 0.0)] + blocks + [unit(last, head_forward * scale, 2 * head_forward * scale)]
 
 
 def _memory(choice: Choice, shape: TransformerShape, params: ParamShapes, work: Workload) -> dict[str, int]:

@@ -1,9 +1,10 @@
 """The devices and links the planner prices, with each figure's source.
 
 NOTE: [hardware table]
-Every figure is the vendor's datasheet peak; the planner's only efficiency factors are
-``mfu`` and ``fsdp_overlap`` (NOTE: [cost model] in fxtp/planner/costs.py), assumptions it states
-and the user can override: ``dataclasses.replace(HARDWARE["h100"], mfu=0.35)``.
+Every bandwidth and FLOP rate is the vendor's datasheet peak; the latencies are NCCL's own
+cost model's; the one efficiency factor is ``mfu`` (NOTE: [cost model] in
+fxtp/planner/costs.py). Each is the user's to override:
+``dataclasses.replace(HARDWARE["h100"], mfu=0.35)``.
 
 - Dense BF16 tensor-core peak (without the 2:4 sparsity the datasheets also quote, which
   training does not use): A100 SXM 312 TFLOP/s (NVIDIA A100 Tensor Core GPU datasheet,
@@ -17,7 +18,19 @@ and the user can override: ``dataclasses.replace(HARDWARE["h100"], mfu=0.35)``.
   600 GB/s -> 300 GB/s; H100 and H200 NVLink 4, 900 GB/s -> 450 GB/s.
 - Between nodes, one InfiniBand NIC per GPU, as in NVIDIA's DGX systems: DGX A100 has eight
   ConnectX-6 HDR 200 Gb/s (25 GB/s per GPU and direction), DGX H100/H200 eight ConnectX-7
-  NDR 400 Gb/s (50 GB/s) (NVIDIA DGX A100 and DGX H100 datasheets).
+  NDR 400 Gb/s (50 GB/s) (NVIDIA DGX A100 and DGX H100 datasheets). A group spanning nodes
+  gets one NIC per member on a node (NOTE: [collective time] in fxtp/planner/comm.py).
+- Collective latency (NOTE: [collective time]): NCCL's ring/Simple figures in
+  ``src/graph/tuning.cc`` (NVIDIA/nccl): ``baseLat`` 8.4 us a collective, ``hwLat`` 3.4 us a
+  step over NVLink and 14.0 us a step over the network. The same for every device in the
+  table: NCCL's table does not tell them apart.
+- ``mfu = 0.5``: the fraction of the dense peak a step's FLOPs run at, recomputation counted.
+  Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters Using
+  Megatron-LM", abstract and section 5.1) sustain 52% of A100 peak end to end, counting the
+  recomputed forward in their FLOPs (their eq. 3, a factor 4 = forward, backward, recompute);
+  Meta reports 38-43% model-FLOPs MFU for Llama-3-405B on 8K-16K H100s, communication
+  included and recomputation not counted (Dubey et al. 2024, "The Llama 3 Herd of Models",
+  table 4). The planner prices communication on its own, so it takes the first figure.
 """
 
 from __future__ import annotations
@@ -44,9 +57,10 @@ class Hardware:
         intra_node_bw: NVLink bandwidth per GPU and direction, bytes/s.
         inter_node_bw: network bandwidth per GPU and direction (one NIC per GPU), bytes/s.
         devices_per_node: GPUs one NVLink domain holds (8 in a DGX/HGX node).
-        mfu: the fraction of ``peak_flops`` the model's FLOPs run at (assumption, NOTE: [cost model]).
-        fsdp_overlap: the fraction of compute time FSDP2's all_gathers and reduce_scatters can
-            hide behind (assumption, NOTE: [cost model]).
+        mfu: the fraction of ``peak_flops`` a step's FLOPs (recomputation included) run at.
+        collective_latency: seconds a collective costs whatever its size (NCCL ``baseLat``).
+        nvlink_step_latency: seconds a ring step inside a node adds (NCCL ``hwLat`` NVLink).
+        network_step_latency: seconds a ring step across nodes adds (NCCL ``hwLat`` NET).
     """
 
     name: str
@@ -56,15 +70,19 @@ class Hardware:
     inter_node_bw: float
     devices_per_node: int = 8
     mfu: float = 0.5
-    fsdp_overlap: float = 0.9
+    collective_latency: float = 8.4e-6
+    nvlink_step_latency: float = 3.4e-6
+    network_step_latency: float = 14.0e-6
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "memory_bytes", "intra_node_bw", "inter_node_bw", "devices_per_node"):
             if not getattr(self, field) > 0:
                 raise FxtpConfigError(f"Hardware {self.name!r}: {field} must be > 0, got {getattr(self, field)!r}")
-        for field in ("mfu", "fsdp_overlap"):
-            if not 0 < getattr(self, field) <= 1:
-                raise FxtpConfigError(f"Hardware {self.name!r}: {field} must be in (0, 1], got {getattr(self, field)!r}")
+        if not 0 < self.mfu <= 1:
+            raise FxtpConfigError(f"Hardware {self.name!r}: mfu must be in (0, 1], got {self.mfu!r}")
+        for field in ("collective_latency", "nvlink_step_latency", "network_step_latency"):
+            if not getattr(self, field) >= 0:
+                raise FxtpConfigError(f"Hardware {self.name!r}: {field} must be >= 0 seconds, got {getattr(self, field)!r}")
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)

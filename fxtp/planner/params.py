@@ -50,6 +50,7 @@ class ParamShapes:
     # [cost model] in fxtp/planner/costs.py), per byte of one (batch, seq, hidden) activation
     outside_sent: tuple[float, float] = (0.0, 0.0)
     styles: tuple[tuple[str, str], ...] = ()  # the analyzed graph's layer styles as plan= entries
+    before: int = 0  # how many of ``other`` come before the blocks in the model (the embedding: FSDP's first unit)
 
     def bytes(self) -> int:
         """Rank 0's parameter bytes in the model's own dtypes (what ``Report.param_bytes_per_rank`` says)."""
@@ -64,6 +65,11 @@ class ParamShapes:
         """Elements of the largest FSDP unit on this rank (a block, or one parameter outside
         the blocks, as torchtitan wraps the embedding and the head on their own)."""
         return max([_elements(self.block, 1)] + [_elements((p,), 1) for p in self.other])
+
+    def unit_elements(self) -> tuple[int, int, int]:
+        """Elements on this rank of FSDP's units (torchtitan's wrapping): what comes before the
+        blocks (the embedding), one block, and what comes after (the final norm and the head)."""
+        return (_elements(self.other[:self.before], 1), _elements(self.block, 1), _elements(self.other[self.before:], 1))
 
 
 @dataclass(frozen=True)
@@ -174,6 +180,7 @@ def _collect(
         outside = _outside_sent(collectives(program, plan, nodes, needs_grad), tp, depth if blocks is not None else 0, payload)
         seen: set[int] = set()
         other: list[Piece] = []
+        before: Optional[int] = None
         per_block: dict[int, list[Piece]] = {}
         for fqn, placement in parameter_placements(program, plan).items():
             tensor = program.state_dict[fqn]
@@ -185,6 +192,8 @@ def _collect(
                 shape[placement.dim] = placement.local_size(tp, 0)
             piece = (tuple(shape), tensor.element_size())
             index = _block_index(fqn, blocks.fqn) if blocks is not None and depth else None
+            if index is not None and before is None:
+                before = len(other)
             (other if index is None else per_block.setdefault(index, [])).append(piece)
         extrapolated = blocks is not None and 0 < depth < blocks.count
         styles = _styles(plan, blocks.fqn if extrapolated else None)
@@ -194,7 +203,7 @@ def _collect(
             first, counted = (tuple(per_block.get(i, ())) for i in (0, 1))
             if first != counted or styles is None:
                 return None
-            out[tp] = ParamShapes(tp, tuple(other), counted, blocks.count, depth, outside, styles)
+            out[tp] = ParamShapes(tp, tuple(other), counted, blocks.count, depth, outside, styles, before or 0)
         else:
             pieces = tuple(other + [p for i in sorted(per_block) for p in per_block[i]])
             out[tp] = ParamShapes(tp, pieces, (), 0, depth, outside, styles)

@@ -1,0 +1,137 @@
+"""Seconds of one ring collective (alpha-beta), and the FSDP2 communication compute does not hide.
+
+NOTE: [collective time]
+One collective over ``n`` ranks on ``k`` of them per node (``N = n / k`` nodes) takes
+``latency + sent / bus_bw`` seconds, NCCL's own cost model for its ring algorithm
+(``ncclTopoTuneModel`` and ``ncclTopoGetAlgoTime`` in NVIDIA/nccl ``src/graph/tuning.cc``,
+Simple protocol, the one NCCL picks for the MB-sized payloads priced here):
+
+- ``sent``: what a rank sends, ``steps / n`` of the payload (the all_reduce's tensor, the
+  all_gather's output, the reduce_scatter's input): ``steps = 2 (n-1)`` for an all_reduce,
+  ``n-1`` for an all_gather or reduce_scatter (Patarasuk and Yuan 2009; nccl-tests
+  ``doc/PERFORMANCE.md``: "bus bandwidth" is the payload over time times ``2 (n-1)/n``,
+  resp. ``(n-1)/n``, so it compares to a link's peak whatever ``n``).
+- ``latency``: ``base + (steps - inter) x nvlink_step + inter x network_step``, with
+  ``inter = 2 N`` node crossings for an all_reduce and ``N - 1`` for the others when
+  ``N > 1`` (0 in a node). NCCL's table: ``baseLat`` ring Simple 8.4 us, ``hwLat`` ring
+  Simple NVLink 3.4 us and NET 14.0 us a step (the :class:`~fxtp.planner.hardware.Hardware`
+  fields ``collective_latency``, ``nvlink_step_latency``, ``network_step_latency``).
+- ``bus_bw``: NVLink's per-direction bandwidth inside a node. A group spanning nodes is
+  limited by the network: its ``k`` ranks on a node run ``k`` rings, each through the NIC of
+  its GPU (DGX H100: one ConnectX-7 per GPU; NCCL's ring bandwidth is ``nChannels x
+  bwInter`` once a ring spans more than 2 nodes, ``tuning.cc``), so ``min(nvlink, k x nic)``.
+  With ``tp`` inside a node, a dp group has ``k = devices_per_node / tp`` ranks per node: each
+  GPU's FSDP traffic goes through its own NIC, and a node's ``tp`` dp groups share none.
+
+NOTE: [fsdp overlap]
+FSDP2 runs its collectives on their own streams and prefetches: each unit's all_gather is
+issued while the unit before it computes (forward: implicit prefetch as the CPU runs ahead;
+backward: ``fully_shard``'s default prefetch of the next unit in backward order), and a unit's
+reduce_scatter runs while the unit after it, in backward order, computes (Zhao et al. 2023,
+"PyTorch FSDP", section 3.3 "communication optimizations"; torch.distributed.fsdp
+``fully_shard`` docs, "prefetching"). Per micro-batch, over the units in forward order
+(torchtitan wraps the embedding, each block, and the final norm with the head):
+
+- forward: the first unit's all_gather is exposed; unit ``i``'s is hidden behind unit
+  ``i-1``'s forward up to ``max(0, AG_i - F_{i-1})``;
+- backward (``reshard_after_forward=True``, so every unit is gathered again): the last unit's
+  all_gather is exposed; while unit ``j`` runs its backward (recomputation included), unit
+  ``j-1``'s all_gather and unit ``j+1``'s reduce_scatter share the links:
+  ``max(0, AG_{j-1} + RS_{j+1} - B_j)``; the first unit's reduce_scatter, and unit 1's that
+  the embedding's near-zero backward cannot hide, are exposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fxtp.planner.hardware import Hardware
+
+__all__ = ["Group", "Unit", "ring_time", "ring_latency", "fsdp_exposed"]
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group: ``ranks`` ranks, ``per_node`` of them on each node they span."""
+
+    ranks: int
+    per_node: int
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.ranks // self.per_node)
+
+    @classmethod
+    def tp(cls, tp: int, devices_per_node: int) -> "Group":
+        """The tensor-parallel group: ``tp`` consecutive ranks (the mesh's inner dim)."""
+        return cls(tp, min(tp, devices_per_node))
+
+    @classmethod
+    def dp(cls, tp: int, dp: int, devices_per_node: int) -> "Group":
+        """The data-parallel group of one tp rank: every ``tp``-th rank (the mesh's outer dim)."""
+        return cls(dp, max(1, min(dp, devices_per_node // tp)))
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One FSDP unit on one device, per micro-batch: its collectives' and compute's seconds."""
+
+    all_gather: float
+    reduce_scatter: float
+    forward: float
+    backward: float
+
+
+def _bus_bandwidth(group: Group, hw: Hardware) -> float:
+    if group.nodes == 1:
+        return hw.intra_node_bw
+    return min(hw.intra_node_bw, group.per_node * hw.inter_node_bw)
+
+
+def ring_time(kind: str, payload: float, group: Group, hw: Hardware) -> float:
+    """Seconds of one NCCL ring collective (NOTE: [collective time]).
+
+    Args:
+        kind: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"``.
+        payload: bytes: the all_reduce's tensor, the all_gather's output, the reduce_scatter's input.
+        group: the ranks and their placement on nodes.
+        hw: the latencies and bandwidths.
+
+    Returns:
+        Seconds; 0 for a group of one rank.
+    """
+    n = group.ranks
+    if n <= 1:
+        return 0.0
+    nodes = group.nodes
+    if kind == "all_reduce":
+        steps, inter = 2 * (n - 1), (2 * nodes if nodes > 1 else 0)
+    else:
+        steps, inter = n - 1, nodes - 1
+    inter = min(inter, steps)
+    latency = hw.collective_latency + (steps - inter) * hw.nvlink_step_latency + inter * hw.network_step_latency
+    return latency + payload * steps / n / _bus_bandwidth(group, hw)
+
+
+def ring_latency(kind: str, group: Group, hw: Hardware) -> float:
+    """The latency term alone of :func:`ring_time` (a zero-byte collective)."""
+    return ring_time(kind, 0.0, group, hw)
+
+
+def fsdp_exposed(units: list[Unit]) -> float:
+    """Seconds of FSDP2 communication compute does not hide in one micro-batch (NOTE: [fsdp overlap]).
+
+    Args:
+        units: the FSDP units in forward order.
+    """
+    if not units:
+        return 0.0
+    exposed = units[0].all_gather
+    for before, unit in zip(units, units[1:]):
+        exposed += max(0.0, unit.all_gather - before.forward)
+    exposed += units[-1].all_gather
+    for j in range(len(units) - 1, -1, -1):
+        gather = units[j - 1].all_gather if j > 0 else 0.0
+        scatter = units[j + 1].reduce_scatter if j + 1 < len(units) else 0.0
+        exposed += max(0.0, gather + scatter - units[j].backward)
+    return exposed + units[0].reduce_scatter

@@ -1,0 +1,52 @@
+"""The planner's collective timing (NOTE: [collective time]) and FSDP2 overlap per unit (NOTE:
+[fsdp overlap]) against hand-computed values from their sources; no model, no process group."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fxtp.planner import HARDWARE
+from fxtp.planner.comm import Group, Unit, fsdp_exposed, ring_latency, ring_time
+
+H100 = HARDWARE["h100"]
+US = 1e-6
+
+
+def test_ring_time_is_nccls_alpha_beta_model():
+    # NCCL src/graph/tuning.cc, ring/Simple: baseLat 8.4 us + (steps - inter) x 3.4 us (NVLink)
+    # + inter x 14 us (NET); bytes sent = steps / n of the payload, at the bus bandwidth.
+    tp8 = Group.tp(8, 8)
+    assert (tp8.ranks, tp8.per_node, tp8.nodes) == (8, 8, 1)
+    assert ring_latency("all_reduce", tp8, H100) == pytest.approx((8.4 + 14 * 3.4) * US)
+    assert ring_time("all_reduce", 2**30, tp8, H100) == pytest.approx((8.4 + 14 * 3.4) * US + 2**30 * 14 / 8 / 450e9)
+    assert ring_time("all_gather", 2**30, tp8, H100) == pytest.approx((8.4 + 7 * 3.4) * US + 2**30 * 7 / 8 / 450e9)
+    # the dp group of tp 2 on 64 devices: every 2nd rank, 4 per node on 8 nodes, 4 NICs a node
+    dp32 = Group.dp(2, 32, 8)
+    assert (dp32.ranks, dp32.per_node, dp32.nodes) == (32, 4, 8)
+    assert ring_time("reduce_scatter", 1e9, dp32, H100) == pytest.approx((8.4 + 24 * 3.4 + 7 * 14) * US + 1e9 * 31 / 32 / 200e9)
+    assert ring_latency("all_reduce", dp32, H100) == pytest.approx((8.4 + (62 - 16) * 3.4 + 16 * 14) * US)
+    # tp 8's dp group: one rank a node, one NIC; tp 1's: 8 a node, NVLink-bound is never reached (8 x 50 < 450)
+    assert ring_time("all_gather", 1e9, Group.dp(8, 8, 8), H100) == pytest.approx((8.4 + 7 * 14) * US + 1e9 * 7 / 8 / 50e9)
+    assert ring_time("all_gather", 1e9, Group.dp(1, 64, 8), H100) == pytest.approx((8.4 + 56 * 3.4 + 7 * 14) * US + 1e9 * 63 / 64 / 400e9)
+    assert ring_time("all_reduce", 1e9, Group.tp(1, 8), H100) == 0.0
+    # a faster network is priced: the figures are the user's
+    fast = dataclasses.replace(H100, inter_node_bw=100e9, network_step_latency=0.0)
+    assert ring_time("all_gather", 1e9, Group.dp(8, 8, 8), fast) == pytest.approx((8.4 + 7 * 0) * US + 1e9 * 7 / 8 / 100e9)
+
+
+def test_fsdp_exposes_what_the_previous_unit_does_not_hide():
+    # forward: AG_0, then max(0, AG_i - F_{i-1}); backward: AG_last, then
+    # max(0, AG_{j-1} + RS_{j+1} - B_j) while unit j runs its backward, then RS_0.
+    embed, block, head = Unit(1.0, 2.0, 0.0, 0.0), Unit(3.0, 6.0, 4.0, 8.0), Unit(1.0, 2.0, 2.0, 4.0)
+    units = [embed, block, block, head]
+    forward = 1.0 + max(0, 3 - 0) + max(0, 3 - 4) + max(0, 1 - 4)
+    # B_head hides AG_block; B_block AG_block + RS_head, then AG_embed + RS_block; the embedding hides nothing
+    backward = 1.0 + max(0, 3 + 0 - 4) + max(0, 3 + 2 - 8) + max(0, 1 + 6 - 8) + max(0, 0 + 6 - 0) + 2.0
+    assert (forward, backward) == (4.0, 9.0)
+    assert fsdp_exposed(units) == pytest.approx(forward + backward)
+    # with compute to spare, only the first all_gathers and the last reduce_scatters show
+    slow = [embed] + [dataclasses.replace(block, forward=100.0, backward=200.0)] * 3 + [head]
+    assert fsdp_exposed(slow) == pytest.approx(1.0 + 3.0 + 1.0 + 6.0 + 2.0)
+    assert fsdp_exposed([]) == 0.0
