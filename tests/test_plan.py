@@ -220,15 +220,22 @@ def test_predicted_tensor_parallel_bytes_are_the_plans_collectives():
     # The cost model's bytes per block and outside (NOTE: [cost model]) against the ring bytes of
     # what fxtp's full-depth plan inserts for the same input (the report's collectives; a run's
     # are tests/test_plan_run.py's); fp32 model, so 4-byte activations. The logits' all_gather
-    # is what fxtp runs for a model that returns them, and it is priced.
+    # is what fxtp runs for a model that returns them, and it is priced. At tp 4 the 4-layer
+    # Llama's 4 kv heads divide; 2 do not: each block's grouped kv shards add a weight-gradient
+    # all_reduce (NOTE: [grouped shards]), counted for every block from the 2 analyzed.
     from fxtp.planner.costs import Choice, Workload, estimate
     from fxtp.planner.params import repeated_blocks
 
-    model, tp, (b, s) = tiny("llama"), 2, IDS.shape
-    report = fxtp.analyze(model, tp, (IDS,), dynamic=False)
-    sent = sum((2 if c.kind == "all_reduce" else 1) * c.bytes * (tp - 1) // tp for c in report.collectives)
-    shape = TransformerShape.of(model, repeated_blocks(model).fqn)
-    params = parameter_shapes(model, (tp,), (IDS,), {})[tp]  # the 2-block analysis, 4 blocks counted
-    work = Workload(b, s, True, "adamw", 8, activation_bytes=4)
-    predicted = estimate(Choice(tp, 1, False, None, b, 1), shape, params, HARDWARE["h100"], work)
-    assert predicted.comm_bytes["tp"] == sent
+    grouped = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=16, use_cache=False)
+    torch.manual_seed(0)
+    for model, tp in ((tiny("llama"), 2), (transformers.LlamaForCausalLM(grouped).eval(), 4)):
+        b, s = IDS.shape
+        report = fxtp.analyze(model, tp, (IDS,), dynamic=False)
+        sent = sum((2 if c.kind == "all_reduce" else 1) * c.bytes * (tp - 1) / tp for c in report.collectives)
+        shape = TransformerShape.of(model, repeated_blocks(model).fqn)
+        params = parameter_shapes(model, (tp,), (IDS,), {})[tp]  # the 2-block analysis, 4 blocks counted
+        assert (params.block_weight_sent > 0) == (model.config.num_key_value_heads == 2)
+        work = Workload(b, s, True, "adamw", 8, activation_bytes=4)
+        predicted = estimate(Choice(tp, 1, False, None, b, 1), shape, params, HARDWARE["h100"], work)
+        assert predicted.comm_bytes["tp"] == round(sent), tp

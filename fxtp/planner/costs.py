@@ -39,8 +39,10 @@ not hide.
   the head's saved input is gathered again in backward, and each rank's gradients of the
   replicated norm weights are partial sums, an all_reduce of them per backward in the
   activations' dtype), timed as one all_reduce of those bytes (one latency for the handful
-  of them). Not overlapped: Megatron's tensor-parallel collectives sit between dependent
-  matmuls (Narayanan et al. 2021, section 3.3).
+  of them); and per block and backward, the weight-gradient all_reduce of grouped kv shards
+  when the kv heads do not divide ``tp`` (``ParamShapes.block_weight_sent``, NOTE: [grouped
+  shards] in fxtp/core/placement.py). Not overlapped: Megatron's tensor-parallel collectives
+  sit between dependent matmuls (Narayanan et al. 2021, section 3.3).
 - FSDP2: per micro-batch (gradient accumulation does not skip its reduce_scatter by default)
   an all_gather of each unit's bf16 parameters in forward and again in backward
   (``reshard_after_forward=True``) and a reduce_scatter of its fp32 gradients, each a ring
@@ -125,13 +127,16 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
     outside = sum(params.outside_sent) if work.training else params.outside_sent[0]  # per payload byte
     if sp and work.training:  # the head input's regather; the norms' partial gradients, all_reduced
         outside += (tp - 1) / tp + 2 * (tp - 1) / tp * shape.norm_params * work.activation_bytes / payload
-    tp_bytes = round(choice.accumulation * (shape.layers * per_block * 2 * (tp - 1) / tp + outside) * payload)
+    weights = shape.layers * params.block_weight_sent if work.training else 0.0  # grouped kv gradients, per backward
+    tp_bytes = round(choice.accumulation * ((shape.layers * per_block * 2 * (tp - 1) / tp + outside) * payload + weights))
     tp_group = Group.tp(tp, work.devices_per_node)
     # a block's all_reduce-equivalents of one payload: all_reduces, or under sequence
     # parallelism all_gather/reduce_scatter pairs moving the same bytes (NOTE: [collective time])
     block_s = (2 * per_block * ring_time("all_gather", payload, tp_group, hw) if sp
                else per_block * ring_time("all_reduce", payload, tp_group, hw))
     outside_s = ring_time("all_reduce", outside * payload * tp / (2 * (tp - 1)), tp_group, hw) if tp > 1 and outside else 0.0
+    if params.block_weight_sent and work.training:
+        block_s += ring_time("all_reduce", params.block_weight_sent * tp / (2 * (tp - 1)), tp_group, hw)
     tp_s = choice.accumulation * (shape.layers * block_s + outside_s)
     fsdp_bytes, fsdp_s, fsdp_exposed_s = 0, 0.0, 0.0
     if work.training and dp > 1:

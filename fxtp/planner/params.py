@@ -51,6 +51,10 @@ class ParamShapes:
     outside_sent: tuple[float, float] = (0.0, 0.0)
     styles: tuple[tuple[str, str], ...] = ()  # the analyzed graph's layer styles as plan= entries
     before: int = 0  # how many of ``other`` come before the blocks in the model (the embedding: FSDP's first unit)
+    # Ring bytes a rank sends per backward for one block above Megatron's floor that do not
+    # scale with the tokens: the weight-gradient all_reduce of grouped kv shards (NOTE:
+    # [grouped shards] in fxtp/core/placement.py), counted once per block of the real model
+    block_weight_sent: float = 0.0
 
     def bytes(self) -> int:
         """Rank 0's parameter bytes in the model's own dtypes (what ``Report.param_bytes_per_rank`` says)."""
@@ -175,9 +179,12 @@ def _collect(
     from fxtp.explain.report import parameter_placements
 
     nodes, needs_grad = {n.name: n for n in program.graph.nodes}, grad_inputs(program)
+    fqns = program.graph_signature.inputs_to_parameters
     out = {}
     for tp, plan in plans.items():
-        outside = _outside_sent(collectives(program, plan, nodes, needs_grad), tp, depth if blocks is not None else 0, payload)
+        held = _held_sent(plan, nodes, needs_grad, fqns, blocks.fqn if blocks is not None and depth else None, tp)
+        outside = _outside_sent(collectives(program, plan, nodes, needs_grad), tp, depth if blocks is not None else 0, payload,
+                                sum(v for k, v in held.items() if k is not None) if depth < (blocks.count if blocks is not None else 0) else 0.0)
         seen: set[int] = set()
         other: list[Piece] = []
         before: Optional[int] = None
@@ -203,22 +210,42 @@ def _collect(
             first, counted = (tuple(per_block.get(i, ())) for i in (0, 1))
             if first != counted or styles is None:
                 return None
-            out[tp] = ParamShapes(tp, tuple(other), counted, blocks.count, depth, outside, styles, before or 0)
+            if held.get(0, 0.0) != held.get(1, 0.0):
+                return None
+            out[tp] = ParamShapes(tp, tuple(other), counted, blocks.count, depth, outside, styles, before or 0, held.get(1, 0.0))
         else:
             pieces = tuple(other + [p for i in sorted(per_block) for p in per_block[i]])
             out[tp] = ParamShapes(tp, pieces, (), 0, depth, outside, styles)
     return out
 
 
-def _outside_sent(stats: Any, tp: int, depth: int, payload: int) -> tuple[float, float]:
+def _held_sent(plan: Any, nodes: dict[str, Any], needs_grad: set[str], fqns: dict[str, str], blocks_fqn: Optional[str],
+               tp: int) -> dict[Optional[int], float]:
+    """Ring bytes a rank sends per backward in the weight-gradient all_reduces of grouped kv
+    shards (``ShardingPlan.holders``, as ``fxtp.explain.counts.collectives`` counts them), by
+    block index (None: outside the blocks)."""
+    from fxtp.explain.counts import nbytes_of
+
+    out: dict[Optional[int], float] = {}
+    for names in plan.holders:
+        names = [n for n in names if n in needs_grad]
+        if not names or tp == 1:
+            continue
+        fqn = fqns.get(names[0], "")
+        index = _block_index(fqn, blocks_fqn) if blocks_fqn is not None else None
+        out[index] = out.get(index, 0.0) + 2 * (tp - 1) / tp * sum(nbytes_of(nodes[n].meta["val"]) for n in names)
+    return out
+
+
+def _outside_sent(stats: Any, tp: int, depth: int, payload: int, held: float = 0.0) -> tuple[float, float]:
     """Bytes a rank sends per forward and backward outside the ``depth`` analyzed blocks, per
     payload byte: the plan's collectives as ring collectives (an all_reduce ``2 (t-1)/t`` of its
     bytes, an all_gather or reduce_scatter ``(t-1)/t``) less Megatron's 2 all_reduces of one
-    payload per block and phase (NOTE: [cost model]; a block above that floor would be counted
-    here once per analyzed block, not per block)."""
+    payload per block and phase (NOTE: [cost model]), and less ``held``, the blocks' grouped kv
+    weight-gradient all_reduces (``ParamShapes.block_weight_sent`` counts them per block)."""
     if tp == 1 or not payload:
         return (0.0, 0.0)
-    sent = {"forward": 0.0, "backward": 0.0}
+    sent = {"forward": 0.0, "backward": -held}
     for stat in stats:
         sent[stat.phase] += (2 if stat.kind == "all_reduce" else 1) * (tp - 1) / tp * stat.bytes
     floor = depth * 2 * 2 * (tp - 1) / tp * payload
