@@ -72,11 +72,14 @@ def sequence_parallel(graph: Graph, plan: ShardingPlan, param_names: frozenset[s
     local_args, local_targets = dict(plan.local_args), dict(plan.local_targets)
     scatters: dict[str, Shard] = {}
     region: dict[Node, Any] = {}  # value -> its sequence placement
+    # nodes with tensor-parallel edge work on an input (a set: one lookup per node keeps the pass
+    # linear in the graph, tests/test_passes_linear.py)
+    with_edges = frozenset(c for c, _ in plan.edges)
 
     for node in graph.nodes:  # a replicated lookup starts a region too: sliced to this rank's tokens
         if node.target is aten.embedding.default and _replicated(placements.get(node.name, REPLICATE)):
             shard = _token_shard(node, ws)
-            if shard is not None and not any(c == node.name for c, _ in edges):
+            if shard is not None and node.name not in with_edges:
                 scatters[node.name] = shard
                 region[node] = shard
     for name in list(plan.reduces):
@@ -115,7 +118,7 @@ def sequence_parallel(graph: Graph, plan: ShardingPlan, param_names: frozenset[s
         ins = [a for a in node.all_input_nodes if a in region]
         if not ins:
             continue
-        dec = _joins(node, plan, placement, is_param, region, ws)
+        dec = _joins(node, plan, placement, is_param, region, ws, with_edges)
         if dec is None:  # the region ends here: gather what reaches the node
             for a in ins:
                 edges[(node.name, a.name)] = _gather(region[a], plan.edges.get((node.name, a.name)), node, a)
@@ -167,11 +170,13 @@ def _reasons(plan: ShardingPlan, nodes: dict[str, Node], scatters: dict[str, Sha
     return tuple(out)
 
 
-def _joins(node: Node, plan: ShardingPlan, placement, is_param, region: dict[Node, Any], ws: int) -> Optional[Decision]:
-    """The rule's decision if ``node`` can run on the token shards that reach it, else ``None``."""
+def _joins(node: Node, plan: ShardingPlan, placement, is_param, region: dict[Node, Any], ws: int,
+           with_edges: frozenset[str]) -> Optional[Decision]:
+    """The rule's decision if ``node`` can run on the token shards that reach it, else ``None``
+    (``with_edges``: the nodes ``plan`` has edge work for)."""
     if not _replicated(plan.placements.get(node.name, REPLICATE)) or node.name in plan.reduces:
         return None  # a tensor-parallel op (a colwise layer...): it takes the value whole
-    if layer_weight(node, is_param) is not None or any(c == node.name for c, _ in plan.edges):
+    if layer_weight(node, is_param) is not None or node.name in with_edges:
         return None
     if not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)):
         return None  # a size query (sym_size) of a shard reads its global size: keep it whole
