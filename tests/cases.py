@@ -331,9 +331,11 @@ class LoRALinear(nn.Module):
 
 
 class LoRAMLP(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, bias: bool = True) -> None:
         super().__init__()
         self.up, self.down = LoRALinear(64, 128), LoRALinear(128, 64)
+        if not bias:  # PEFT on Llama: bias-free base layers
+            self.up.base.bias = self.down.base.bias = None
 
     def forward(self, x):
         return self.down(F.gelu(self.up(x)))
@@ -364,6 +366,8 @@ CASES.update(
         "16b-max-norm": _seeded(lambda: (EmbeddingMLP(max_norm=1.0), _repeated_ids())),
         "16c-padding-idx": _seeded(lambda: (EmbeddingMLP(padding_idx=7), _repeated_ids())),
         "20-lora": _seeded(lambda: (LoRAMLP(), _inputs((B, T, 64)))),
+        # 64 tokens: B's 8 x 64 weight has no more elements than A's (64, 8) output (NOTE: [deferred reduction])
+        "20b-lora-no-bias": _seeded(lambda: (LoRAMLP(bias=False), _inputs((B, 32, 64)))),
         "22-latent-kv": _seeded(lambda: (LatentKV(), _inputs((B, T, 64)))),
         "23-seed-linear": _seeded(lambda: (nn.Linear(100, 10), _inputs((B, 100)))),
     }

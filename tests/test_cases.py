@@ -278,6 +278,18 @@ def test_case20_lora_adapters_at_megatron_floor(pool):
     assert r["forward"] == {"all_reduce": 2}
 
 
+def test_case20b_lora_beside_bias_free_layers_reduces_once(pool):
+    """PEFT's/torchtitan's LoRA plan beside a rowwise base: A rowwise, B replicated on A's partial
+    output, added to the base's partial output, one forward all_reduce for both (NOTE: [deferred
+    reduction]); B's weight gradient, a partial sum per rank, is all_reduced in backward.
+    compare_training checks outputs, gradients and SGD steps against the single device, and the
+    report's collectives against the run's."""
+    (r, *_) = pool.run(_train, "20b-lora-no-bias")
+    assert _styles(r)["down.A"] == ("rowwise", None) and _styles(r)["down.B"] == ("replicate", "cheaper-replicated")
+    assert r["forward"] == {"all_reduce": 1}
+    assert r["backward"] == {"all_reduce": 2}  # up.A's output entering colwise up.B; down.B's weight gradient
+
+
 def test_case22_report_counts_every_collective(pool):
     (r, *_) = pool.run(_train, "22-latent-kv")  # compare_training asserts report == run
     assert r["forward"] == {"all_reduce": 1} and r["backward"] == {"all_reduce": 1}

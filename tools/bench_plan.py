@@ -4,7 +4,11 @@ H100-80GB, global batch 64 x 8192 tokens. Two blocks are analyzed whatever the d
 [repeated blocks]), so the time should not grow with it; building the model on meta (not part
 of ``solve_s``) does.
 
-    python tools/bench_plan.py --json docs/bench_plan.json
+``--passes`` also times fxtp's passes on the full-depth graph (``fxtp.analyze``'s work after the
+capture: normalize, the plan at tp 8, the report), CPU seconds (``time.process_time``: the
+machine is shared) from one capture per depth, and the capture's wall seconds (torch.export's).
+
+    python tools/bench_plan.py --json docs/bench_plan.json --passes
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import fxtp
 from fxtp.explain.examples import LLAMA31, llama_config
 
 LAYERS = (8, 16, 32, 80, 126)
+PASSES_LAYERS = (8, 16, 32, 80)
 
 
 def _model(layers: int) -> torch.nn.Module:
@@ -48,17 +53,44 @@ def run(layers: tuple[int, ...], repeats: int) -> list[dict]:
     return rows
 
 
+def passes(layers: tuple[int, ...]) -> list[dict]:
+    """CPU seconds of the passes at full depth against the layer count (one capture each)."""
+    from fxtp.api import _capture
+    from fxtp.explain.report import build_report
+    from fxtp.planning import normalized, plan_program
+
+    rows = []
+    ids = torch.zeros(1, 128, dtype=torch.long, device="meta")
+    for n in layers:
+        start = time.perf_counter()
+        captured = _capture(_model(n), (ids,), {"use_cache": False}, "auto", dynamic_shapes=None)
+        capture_s = time.perf_counter() - start
+        start = time.process_time()
+        fqns, written = normalized(captured.program)
+        sharding = plan_program(captured.program, fqns, written, 8, {})
+        build_report(captured.program, sharding, captured.frontend, captured.attempts, 0)
+        cpu = time.process_time() - start
+        rows.append({"layers": n, "nodes": len(captured.program.graph.nodes), "capture_s": capture_s, "passes_cpu_s": cpu,
+                     "rounds": sharding.rounds})
+        print(f"{n:4d} layers: {rows[-1]['nodes']} nodes, passes {cpu:.2f} s CPU, capture {capture_s:.1f} s", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="FILE", help="write the rows to FILE")
     parser.add_argument("--repeats", type=int, default=3, help="plans per depth (the median is reported)")
+    parser.add_argument("--passes", action="store_true", help="also time the passes at full depth (minutes: one capture each)")
     args = parser.parse_args()
     fxtp.plan(_model(2 + 1), 8, device_memory=80 * 2**30, batch=8, seq=8192)  # warm-up: imports, first capture
     rows = run(LAYERS, args.repeats)
+    out: dict = {"rows": rows}
+    if args.passes:
+        out["passes"] = passes(PASSES_LAYERS)
     if args.json:
         meta = {"torch": torch.__version__, "machine": platform.machine(), "date": time.strftime("%Y-%m-%d")}
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+            json.dump({"meta": meta, **out}, f, indent=2)
 
 
 if __name__ == "__main__":

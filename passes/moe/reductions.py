@@ -3,14 +3,23 @@
 NOTE: [deferred reduction]
 A rowwise layer's output is ``Partial``: rank ``r`` holds a summand ``y_r``, the value is
 ``sum_r y_r``. For an op ``g`` linear in that value (a view, a row gather, a sum over a dim, a
-product with a replicated value, the sum of two partial values), ``g(sum_r y_r) ==
+product with a replicated value, a bias-free linear layer with a replicated weight, the sum of
+two partial values), ``g(sum_r y_r) ==
 sum_r g(y_r)``, so the all_reduce can run after ``g`` instead of before it, on the (often
 smaller) result. MoE experts are the case that matters: the experts' down projection gives a
 partial ``(tokens x top_k, hidden)`` output, then the routing weights multiply it, a gather
 restores the token order and a sum over the top-k combines it to ``(tokens, hidden)``; reducing
 after the combine moves ``1 / top_k`` of the bytes (Megatron-LM reduces the combined output
 too). Qwen2-MoE's shared expert output is partial as well and is added to the routed one: the
-sum of the two is reduced once.
+sum of the two is reduced once. A LoRA pair beside a rowwise base layer (PEFT's and
+torchtitan's plan: ``lora_A`` rowwise, ``lora_B`` replicated) is the other: ``A``'s partial
+``(tokens, r)`` output goes through ``B`` partial and is added to the base layer's partial
+output, one all_reduce for the two (a biased base layer keeps its own: its bias is added after
+it). Past a product with a replicated weight the reduction is a trade: the forward all_reduce
+of the ``(tokens, r)`` value goes, the weight's gradient (each rank's is a partial sum) is
+all_reduced in backward instead; fxtp defers only when the weight has no more elements than
+the value (``r x out <= tokens x r``: a micro-batch of at least ``out`` tokens), which also
+removes a collective from the forward's critical path.
 
 A replicated float operand of such a product (the routing weights, a sigmoid gate) meets a
 partial value: its gradient on each rank is only the part from that rank's summand, so it
@@ -26,6 +35,7 @@ where it is); a rowwise bias (added after the reduction) keeps the reduction whe
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -34,7 +44,7 @@ from torch.fx import Graph, Node
 from fxtp.core.placement import Partial, Replicate
 from passes.plan import ShardingPlan
 from passes.propagate import EdgeAction
-from passes.registry import is_tensor_node
+from passes.registry import is_tensor_node, shape_of
 
 __all__ = ["defer_reductions"]
 
@@ -85,9 +95,25 @@ def _linear_in(node: Node, partial: set[Node], plan: ShardingPlan) -> bool:
         return len(ins) == 1 and ins[0] in args[:2] and args.count(ins[0]) == 1
     if target is aten.div.Tensor:
         return ins == [first] and args[1] is not first
+    if target is aten.linear.default:  # (sum_r x_r) W^T == sum_r x_r W^T; a bias is added once, not per summand
+        plain = ins == [first] and (len(args) < 3 or args[2] is None) and node.kwargs.get("bias") is None
+        return plain and _cheaper_past(first, args[1])
+    if target in (aten.mm.default, aten.matmul.default):
+        return len(ins) == 1 and ins[0] in args[:2] and args[0] is not args[1] and _cheaper_past(ins[0], args[1] if ins[0] is first else first)
     if target in (aten.add.Tensor, aten.sub.Tensor):  # sum_r a_r + sum_r b_r == sum_r (a_r + b_r)
         return len(ins) == 2 and set(args[:2]) == set(ins) and node.kwargs.get("alpha", 1) == 1
     return False
+
+
+def _cheaper_past(value: Node, weight: Any) -> bool:
+    """Is moving ``value``'s all_reduce past a product with the replicated ``weight`` no dearer?
+    The forward all_reduce of ``value`` goes; the weight's gradient, a partial sum on each rank,
+    is all_reduced in backward instead (its ``f``): worth it when the weight has no more
+    elements than ``value`` (NOTE: [deferred reduction])."""
+    if not isinstance(weight, Node) or not isinstance(weight.meta.get("val"), torch.Tensor):
+        return False
+    # the example's sizes, without a guard (registry.shape_of): either choice is correct, only its cost differs
+    return math.prod(shape_of(weight)) <= math.prod(shape_of(value))
 
 
 def defer_reductions(graph: Graph, plan: ShardingPlan) -> ShardingPlan:
