@@ -50,3 +50,26 @@ def test_fsdp_exposes_what_the_previous_unit_does_not_hide():
     slow = [embed] + [dataclasses.replace(block, forward=100.0, backward=200.0)] * 3 + [head]
     assert fsdp_exposed(slow) == pytest.approx(1.0 + 3.0 + 1.0 + 6.0 + 2.0)
     assert fsdp_exposed([]) == 0.0
+
+
+def test_fsdp_units_split_the_compute_and_gather_each_units_shard():
+    # torchtitan's units: the embedding (before the blocks), each block, the final norm with the head
+    from fxtp.planner.costs import Choice, Workload, _fsdp_units
+    from fxtp.planner.model import TransformerShape
+    from fxtp.planner.params import ParamShapes
+
+    embed, norm, head, block = ((1000, 64), 2), ((64,), 2), ((1000, 64), 2), ((64, 64), 2)
+    params = ParamShapes(1, (embed, norm, head), (block, block), 3, 2, before=1)
+    shape = TransformerShape(hidden=64, layers=3, heads=4, kv_heads=4, intermediate=128, vocab=1000, gated_mlp=False,
+                             flash=True, matmul_params=3 * 2 * 64 * 64 + 64 * 1000, block_params=2 * 64 * 64)
+    work = Workload(8, 16, True, "adamw", 8)
+    for ac in (None, "selective", "blocks"):
+        choice = Choice(1, 8, False, ac, 1, 1)
+        units = _fsdp_units(choice, shape, params, H100, work, compute=1.0)
+        assert len(units) == 1 + 3 + 1 and units[0].forward == units[0].backward == 0.0
+        assert sum(u.forward + u.backward for u in units) == pytest.approx(1.0)  # the micro-batch's compute, split by FLOPs
+        group = Group.dp(1, 8, 8)
+        assert units[1].all_gather == pytest.approx(ring_time("all_gather", 2 * 2 * 64 * 64, group, H100))  # bf16
+        assert units[1].reduce_scatter == pytest.approx(ring_time("reduce_scatter", 4 * 2 * 64 * 64, group, H100))  # fp32
+        assert units[-1].all_gather == pytest.approx(ring_time("all_gather", 2 * (64 + 64 * 1000), group, H100))
+    assert units[1].backward == pytest.approx(3 * units[1].forward)  # "blocks": backward and the recomputed forward
