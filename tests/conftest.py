@@ -12,10 +12,25 @@ from _dist import RankPool
 QUICK_MODULES = ("test_rules.py", "test_rules_graphs.py", "test_rules_graphs_more.py", "test_structure.py", "test_api.py")
 
 
+# Fixtures that start real gloo ranks: a module using one runs where the ranks live.
+RANK_FIXTURES = frozenset({"pool", "rank_pools"})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks the quick modules, and groups the tests for pytest-xdist's ``--dist loadgroup``
+    (the README's test command runs two workers, one per core):
+
+    * every module that starts gloo ranks goes to one group, ``ranks``, so that the ranks start
+      once per session (not once per worker) and two worlds of ranks never share the 2 cores;
+    * every other module is a group of its own, so that its module-scoped fixtures are built
+      once and a module's tests run in file order (``test_docs`` runs the pages' commands in
+      page order, in one directory).
+    """
+    uses_ranks = {item.path for item in items if RANK_FIXTURES & set(getattr(item, "fixturenames", ()))}
     for item in items:
         if item.path.name in QUICK_MODULES:
             item.add_marker(pytest.mark.quick)
+        item.add_marker(pytest.mark.xdist_group("ranks" if item.path in uses_ranks else item.path.name))
 
 
 @pytest.fixture(scope="session")
