@@ -78,8 +78,8 @@ def test_hung_rank_raises_and_tears_down() -> None:
     p = RankPool(2, timeout_s=2.0)
     start = time.monotonic()
     with pytest.raises(RankError, match=r"ranks \[0, 1\] did not answer within 2.0s"):
-        p.run(_sleep, 60.0)
-    assert time.monotonic() - start < 15.0
+        p.run(_sleep, 300.0)
+    assert time.monotonic() - start < 60.0  # not the 300 s sleep; generous: the suite runs two workers on 2 cores
     assert all(not proc.is_alive() for proc in p._procs)
     with pytest.raises(RankError, match="closed"):
         p.run(_whoami)

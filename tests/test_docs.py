@@ -3,8 +3,11 @@
 Pages are collected when this module is imported, so a page added to ``docs/`` later is
 covered without an edit here.
 
-* ``python`` blocks: each is written to a file and run in a fresh process, from an empty
-  directory, with a timeout. The first line says how:
+* ``python`` blocks: each is written to a file and run, from an empty directory, with a
+  timeout. The README's blocks start a fresh ``python`` or the real ``torchrun``; the docs
+  pages' blocks are forked from one process that has imported torch and fxtp
+  (``tests/_zygote.py``, with torchrun's environment and failure rule), which saves seconds of
+  CPU per rank. The first line says how:
 
   - ``# torchrun --nproc-per-node N FILE.py``: under torchrun (``python -m
     torch.distributed.run``, the console script's module), with ``--standalone`` added unless the
@@ -43,6 +46,7 @@ from pathlib import Path
 import pytest
 
 from _helpers import shell_calls
+from _zygote import Zygote
 from fxtp.explain.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -237,13 +241,55 @@ def _argv(block: Block, path: Path) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *args[:-1], str(path)]
 
 
-@pytest.mark.parametrize("block", _python_blocks(), ids=lambda b: b.where)
-def test_python_block_runs_as_a_file(block, tmp_path):
-    path = tmp_path / (_TORCHRUN.match(block.first_line)["args"].split()[-1] if _TORCHRUN.match(block.first_line) else "block.py")
-    path.write_text(block.body)
+def _block_env() -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too; the cores are shared
-    proc = subprocess.Popen(_argv(block, path), cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+    return env
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    """Forks the docs pages' blocks from one process that has imported torch and fxtp
+    (``tests/_zygote.py``: seconds of CPU saved per rank); the README's own blocks still start
+    fresh interpreters under the real ``torchrun``."""
+    z = Zygote(_block_env())
+    yield z
+    z.close()
+
+
+def _block_file(block: Block, tmp_path: Path) -> Path:
+    m = _TORCHRUN.match(block.first_line)
+    path = tmp_path / (m["args"].split()[-1] if m else "block.py")
+    path.write_text(block.body)
+    return path
+
+
+def _nproc(block: Block) -> int | None:
+    """``--nproc-per-node N`` of a ``# torchrun`` first line; ``None`` for ``python FILE.py``."""
+    m = _TORCHRUN.match(block.first_line)
+    if m is None:
+        return None
+    args = shlex.split(m["args"])
+    flags = [a for a in args if a.startswith("--nproc")]
+    assert len(flags) == 1 and not any(a.startswith(("--nnodes", "--rdzv", "--master")) for a in args), (
+        f"{block.where}: a page's torchrun line is `# torchrun --nproc-per-node N FILE.py`; got {block.first_line!r}")
+    value = flags[0].split("=", 1)[1] if "=" in flags[0] else args[args.index(flags[0]) + 1]
+    return int(value)
+
+
+@pytest.mark.parametrize("block", [b for b in _python_blocks() if b.page != "README.md"], ids=lambda b: b.where)
+def test_python_block_runs_as_a_file(block, tmp_path, zygote):
+    code, out = zygote.run(_block_file(block, tmp_path), cwd=tmp_path, env=_block_env(), nproc=_nproc(block),
+                           timeout_s=BLOCK_TIMEOUT_S)
+    assert code != -9, f"{block.where} ran over {BLOCK_TIMEOUT_S} s:\n{out[-4000:]}"
+    assert code == 0, f"{block.where} exited {code}:\n{out[-6000:]}"
+
+
+@pytest.mark.parametrize("block", [b for b in _python_blocks() if b.page == "README.md"], ids=lambda b: b.where)
+def test_readme_block_runs_under_torchrun(block, tmp_path):
+    """The README's blocks, as a new user pastes them: a fresh ``python`` or the real ``torchrun``."""
+    path = _block_file(block, tmp_path)
+    proc = subprocess.Popen(_argv(block, path), cwd=tmp_path, env=_block_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=BLOCK_TIMEOUT_S)

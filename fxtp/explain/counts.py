@@ -307,7 +307,7 @@ def other_parameters(program: ExportedProgram, plan: ShardingPlan, placements: d
                 "other-params",
                 "-",
                 "",
-                f"{vectors} other parameters (biases, norm weights, scales) outside the layer rows: "
+                f"{vectors} other parameter{'' if vectors == 1 else 's'} (biases, norm weights, scales) outside the layer rows: "
                 f"{fmt_bytes(vector_bytes)} in all, {fmt_bytes(vector_local)} per rank",
                 (),
             )
