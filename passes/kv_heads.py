@@ -126,8 +126,8 @@ def _fused_layout(layer: Node, pieces: Mapping[tuple[int, int], tuple[int, int]]
     out = shape_of(layer)[-1]
     units = {unit for unit, _ in pieces.values()}
     cuts = {0, out, *(b for piece in pieces for b in piece)}
-    for user in layer.users:
-        bounds = _last_dim_slice(user)
+    for user in [u for v in (layer, *_head_views(layer)) for u in v.users]:
+        bounds = _feature_slice(user, layer)
         if bounds is not None:
             cuts |= set(bounds)
     cuts = sorted(cuts)
@@ -138,23 +138,33 @@ def _fused_layout(layer: Node, pieces: Mapping[tuple[int, int], tuple[int, int]]
     return KvLayout(next(iter(units)), segments, groups)
 
 
-def _last_dim_slice(node: Node) -> Optional[tuple[int, int]]:
-    """``(start, end)`` of ``node`` when it is a unit-step ``slice`` or a ``narrow`` of its
-    input's last dim with static bounds (``x[..., a:b]``, ``x.narrow(-1, a, n)``), else ``None``."""
+def _head_views(layer: Node) -> list[Node]:
+    """The views of ``layer``'s output that split its last dim into ``(heads, E)`` (Falcon's
+    ``fused_qkv.view(B, T, H + 2, E)``)."""
+    out = shape_of(layer)
+    return [u for u in layer.users if u.op == "call_function" and u.target in (aten.view.default, aten.reshape.default)
+            and tuple(shape_of(u)[:-2]) == tuple(out[:-1]) and shape_of(u)[-2] * shape_of(u)[-1] == out[-1]]
+
+
+def _feature_slice(node: Node, layer: Node) -> Optional[tuple[int, int]]:
+    """``(start, end)`` in ``layer``'s output features of ``node`` when it is a unit-step
+    ``slice`` or a ``narrow`` with static bounds of that output's last dim (``x[..., a:b]``,
+    ``x.narrow(-1, a, n)``) or of the heads dim of one of its :func:`_head_views`, else ``None``."""
     if node.op != "call_function" or node.target not in (aten.slice.Tensor, aten.narrow.default) or not is_tensor_node(node.args[0]):
         return None
-    size = shape_of(node.args[0])
+    source, size = node.args[0], shape_of(node.args[0])
+    scale, want = (1, len(size) - 1) if source is layer else (size[-1], len(size) - 2)
     dim = node.args[1] if len(node.args) > 1 else 0
-    if not isinstance(dim, int) or dim % len(size) != len(size) - 1:
+    if source is not layer and source not in _head_views(layer) or not isinstance(dim, int) or dim % len(size) != want:
         return None
     if node.target is aten.narrow.default:
         start, length = node.args[2:4]
         if not (isinstance(start, int) and isinstance(length, int)):
             return None
-        start += size[-1] if start < 0 else 0
-        return start, start + length
-    bounds = slice_bounds(size[-1], *(list(node.args[2:]) + [None] * (3 - len(node.args[2:]))))
-    return None if bounds is None or bounds[2] != 1 else bounds[:2]
+        start += size[want] if start < 0 else 0
+        return start * scale, (start + length) * scale
+    bounds = slice_bounds(size[want], *(list(node.args[2:]) + [None] * (3 - len(node.args[2:]))))
+    return None if bounds is None or bounds[2] != 1 else (bounds[0] * scale, bounds[1] * scale)
 
 
 def _slice_of(value: Node, layer: Node) -> Optional[tuple[int, int]]:
@@ -164,9 +174,9 @@ def _slice_of(value: Node, layer: Node) -> Optional[tuple[int, int]]:
     seen, todo = {value}, [value]
     while todo:
         node = todo.pop()
-        if node.op == "call_function" and node.args and node.args[0] is layer:
-            bounds = _last_dim_slice(node)
-            found |= {bounds} if bounds is not None else set()
+        bounds = _feature_slice(node, layer)
+        if bounds is not None:
+            found.add(bounds)
             continue
         for a in node.all_input_nodes:
             if a not in seen and a is not layer:

@@ -79,7 +79,8 @@ def _tiny(kind: str):
     return transformers.Phi3ForCausalLM(cfg).eval(), (ids,)
 
 
-TINY = {"phi3": ("model.layers.0.self_attn.qkv_proj", 6, 3, 16)}
+# kind -> (fused layer, query heads, kv heads, head_dim)
+TINY = {"falcon": ("transformer.h.0.self_attention.query_key_value", 7, 1, 8), "phi3": ("model.layers.0.self_attn.qkv_proj", 6, 3, 16)}
 
 
 def _train_tiny() -> dict:
