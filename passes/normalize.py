@@ -30,8 +30,9 @@ the user's model):
 
 * Attention operands (NOTE: [attention operands] below): a traced ``repeat_kv`` of key and value
   becomes ``enable_gqa=True``, and so does a key and value of one head that the query's heads
-  broadcast over (multi-query attention as Falcon writes it: the same semantics); :func:`causal_attention` (run on the rank graph) lets an
-  attention with a causal boolean mask run ``is_causal=True``.
+  broadcast over (multi-query attention as Falcon writes it: the same semantics);
+  :func:`causal_attention` (run on the rank graph) lets an attention with a causal boolean mask
+  run ``is_causal=True``.
 
 NOTE: [meta models]
 A model built with its parameters on ``meta`` is captured with ``meta`` example inputs, so every
@@ -64,6 +65,10 @@ is the goal). fxtp rewrites the operands, exactly:
     becomes
       sdpa = aten.scaled_dot_product_attention.default(q, k, v, mask, scale=0.25, enable_gqa=True)
 
+* a key and a value of one head that SDPA broadcasts over the query's heads (Falcon's multi-query
+  attention, ``k`` of shape ``(B, 1, T, E)``, no ``enable_gqa``) get ``enable_gqa=True``: query
+  head ``h`` attends with kv head ``h // Hq = 0`` either way, and the rules then treat it as the
+  grouped-query attention it is (NOTE: [grouped shards] in ``fxtp/core/placement.py``);
 * a boolean mask: in the rank graph (:func:`causal_attention`, after the rewrite) each attention
   with a boolean mask and no dropout runs ``fxtp.core.local_ops.attention``, which calls
   ``is_causal=True`` without the mask when the mask is exactly the causal one (NOTE: [causal
@@ -200,12 +205,12 @@ def _noop_slice(node: Node) -> bool:
 
 
 def _constant_index(node: object, constants: Mapping[str, torch.Tensor]) -> Optional[int]:
-    """The one integer of a constant 1-element index tensor (through ``lift_fresh_copy``)."""
+    """The one integer of a constant 1-element index tensor (through ``lift_fresh_copy``/``detach_``)."""
     while isinstance(node, Node) and node.target in (aten.lift_fresh_copy.default, aten.detach_.default, aten.detach.default):
         node = node.args[0]
     value = constants.get(node.name) if isinstance(node, Node) and node.op == "placeholder" else None
-    if value is None or value.numel() != 1 or value.dim() != 1 or value.dtype not in (torch.int64, torch.int32):
-        return None
+    if value is None or value.is_meta or value.numel() != 1 or value.dim() != 1 or value.dtype not in (torch.int64, torch.int32):
+        return None  # a meta constant has no value (NOTE: [index lists on meta] in fxtp/capture/index_lists.py)
     return int(value.item())
 
 
@@ -241,7 +246,9 @@ def _broadcast_kv(node: Node) -> None:
     if node.kwargs.get("enable_gqa", False) or q is None or k is None or v is None or min(q.dim(), k.dim(), v.dim()) < 3:
         return
     hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
-    if isinstance(hq, int) and hq > 1 and hk == hv == 1 and q.dim() == k.dim() == v.dim():
+    same_batch = q.dim() == k.dim() == v.dim() and _same_shape(list(q.shape[:-3]), list(k.shape[:-3])) and _same_shape(
+        list(k.shape[:-3]), list(v.shape[:-3]))
+    if isinstance(hq, int) and hq > 1 and hk == hv == 1 and same_batch:
         node.kwargs = {**node.kwargs, "enable_gqa": True}
 
 

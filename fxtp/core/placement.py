@@ -38,6 +38,14 @@ reductions and gathers count owned units only. In backward each holder has the p
 gradient its own query heads give, so the gradient of a grouped parameter is summed over the
 holders (``fxtp.core.collectives.copy_to_holders``). A grouped shard is never ``divisible``:
 only rules that know overlapping units see one (``passes.registry.overlap_ok``).
+
+A fused projection mixes both kinds of segment: Phi-3-medium's ``qkv_proj`` (40 query heads and 10
+kv heads of 128) at world_size 8 is ``Shard(d, (5120, 1280, 1280), 128, (1, 4, 4))``, rank ``r``
+holding ``[Q_r | K_r | V_r]`` with 5 query heads and the 2 kv heads of K and of V they read;
+Falcon-7B's multi-query ``query_key_value`` (71 query heads, one kv head of 64) is
+``Shard(d, (4544, 64, 64), 64, (1, 71, 71))``: query heads 9/9/9/9/9/9/9/8 and the kv head on
+every rank. The query segment's front-loaded heads are the ones the groups count, so the two
+agree rank by rank.
 """
 
 from __future__ import annotations

@@ -36,7 +36,9 @@ aten = torch.ops.aten
 # ``x[..., a::s]`` (``a < s``, an interleaved gate/up) is local when every rank's blocks start and
 # end on multiples of ``s``: the piece holds ``1/s`` of every block. Bounds that cut a segment
 # raise a Conflict refining the segments at the cut (even when every piece divides world_size,
-# else uneven in units of 1: ``Conflict.unit``).
+# else uneven in units of 1: ``Conflict.unit``). Grouped segments (kv heads, NOTE: [grouped
+# shards]) are taken whole the same way, their groups kept on the piece and the rank's bounds
+# counting the kv heads it holds; a cut inside one is refused.
 
 
 def slice_bounds(size: int, start: Any, end: Any, step: Any) -> Optional[tuple[int, int, int]]:
