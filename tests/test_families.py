@@ -52,6 +52,19 @@ def test_every_family_keeps_one_eighth_at_megatrons_floor(measured):
         assert {k: n for k, n in forward.items() if n} == floor, (m.name, forward, floor)
 
 
+def test_falcon_sums_only_the_shared_kv_rows(measured):
+    """Falcon-7B's query_key_value holds 9 or 8 query heads and the one kv head on every rank;
+    backward, one all_reduce per attention sums the gradient of the K and V rows (2 x 64 x 4544
+    bf16) over the holders, not of the whole fused weight (4672 rows). Parallel attention: the
+    attention and the MLP read one norm, so one ``f`` per block, plus the head's."""
+    (falcon,) = [m for m in measured if m.name == "Falcon-7B"]
+    rows = {row.name: row for row in falcon.report.layers}
+    assert rows["transformer.h.0.self_attention.query_key_value"].local_weight_shape == ((9 + 2) * 64, 4544)
+    (stat,) = [c for c in falcon.report.collectives if c.phase == "backward" and c.kind == "all_reduce"]
+    activation = 16 * 4544 * 2  # (1, 16, 4544) bf16
+    assert (stat.count, stat.bytes) == (3 + 2, 3 * activation + 2 * (2 * 64 * 4544 * 2))
+
+
 def test_readme_memory_table_is_the_measurement(measured):
     """The README lists every family with the fraction measured above (regenerate it with
     ``python -m fxtp.explain.families``)."""

@@ -56,7 +56,7 @@ from typing import Optional, Union
 import torch
 
 __all__ = ["Replicate", "Shard", "Partial", "Placement", "shard_tensor", "local_ranges", "is_sharded", "REPLICATE",
-           "kv_unit_range", "owned_ranges", "owned_part"]
+           "kv_unit_range", "owned_ranges", "owned_part", "holder_layout"]
 
 
 @dataclass(frozen=True)
@@ -190,6 +190,21 @@ def owned_ranges(shard: Shard, rank: int, world_size: int) -> list[tuple[int, in
     segment; for a grouped one the units this rank is the first holder of (NOTE: [grouped
     shards]). Over the ranks they tile the dim exactly once. Starts are global."""
     return _ranges(shard, rank, world_size, owned=True)
+
+
+def holder_layout(shard: Shard, rank: int, world_size: int) -> tuple[tuple[tuple[int, int], ...], int]:
+    """The rows of a grouped parameter whose gradient its holders sum (NOTE: [grouped shards]):
+    per local range of rank ``rank`` ``(start, length)``, ``start`` counted among the grouped
+    segments' rows only (``-1`` for a plain segment's range: its rows have one holder), and the
+    grouped segments' total size. At Falcon-7B's ``(4544, 64, 64)`` with groups ``(1, 71, 71)``
+    rank 0 gets ``((-1, 576), (0, 64), (64, 64)), 128``."""
+    groups = shard.groups or (1,) * len(shard.segments)
+    ranges, offset, compact = [], 0, 0
+    for (start, length), seg, g in zip(local_ranges(shard, rank, world_size), shard.segments, groups):
+        ranges.append((compact + start - offset, length) if g > 1 else (-1, length))
+        compact += seg if g > 1 else 0
+        offset += seg
+    return tuple(ranges), compact
 
 
 def shard_tensor(full: torch.Tensor, placement: Placement, rank: int, world_size: int) -> torch.Tensor:
