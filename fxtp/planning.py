@@ -24,7 +24,12 @@ __all__ = ["normalized", "plan_program"]
 def normalized(program: torch.export.ExportedProgram) -> tuple[dict[str, str], dict[str, str]]:
     """Normalize the captured graph in place (fxtp's own copy); ``({placeholder: FQN} of the
     parameters and written state, the written state's)``."""
-    normalize(program.graph_module.graph)
+    constants = {
+        spec.arg.name: program.constants[spec.target]
+        for spec in program.graph_signature.input_specs
+        if spec.kind == InputKind.CONSTANT_TENSOR and spec.target in program.constants
+    }
+    normalize(program.graph_module.graph, constants)
     program.graph_module.recompile()
     param_fqns = {
         spec.arg.name: spec.target for spec in program.graph_signature.input_specs if spec.kind == InputKind.PARAMETER

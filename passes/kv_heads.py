@@ -67,24 +67,38 @@ from fxtp.core.placement import Placement, Shard
 from passes.sharding_plan import KvHeads, ShardingPlan
 from passes.propagate import EdgeAction
 from passes.registry import LocalSize, ShardStart, is_tensor_node, module_of, shape_of
+from passes.rules.indexing import slice_bounds
 
-__all__ = ["KvHeads", "keep_needed_kv_heads", "grouped_kv_layers", "kv_reads", "held_together"]
+__all__ = ["KvHeads", "KvLayout", "keep_needed_kv_heads", "grouped_kv_layers", "kv_reads", "held_together"]
 
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
 
 
-def grouped_kv_layers(graph: Graph, layers: Collection[Node], world_size: int) -> dict[str, tuple[int, int]]:
-    """``{layer: (unit, group)}`` for the layers among ``layers`` that compute the kv heads of a
-    grouped-query attention whose kv heads do not divide ``world_size``: their output is
-    ``Hkv`` heads of ``unit`` features, read by ``group`` query heads each (NOTE: [grouped
-    shards]). A layer is the one layer nearest the kv value ``(..., Hkv, S, E)`` the attention
-    repeats (:func:`kv_reads`), with ``Hkv * E`` outputs; kv heads that divide ``world_size`` are
-    sharded as they are, and fewer query heads than ranks leave a rank without any. Reads
-    ``node.meta["val"]``."""
+@dataclass(frozen=True)
+class KvLayout:
+    """A layer's output layout of kv heads (NOTE: [grouped shards]): its ``segments`` in heads of
+    ``unit`` features, ``groups[i]`` query heads reading each kv head of segment ``i`` (1: a
+    segment of query heads, or of anything else a fused projection holds)."""
+
+    unit: int
+    segments: tuple[int, ...]
+    groups: tuple[int, ...]
+
+
+def grouped_kv_layers(graph: Graph, layers: Collection[Node], world_size: int) -> dict[str, KvLayout]:
+    """``{layer: layout}`` for the layers among ``layers`` that compute the kv heads of a
+    grouped-query attention whose kv heads do not divide ``world_size`` (NOTE: [grouped shards]).
+
+    A layer is the one layer nearest the kv value ``(..., Hkv, S, E)`` the attention repeats
+    (:func:`kv_reads`): with ``Hkv * E`` outputs it is one grouped segment; a fused projection
+    (Phi-3's ``qkv_proj``) is taken apart by slices of its last dim, each kv value from one of
+    them, and gets one segment per slice, the kv ones grouped (:func:`_fused_layout`). kv heads
+    that divide ``world_size`` are sharded as they are, and fewer query heads than ranks leave a
+    rank without any. Reads ``node.meta["val"]``."""
     layer_set = frozenset(layers)
-    found: dict[str, tuple[int, int]] = {}
-    refused: set[str] = set()
+    found: dict[Node, dict[tuple[int, int], tuple[int, int]]] = {}
+    refused: set[Node] = set()
     for node in graph.nodes:
         for value, dim, group in kv_reads(node):
             shape = shape_of(value)
@@ -92,12 +106,83 @@ def grouped_kv_layers(graph: Graph, layers: Collection[Node], world_size: int) -
             if dim != len(shape) - 3 or heads % world_size == 0 or heads * group < world_size:
                 continue  # (..., Hkv, S, E) only; kv heads that divide are sharded as they are
             layer = _nearest_layer(value, layer_set)
-            if layer is None or shape_of(layer)[-1] != heads * shape[-1]:
-                continue  # the layer's output must be the Hkv heads of E (no fused projection)
+            if layer is None:
+                continue
+            out = shape_of(layer)[-1]
+            piece = (0, out) if out == heads * shape[-1] else _slice_of(value, layer)
+            if piece is None or piece[1] - piece[0] != heads * shape[-1]:
+                continue  # not the Hkv heads of E, whole or one slice of a fused output
             hint = (shape[-1], group)
-            if found.setdefault(layer.name, hint) != hint:
-                refused.add(layer.name)  # read as kv heads in two ways: no one layout
-    return {name: hint for name, hint in found.items() if name not in refused}
+            if found.setdefault(layer, {}).setdefault(piece, hint) != hint:
+                refused.add(layer)  # read as kv heads in two ways: no one layout
+    layouts = {layer: _fused_layout(layer, pieces) for layer, pieces in found.items() if layer not in refused}
+    return {layer.name: layout for layer, layout in layouts.items() if layout is not None}
+
+
+def _fused_layout(layer: Node, pieces: Mapping[tuple[int, int], tuple[int, int]]) -> Optional[KvLayout]:
+    """The layout of ``layer``'s output whose kv ``pieces`` (``(start, end)`` -> ``(unit, group)``)
+    are grouped: one segment per slice of the output (every slice of the last dim cuts it), the
+    rest plain; ``None`` where the kv pieces disagree on the unit or a segment is no whole units."""
+    out = shape_of(layer)[-1]
+    units = {unit for unit, _ in pieces.values()}
+    cuts = {0, out, *(b for piece in pieces for b in piece)}
+    for user in [u for v in (layer, *_head_views(layer)) for u in v.users]:
+        bounds = _feature_slice(user, layer)
+        if bounds is not None:
+            cuts |= set(bounds)
+    cuts = sorted(cuts)
+    segments = tuple(b - a for a, b in zip(cuts, cuts[1:]))
+    if len(units) != 1 or any(s % next(iter(units)) for s in segments):
+        return None
+    groups = tuple(pieces.get((a, b), (0, 1))[1] for a, b in zip(cuts, cuts[1:]))
+    return KvLayout(next(iter(units)), segments, groups)
+
+
+def _head_views(layer: Node) -> list[Node]:
+    """The views of ``layer``'s output that split its last dim into ``(heads, E)`` (Falcon's
+    ``fused_qkv.view(B, T, H + 2, E)``)."""
+    out = shape_of(layer)
+    return [u for u in layer.users if u.op == "call_function" and u.target in (aten.view.default, aten.reshape.default)
+            and tuple(shape_of(u)[:-2]) == tuple(out[:-1]) and shape_of(u)[-2] * shape_of(u)[-1] == out[-1]]
+
+
+def _feature_slice(node: Node, layer: Node) -> Optional[tuple[int, int]]:
+    """``(start, end)`` in ``layer``'s output features of ``node`` when it is a unit-step
+    ``slice`` or a ``narrow`` with static bounds of that output's last dim (``x[..., a:b]``,
+    ``x.narrow(-1, a, n)``) or of the heads dim of one of its :func:`_head_views`, else ``None``."""
+    if node.op != "call_function" or node.target not in (aten.slice.Tensor, aten.narrow.default) or not is_tensor_node(node.args[0]):
+        return None
+    source, size = node.args[0], shape_of(node.args[0])
+    scale, want = (1, len(size) - 1) if source is layer else (size[-1], len(size) - 2)
+    dim = node.args[1] if len(node.args) > 1 else 0
+    if source is not layer and source not in _head_views(layer) or not isinstance(dim, int) or dim % len(size) != want:
+        return None
+    if node.target is aten.narrow.default:
+        start, length = node.args[2:4]
+        if not (isinstance(start, int) and isinstance(length, int)):
+            return None
+        start += size[want] if start < 0 else 0
+        return start * scale, (start + length) * scale
+    bounds = slice_bounds(size[want], *(list(node.args[2:]) + [None] * (3 - len(node.args[2:]))))
+    return None if bounds is None or bounds[2] != 1 else (bounds[0] * scale, bounds[1] * scale)
+
+
+def _slice_of(value: Node, layer: Node) -> Optional[tuple[int, int]]:
+    """The bounds of the one slice of ``layer``'s last dim among ``value``'s ancestors (up to
+    ``layer``), or ``None`` where there is none or several."""
+    found: set[tuple[int, int]] = set()
+    seen, todo = {value}, [value]
+    while todo:
+        node = todo.pop()
+        bounds = _feature_slice(node, layer)
+        if bounds is not None:
+            found.add(bounds)
+            continue
+        for a in node.all_input_nodes:
+            if a not in seen and a is not layer:
+                seen.add(a)
+                todo.append(a)
+    return next(iter(found)) if len(found) == 1 else None
 
 
 def held_together(params: Mapping[str, Placement], owners: Mapping[str, Collection[str]], nodes: Mapping[str, Node]) -> tuple[tuple[str, ...], ...]:

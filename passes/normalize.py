@@ -19,9 +19,20 @@ the user's model):
               arange = aten.arange.start(0, 16, device=device, pin_memory=False)
               to_3 = aten.to.device(b_rotary_emb_inv_freq, device, torch.float32)
 
+* An ``index`` of one dim by a constant of one integer (Falcon's ``fused_qkv[..., [-2], :]``)
+  becomes the ``slice`` of that one element, which keeps the dim as ``index`` does: the same
+  values and gradient, and a form the rules read (NOTE: [slices of segments])::
+
+      lift_fresh_copy = aten.lift_fresh_copy.default(c_lifted_tensor_0)   # tensor([-2])
+      index = aten.index.Tensor(view, [None, None, lift_fresh_copy])       # view: (B, T, 73, 64)
+    becomes
+      index = aten.slice.Tensor(view, 2, 71, 72)
+
 * Attention operands (NOTE: [attention operands] below): a traced ``repeat_kv`` of key and value
-  becomes ``enable_gqa=True``; :func:`causal_attention` (run on the rank graph) lets an
-  attention with a causal boolean mask run ``is_causal=True``.
+  becomes ``enable_gqa=True``, and so does a key and value of one head that the query's heads
+  broadcast over (multi-query attention as Falcon writes it: the same semantics);
+  :func:`causal_attention` (run on the rank graph) lets an attention with a causal boolean mask
+  run ``is_causal=True``.
 
 NOTE: [meta models]
 A model built with its parameters on ``meta`` is captured with ``meta`` example inputs, so every
@@ -54,6 +65,10 @@ is the goal). fxtp rewrites the operands, exactly:
     becomes
       sdpa = aten.scaled_dot_product_attention.default(q, k, v, mask, scale=0.25, enable_gqa=True)
 
+* a key and a value of one head that SDPA broadcasts over the query's heads (Falcon's multi-query
+  attention, ``k`` of shape ``(B, 1, T, E)``, no ``enable_gqa``) get ``enable_gqa=True``: query
+  head ``h`` attends with kv head ``h // Hq = 0`` either way, and the rules then treat it as the
+  grouped-query attention it is (NOTE: [grouped shards] in ``fxtp/core/placement.py``);
 * a boolean mask: in the rank graph (:func:`causal_attention`, after the rewrite) each attention
   with a boolean mask and no dropout runs ``fxtp.core.local_ops.attention``, which calls
   ``is_causal=True`` without the mask when the mask is exactly the causal one (NOTE: [causal
@@ -69,7 +84,7 @@ Reads ``node.meta["val"]``; :func:`normalize` edits the captured graph (fxtp's c
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch.fx import Graph, Node
@@ -84,8 +99,9 @@ aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
 
 
-def normalize(graph: Graph) -> Graph:
-    """Normalize ``graph`` in place (see the module docstring) and return it."""
+def normalize(graph: Graph, constants: Optional[Mapping[str, torch.Tensor]] = None) -> Graph:
+    """Normalize ``graph`` in place (see the module docstring) and return it. ``constants``: the
+    values of the program's constant tensors, by placeholder name."""
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is aten._assert_tensor_metadata.default:
             graph.erase_node(node)
@@ -102,9 +118,13 @@ def normalize(graph: Graph) -> Graph:
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is aten.histc.default:
             _count_as_float(graph, node)
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is aten.index.Tensor:
+            _index_as_slice(graph, node, constants or {})
     for node in list(graph.nodes):  # NOTE: [attention operands]
         if node.op == "call_function" and node.target is _SDPA:
             _unrepeat_kv(graph, node)
+            _broadcast_kv(node)
     graph.lint()
     return graph
 
@@ -182,6 +202,54 @@ def _noop_slice(node: Node) -> bool:
     val, src = _val(node), _val(node.args[0])
     return val is not None and src is not None and _same_shape(list(val.shape), list(src.shape)) and (
         len(node.args) < 5 or node.args[4] == 1)
+
+
+def _constant_index(node: object, constants: Mapping[str, torch.Tensor]) -> Optional[int]:
+    """The one integer of a constant 1-element index tensor (through ``lift_fresh_copy``/``detach_``)."""
+    while isinstance(node, Node) and node.target in (aten.lift_fresh_copy.default, aten.detach_.default, aten.detach.default):
+        node = node.args[0]
+    value = constants.get(node.name) if isinstance(node, Node) and node.op == "placeholder" else None
+    if value is None or value.is_meta or value.numel() != 1 or value.dim() != 1 or value.dtype not in (torch.int64, torch.int32):
+        return None  # a meta constant has no value (NOTE: [index lists on meta] in fxtp/capture/index_lists.py)
+    return int(value.item())
+
+
+def _index_as_slice(graph: Graph, node: Node, constants: Mapping[str, torch.Tensor]) -> None:
+    """``x[..., [i], ...]`` (one dim indexed by a constant of one integer) -> ``x[..., i:i + 1, ...]``."""
+    x, indices = node.args[:2]
+    src = _val(x)
+    dims = [d for d, i in enumerate(indices) if i is not None]
+    if src is None or len(dims) != 1:
+        return
+    (d,) = dims
+    i, size = _constant_index(indices[d], constants), src.shape[d]
+    if i is None or not isinstance(size, int) or not -size <= i < size:
+        return
+    if any(isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable for u in node.users):
+        return  # a write into the copy must not reach x through a view
+    i %= size
+    with graph.inserting_before(node):
+        piece = graph.call_function(aten.slice.Tensor, (x, d, i, i + 1))
+    piece.meta = dict(node.meta)
+    node.replace_all_uses_with(piece)
+    graph.erase_node(node)
+    lifted = indices[d]
+    while isinstance(lifted, Node) and lifted.op == "call_function" and not lifted.users:  # detach_, lift_fresh_copy
+        source = lifted.args[0]
+        graph.erase_node(lifted)
+        lifted = source
+
+
+def _broadcast_kv(node: Node) -> None:
+    """A key and value of one head broadcast over the query's heads: ``enable_gqa=True``."""
+    q, k, v = (_val(a) for a in node.args[:3])
+    if node.kwargs.get("enable_gqa", False) or q is None or k is None or v is None or min(q.dim(), k.dim(), v.dim()) < 3:
+        return
+    hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+    same_batch = q.dim() == k.dim() == v.dim() and _same_shape(list(q.shape[:-3]), list(k.shape[:-3])) and _same_shape(
+        list(k.shape[:-3]), list(v.shape[:-3]))
+    if isinstance(hq, int) and hq > 1 and hk == hv == 1 and same_batch:
+        node.kwargs = {**node.kwargs, "enable_gqa": True}
 
 
 def _unrepeat_kv(graph: Graph, node: Node) -> None:

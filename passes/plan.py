@@ -88,9 +88,11 @@ def plan_sharding(
     keep_small_embeddings(layers, state, param_names)
     keep_renormed_tables(graph, layers, state, param_names)
     if world_size > 1:  # NOTE: [grouped shards]: the k/v projections hold the kv heads their ranks read
-        for name, (unit, group) in grouped_kv_layers(graph, layers, world_size).items():
+        for name, layout in grouped_kv_layers(graph, layers, world_size).items():
             if state.forced.get(name) in (None, "colwise") and name not in state.demoted:
-                state.units[name], state.groups[name] = unit, group
+                state.units[name], state.groups[name] = layout.unit, layout.groups
+                if len(layout.segments) > 1:  # a fused projection: its kv segments grouped, the others plain
+                    state.segments[name] = layout.segments
     terminal = _terminal_layers(graph, layers)
     max_rounds = (MAX_SEGMENTS + 5) * len(layers) + 8
     max_rounds *= 1 + sum(n.target is aten.embedding.default for n in layers)  # a trial by columns may replan

@@ -92,7 +92,7 @@ class PlannerState:
     forced: dict[str, str] = field(default_factory=dict)
     segments: dict[str, tuple[int, ...]] = field(default_factory=dict)
     units: dict[str, int] = field(default_factory=dict)  # split granularity of a layer's output, NOTE: [uneven shards]
-    groups: dict[str, int] = field(default_factory=dict)  # kv heads a layer's output holds, NOTE: [grouped shards]
+    groups: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per output segment, its kv group, NOTE: [grouped shards]
     unit_hints: dict[str, tuple[Optional[tuple[int, ...]], int]] = field(default_factory=dict)  # (segments, unit) a view asked for
     params: dict[str, Placement] = field(default_factory=dict)
     param_owners: dict[str, frozenset[str]] = field(default_factory=dict)
@@ -216,7 +216,7 @@ def propagate(graph: Graph, state: PlannerState, world_size: int, param_names: f
     def layer_state(node: Node) -> LayerState:
         return LayerState(
             state.demoted.get(node.name), state.forced.get(node.name), state.segments.get(node.name), node.name in state.slice_input,
-            state.whole_input.get(node.name), state.units.get(node.name, 1), state.groups.get(node.name, 1),
+            state.whole_input.get(node.name), state.units.get(node.name, 1), state.groups.get(node.name, ()),
             node.name in state.columns,
         )
 

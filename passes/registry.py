@@ -244,7 +244,8 @@ class LayerState:
     slice_input: bool = False  # rowwise on a replicated input sliced locally, NOTE: [rowwise fallback]
     whole_input: Optional[LayerNote] = None  # why its input must arrive replicated, NOTE: [tied uses]
     unit: int = 1  # split granularity of its output (whole heads), NOTE: [uneven shards]
-    group: int = 1  # its output holds kv heads read in groups of this many query heads, NOTE: [grouped shards]
+    # per output segment: the query heads that read each of its kv heads (1: no kv heads), NOTE: [grouped shards]
+    groups: tuple[int, ...] = ()
     columns: bool = False  # a table sharded by columns, NOTE: [column-sharded embedding]
 
 

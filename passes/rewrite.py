@@ -36,7 +36,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
 from fxtp.core import collectives, rng
-from fxtp.core.placement import Shard, local_ranges
+from fxtp.core.placement import Shard, holder_layout, local_ranges
 from passes.moe.parallel import dispatch_experts
 from passes.plan import ShardingPlan
 from passes.propagate import EdgeAction
@@ -139,7 +139,7 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
         held = [nodes[n] for n in names if getattr(nodes[n].meta.get("val"), "requires_grad", False)]
         if held:
             shards = [plan.params[old_name[p]] for p in held]
-            layout = tuple((s.dim, tuple(local_ranges(s, rank, ws)), s.size) for s in shards)
+            layout = tuple((s.dim, *holder_layout(s, rank, ws)) for s in shards)
             with graph.inserting_after(anchor):
                 summed = anchor = graph.call_function(collectives.copy_to_holders, (held, layout, group_name))
             for i, (p, shard) in enumerate(zip(held, shards)):

@@ -180,11 +180,9 @@ def _meta_report(family: str, config: dict) -> tuple[fxtp.Report, dict, dict[str
 
 def test_published_phi3_and_falcon_configs_at_world_size_8_on_meta():
     """Phi-3-mini: every projection sharded, 12.50% of the bytes per rank (40.2% before), 2
-    forward all_reduce per block. Phi-3-medium: its Q | K | V slices are local, but 10 kv heads
-    do not divide 8 (uneven GQA: the gqa branch, passes/kv_heads.py), so its attention stays
-    replicated and the MLP and vocabulary shard. Falcon-7B's multi-query kv head would have to be
-    held whole by every rank inside the fused query_key_value: replicated, with a fix naming the
-    code change."""
+    forward all_reduce per block. Phi-3-medium (10 kv heads at 8) and Falcon-7B (one kv head):
+    the fused projection's kv segments hold the kv heads each rank's query heads read (NOTE:
+    [grouped shards]); tests/test_families.py checks their bytes and counts."""
     report, d, rows = _meta_report("phi3", PHI3_MINI)
     assert d["param_bytes"]["per_rank"] <= (1 / 8 + 0.03) * d["param_bytes"]["total"]
     assert d["param_bytes"]["per_rank"] / d["param_bytes"]["total"] < 0.1251
@@ -196,12 +194,11 @@ def test_published_phi3_and_falcon_configs_at_world_size_8_on_meta():
     assert {k: n for k, n in forward.items() if n} == megatron_floor(d, 2)[0]  # 2 per block, the lookup, the logits
 
     _, d, rows = _meta_report("phi3", PHI3_MEDIUM)
-    qkv = rows["model.layers.0.self_attn.qkv_proj"]
-    assert qkv["style"] == "replicate" and "10" in qkv["reason"]  # the 10 kv heads, not the slices
-    assert rows["model.layers.0.mlp.gate_up_proj"]["style"] == "colwise"
-    assert d["param_bytes"]["per_rank"] <= 0.25 * d["param_bytes"]["total"]
+    qkv = rows["model.layers.0.self_attn.qkv_proj"]  # rank 0: 5 query heads of 128, kv heads 0 and 1 of K and of V
+    assert qkv["style"] == "colwise" and qkv["local_weight_shape"] == [(5 + 2 + 2) * 128, 5120]
+    assert "kv heads (of segments 1, 2) [0:2] [1:3] [2:4] [3:5] [5:7] [6:8] [7:9] [8:10] per rank" in qkv["reason"]
 
     _, d, rows = _meta_report("falcon", FALCON_7B)
-    qkv = rows["transformer.h.0.self_attention.query_key_value"]
-    assert qkv["style"] == "replicate" and qkv["fix"]
-    assert rows["transformer.h.0.mlp.dense_h_to_4h"]["style"] == "colwise"
+    qkv = rows["transformer.h.0.self_attention.query_key_value"]  # rank 0: 9 of the 71 query heads of 64, the kv head
+    assert qkv["style"] == "colwise" and qkv["local_weight_shape"] == [(9 + 1 + 1) * 64, 4544]
+    assert rows["transformer.h.0.self_attention.dense"]["style"] == "rowwise"

@@ -16,6 +16,7 @@ from _rule_graphs import (
 )
 from torch import nn
 
+from fxtp.core import local_ops
 from fxtp.core.placement import Replicate
 
 aten = torch.ops.aten
@@ -276,11 +277,14 @@ class MQABroadcast(nn.Module):
 
 
 def test_sdpa_broadcast_kv_head_is_used_whole():
+    """A kv head broadcast by SDPA is multi-query attention (``enable_gqa``, passes/normalize.py):
+    every rank holds the one kv head, its gradient summed over the holders (NOTE: [grouped shards])."""
     placements, plan, report, layers = analyze(MQABroadcast(), torch.randn(2, 4, 64), ws=2)
     assert placements["scaled_dot_product_attention"] == S(1, 4)
     assert layers["q"].style == "colwise" and layers["o"].style == "rowwise"
-    assert layers["k"].style == "replicate"
-    assert plan.edges[("scaled_dot_product_attention", "transpose_1")].kind == "enter"  # whole, f for its gradient
+    assert layers["k"].style == layers["v"].style == "colwise" and "kv heads [0:1] [0:1] per rank" in layers["k"].reason
+    assert plan.local_targets["scaled_dot_product_attention"] is local_ops.grouped_query_attention_local_kv
+    assert plan.holders == (("p_k_weight", "p_k_bias", "p_v_weight", "p_v_bias"),)
 
 
 class SqueezeHeads(nn.Module):

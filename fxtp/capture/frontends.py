@@ -40,6 +40,7 @@ from torch.export import Dim, ShapesCollection
 from torch.export.graph_signature import InputKind
 from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
 
+from fxtp.capture.index_lists import cpu_index_lists
 from fxtp.capture.regions import recording_checkpoints
 from fxtp.core.errors import FxtpCaptureError, FxtpInputError
 
@@ -100,7 +101,9 @@ def _fx(model: nn.Module, args: tuple, kwargs: dict, shapes: Any) -> tuple[torch
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, shapes: Any) -> tuple[torch.export.ExportedProgram, list[str]]:
-    return _export_with(model, args, kwargs, shapes, strict=False)
+    on_meta = any(p.is_meta for p in model.parameters())
+    with cpu_index_lists() if on_meta else contextlib.nullcontext():  # NOTE: [index lists on meta]
+        return _export_with(model, args, kwargs, shapes, strict=False)
 
 
 def _dynamo(model: nn.Module, args: tuple, kwargs: dict, shapes: Any) -> tuple[torch.export.ExportedProgram, list[str]]:

@@ -189,21 +189,26 @@ class _CopyToHolders(Function):
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
+        grads = tuple(torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+                      for g, (shape, dtype, device) in zip(grads, ctx.meta))
         fulls = []
-        for grad, (shape, dtype, device), (dim, ranges, size) in zip(grads, ctx.meta, ctx.layout):
-            full = torch.zeros((*shape[:dim], size, *shape[dim + 1:]), dtype=dtype, device=device)
+        for grad, (dim, ranges, size) in zip(grads, ctx.layout):
+            full = grad.new_zeros((*grad.shape[:dim], size, *grad.shape[dim + 1:]))
             pos = 0
             for start, length in ranges:
-                if grad is not None:
+                if start >= 0:
                     full.narrow(dim, start, length).copy_(grad.narrow(dim, pos, length))
                 pos += length
             fulls.append(full)
         flat = all_reduce(torch.cat([f.reshape(-1).to(fulls[0].dtype) for f in fulls]), ctx.group_name)
         out, offset = [], 0
-        for full, (dim, ranges, _) in zip(fulls, ctx.layout):
+        for grad, full, (dim, ranges, _) in zip(grads, fulls, ctx.layout):
             summed = flat[offset:offset + full.numel()].view(full.shape).to(full.dtype)
             offset += full.numel()
-            pieces = [summed.narrow(dim, start, length) for start, length in ranges]
+            pieces, pos = [], 0
+            for start, length in ranges:  # a range of a plain segment (start -1) is this rank's alone
+                pieces.append(summed.narrow(dim, start, length) if start >= 0 else grad.narrow(dim, pos, length))
+                pos += length
             out.append(torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0].contiguous())
         return (None, None, *out)
 
@@ -292,16 +297,19 @@ def copy_to_holders(
     ranks that hold it. Each rank holds in its gradient the part its own query heads give.
 
     The sum is one all_reduce over the whole tensor-parallel group, for all of ``tensors`` (an
-    attention's k and v projections), of zero tensors of their global sizes into which each rank
-    puts its rows (a rank that does not hold a unit adds zeros): exact, no sub-groups to create
+    attention's k and v projections), of zero tensors of their grouped segments' global sizes into
+    which each rank puts its rows (a rank that does not hold a unit adds zeros; the query rows of
+    a fused projection are one rank's alone and stay out of it): exact, no sub-groups to create
     (they would need every rank of the job), and the parameters' global bytes once per backward
     (the holders' sub-group reductions would move about as much when, as here, the kv heads are
     shared by most ranks or each by a few ranks of a ring).
 
     Args:
         tensors: this rank's rows of each parameter (its ``local_ranges``, concatenated).
-        layout: per tensor ``(dim, ranges, size)``: the grouped dim, the ``(start, length)`` of
-            each of its local ranges in the global parameter, and the global size of ``dim``.
+        layout: per tensor ``(dim, ranges, size)``: the grouped dim, per local range in order
+            ``(start, length)``, ``start`` its offset among the grouped segments' rows (``-1``:
+            a plain segment's rows, not summed), and the grouped segments' global size on ``dim``
+            (:func:`fxtp.core.placement.holder_layout`).
         group_name: the tensor-parallel process group.
 
     Returns:

@@ -38,6 +38,14 @@ reductions and gathers count owned units only. In backward each holder has the p
 gradient its own query heads give, so the gradient of a grouped parameter is summed over the
 holders (``fxtp.core.collectives.copy_to_holders``). A grouped shard is never ``divisible``:
 only rules that know overlapping units see one (``passes.registry.overlap_ok``).
+
+A fused projection mixes both kinds of segment: Phi-3-medium's ``qkv_proj`` (40 query heads and 10
+kv heads of 128) at world_size 8 is ``Shard(d, (5120, 1280, 1280), 128, (1, 4, 4))``, rank ``r``
+holding ``[Q_r | K_r | V_r]`` with 5 query heads and the 2 kv heads of K and of V they read;
+Falcon-7B's multi-query ``query_key_value`` (71 query heads, one kv head of 64) is
+``Shard(d, (4544, 64, 64), 64, (1, 71, 71))``: query heads 9/9/9/9/9/9/9/8 and the kv head on
+every rank. The query segment's front-loaded heads are the ones the groups count, so the two
+agree rank by rank.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ from typing import Optional, Union
 import torch
 
 __all__ = ["Replicate", "Shard", "Partial", "Placement", "shard_tensor", "local_ranges", "is_sharded", "REPLICATE",
-           "kv_unit_range", "owned_ranges", "owned_part"]
+           "kv_unit_range", "owned_ranges", "owned_part", "holder_layout"]
 
 
 @dataclass(frozen=True)
@@ -182,6 +190,21 @@ def owned_ranges(shard: Shard, rank: int, world_size: int) -> list[tuple[int, in
     segment; for a grouped one the units this rank is the first holder of (NOTE: [grouped
     shards]). Over the ranks they tile the dim exactly once. Starts are global."""
     return _ranges(shard, rank, world_size, owned=True)
+
+
+def holder_layout(shard: Shard, rank: int, world_size: int) -> tuple[tuple[tuple[int, int], ...], int]:
+    """The rows of a grouped parameter whose gradient its holders sum (NOTE: [grouped shards]):
+    per local range of rank ``rank`` ``(start, length)``, ``start`` counted among the grouped
+    segments' rows only (``-1`` for a plain segment's range: its rows have one holder), and the
+    grouped segments' total size. At Falcon-7B's ``(4544, 64, 64)`` with groups ``(1, 71, 71)``
+    rank 0 gets ``((-1, 576), (0, 64), (64, 64)), 128``."""
+    groups = shard.groups or (1,) * len(shard.segments)
+    ranges, offset, compact = [], 0, 0
+    for (start, length), seg, g in zip(local_ranges(shard, rank, world_size), shard.segments, groups):
+        ranges.append((compact + start - offset, length) if g > 1 else (-1, length))
+        compact += seg if g > 1 else 0
+        offset += seg
+    return tuple(ranges), compact
 
 
 def shard_tensor(full: torch.Tensor, placement: Placement, rank: int, world_size: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from fxtp.core import local_ops, losses, norms  # noqa: F401 (the last two register their ops' collectives)
-from fxtp.core.placement import Partial, Placement, Shard, is_sharded
+from fxtp.core.placement import Partial, Placement, Shard, holder_layout, is_sharded
 from fxtp.core.rng import is_random, sharded_call
 from passes.plan import LayerDecision, ShardingPlan, module_of
 from passes.propagate import param_root
@@ -118,9 +118,14 @@ def collectives(program: ExportedProgram, plan: ShardingPlan, nodes: dict[str, A
     scattered_back = {p for p, summed in sp_gathered if summed and p in needs_grad}
     sliced_in = {p for (_, p), a in plan.edges.items() if a.kind == "sp_scatter" and a.enter and p in needs_grad}
     regathered = regathered_values(program, plan, nodes)
-    # NOTE: [grouped shards]: copy_to_holders all_reduces a grouped parameter's gradient at its global size
+    # NOTE: [grouped shards]: copy_to_holders all_reduces the gradient of a grouped parameter's grouped segments
     held = [[p for p in names if p in needs_grad] for names in plan.holders]
     held = [names for names in held if names]
+
+    def held_bytes(names) -> int:
+        return sum(nbytes_of(nodes[n].meta["val"]) * holder_layout(plan.params[n], 0, plan.world_size)[1] // plan.params[n].size
+                   for n in names)
+
     # Emitted ops that all_reduce themselves: a vocab-parallel loss, a norm over a sharded dim.
     inside = [
         (plan.local_args.get(name, ()), local_ops.EMITTED_COLLECTIVES[target])
@@ -138,7 +143,7 @@ def collectives(program: ExportedProgram, plan: ShardingPlan, nodes: dict[str, A
         CollectiveStat("forward", "all_gather", len(tp_gathered) + len(sp_gathered), nbytes(tp_gathered) + nbytes(p for p, _ in sp_gathered)),
         CollectiveStat(
             "backward", "all_reduce", len(entered) + len(entered_gathered) + len(held) + back_count,
-            nbytes(entered) + nbytes(entered_gathered) + sum(nbytes(names) for names in held) + back_bytes,
+            nbytes(entered) + nbytes(entered_gathered) + sum(held_bytes(names) for names in held) + back_bytes,
         ),
         CollectiveStat("forward", "reduce_scatter", len(reduce_scattered), nbytes(reduce_scattered)),
         CollectiveStat(

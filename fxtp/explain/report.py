@@ -56,6 +56,7 @@ class Report:
         rounds: int,
         regions: tuple[tuple[str, ...], ...] = (),
         uneven: bool = False,
+        parameter_bytes: dict[str, tuple[int, ...]] | None = None,
     ) -> None:
         self.world_size = world_size
         self.rank = rank
@@ -69,6 +70,8 @@ class Report:
         self.rounds = rounds
         self.regions = regions
         self.uneven = uneven  # some parameter is sharded unevenly: per-rank bytes differ between ranks
+        # parameter FQN -> its bytes on each rank (a tied parameter once, by its first FQN)
+        self.parameter_bytes: dict[str, tuple[int, ...]] = dict(parameter_bytes or {})
         self.timings: dict[str, float] = {}  # capture_s, passes_s (normalize, plan, report), rewrite_s, modes_s
         self.inputs: tuple[InputSpec, ...] = ()  # the user inputs and their dims (fxtp.capture.shapes)
         self.shape_notes: tuple[str, ...] = ()  # dims specialized by fxtp or a fallback, and why
@@ -91,6 +94,12 @@ class Report:
         """Layers left replicated with a rejection code."""
         return [layer for layer in self.layers if layer.code is not None]
 
+    @property
+    def param_bytes_by_rank(self) -> tuple[int, ...]:
+        """Parameter bytes on each rank, rank 0 first (uneven shards: the first ranks hold more,
+        and with grouped kv heads a later rank may hold the most, NOTE: [grouped shards])."""
+        return tuple(sum(per_rank) for per_rank in zip(*self.parameter_bytes.values())) or (0,) * self.world_size
+
     def count(self, phase: str, kind: str) -> int:
         """Number of collectives of ``kind`` in ``phase`` ("forward"/"backward")."""
         return sum(c.count for c in self.collectives if c.phase == phase and c.kind == kind)
@@ -103,7 +112,7 @@ class Report:
             "layers": [dataclasses.asdict(layer) | {"weight_shape": list(layer.weight_shape), "local_weight_shape": list(layer.local_weight_shape)} for layer in self.layers],
             "notes": [dataclasses.asdict(n) | {"layers": list(n.layers)} for n in self.notes],
             "collectives": [dataclasses.asdict(c) for c in self.collectives],
-            "param_bytes": {"total": self.param_bytes, "per_rank": self.param_bytes_per_rank},
+            "param_bytes": {"total": self.param_bytes, "per_rank": self.param_bytes_per_rank, "by_rank": list(self.param_bytes_by_rank)},
             "planning_rounds": self.rounds,
             "regions": [list(r) for r in self.regions],
             "timings": dict(self.timings),
@@ -248,12 +257,15 @@ def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, at
     needs_grad = grad_inputs(program)
     stats = collectives(program, plan, nodes, needs_grad)
     placements = parameter_placements(program, plan)
-    tensors = {id(program.state_dict[fqn]): (program.state_dict[fqn], p) for fqn, p in placements.items()}
-    total = per_rank = 0
-    for tensor, placement in tensors.values():
-        nbytes = nbytes_of(tensor)
-        total += nbytes
-        per_rank += local_bytes(nbytes, placement, rank, plan.world_size)
+    tensors: dict[int, tuple[str, torch.Tensor, Placement]] = {}
+    for fqn, p in placements.items():
+        tensors.setdefault(id(program.state_dict[fqn]), (fqn, program.state_dict[fqn], p))
+    by_parameter = {
+        fqn: tuple(local_bytes(nbytes_of(tensor), placement, r, plan.world_size) for r in range(plan.world_size))
+        for fqn, tensor, placement in tensors.values()
+    }
+    total = sum(nbytes_of(tensor) for _, tensor, _ in tensors.values())
+    per_rank = sum(per_rank_bytes[rank] for per_rank_bytes in by_parameter.values())
     param_names = {s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.PARAMETER}
     report = Report(
         world_size=plan.world_size,
@@ -267,7 +279,8 @@ def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, at
         param_bytes_per_rank=per_rank,
         rounds=plan.rounds,
         regions=regions(program, plan),
-        uneven=any(isinstance(p, Shard) and not p.divisible(plan.world_size) for _, p in tensors.values()),
+        uneven=any(isinstance(p, Shard) and not p.divisible(plan.world_size) for _, _, p in tensors.values()),
+        parameter_bytes=by_parameter,
     )
     report.sequence_parallel = bool(plan.scatters)
     report.layer_comms = sequence_comms(program, plan)

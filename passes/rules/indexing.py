@@ -36,7 +36,9 @@ aten = torch.ops.aten
 # ``x[..., a::s]`` (``a < s``, an interleaved gate/up) is local when every rank's blocks start and
 # end on multiples of ``s``: the piece holds ``1/s`` of every block. Bounds that cut a segment
 # raise a Conflict refining the segments at the cut (even when every piece divides world_size,
-# else uneven in units of 1: ``Conflict.unit``).
+# else uneven in units of 1: ``Conflict.unit``). Grouped segments (kv heads, NOTE: [grouped
+# shards]) are taken whole the same way, their groups kept on the piece and the rank's bounds
+# counting the kv heads it holds; a cut inside one is refused.
 
 
 def slice_bounds(size: int, start: Any, end: Any, step: Any) -> Optional[tuple[int, int, int]]:
@@ -63,7 +65,12 @@ def _prefix_size(shard: Shard, count: int, ws: int) -> Any:
     """The rank's local size of the first ``count`` segments of ``shard``."""
     if count == 0:
         return 0
-    return local_size(Shard(shard.dim, shard.segments[:count], shard.unit), ws)
+    return local_size(_segments(shard, 0, count), ws)
+
+
+def _segments(shard: Shard, i: int, j: int) -> Shard:
+    """Segments ``i:j`` of ``shard``, with their kv groups (NOTE: [grouped shards])."""
+    return Shard(shard.dim, shard.segments[i:j], shard.unit, shard.groups[i:j])
 
 
 def _fix(ctx: RuleContext, pieces: tuple[int, ...], what: str) -> str:
@@ -133,19 +140,20 @@ def slice_rule(ctx: RuleContext) -> Decision:
     n = shape_of(x)[dim]
     if dim != p.dim or n == ctx.out_shape[dim]:
         return Decision(p)
-    _refuse_grouped(p, "slice")
     bounds = slice_bounds(n, *(list(rest[1:]) + [None] * (3 - len(rest[1:]))))
     if bounds is None:
         raise Conflict("indexes-sharded-dim", f"slice of the sharded dim {dim} with bounds that depend on a dynamic size",
                        _fix(ctx, p.segments, "slice"))
     a, b, step = bounds
+    cuts = _cuts(p.segments)
+    if step != 1 or a not in cuts or b not in cuts:
+        _refuse_grouped(p, "slice")  # whole segments of a fused projection with kv heads are local
     if step != 1:
         return _strided(ctx, x, p, a, b, step, dim_arg)
-    cuts = _cuts(p.segments)
     if a not in cuts or b not in cuts:
         raise _refined(ctx, p, {a, b}, f"slice [{a}:{b}]")
     i, j = cuts.index(a), cuts.index(b)
-    out = Shard(p.dim, p.segments[i:j], p.unit)
+    out = _segments(p, i, j)
     return Decision(out, local_args=(x, dim_arg, _prefix_size(p, i, ctx.world_size), _prefix_size(p, j, ctx.world_size)))
 
 
@@ -162,16 +170,17 @@ def narrow_rule(ctx: RuleContext) -> Decision:
     n = shape_of(x)[dim]
     if dim != p.dim or n == ctx.out_shape[dim]:
         return Decision(p)
-    _refuse_grouped(p, "narrow")
     if not isinstance(start, int) or not isinstance(length, int):
+        _refuse_grouped(p, "narrow")
         raise Conflict("indexes-sharded-dim", f"narrow of the sharded dim {dim} with a dynamic start or length",
                        _fix(ctx, p.segments, "narrow"))
     a = start + n if start < 0 else start
     cuts = _cuts(p.segments)
     if a not in cuts or a + length not in cuts:
+        _refuse_grouped(p, "narrow")
         raise _refined(ctx, p, {a, a + length}, f"narrow({dim}, {start}, {length})")
     i, j = cuts.index(a), cuts.index(a + length)
-    out = Shard(p.dim, p.segments[i:j], p.unit)
+    out = _segments(p, i, j)
     return Decision(out, local_args=(x, dim_arg, _prefix_size(p, i, ctx.world_size), local_size(out, ctx.world_size)))
 
 

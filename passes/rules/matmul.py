@@ -169,10 +169,11 @@ def _layer_rule(ctx: RuleContext, ops: LayerOperands) -> Decision:
         return Decision(REPLICATE, whole, layer=state.demoted)
     segments = state.segments or (out_features,)
     unit = state.unit if all(s % state.unit == 0 for s in segments) else 1
-    group = state.group if unit > 1 and len(segments) == 1 else 1  # kv heads, NOTE: [grouped shards]
-    if any(s * group < unit * ctx.world_size for s in segments):  # a rank would hold nothing
+    # kv heads, per segment (NOTE: [grouped shards]); a layout refined since drops them
+    groups = state.groups if unit > 1 and len(state.groups) == len(segments) else (1,) * len(segments)
+    if any(s * g < unit * ctx.world_size for s, g in zip(segments, groups)):  # a rank would hold nothing
         return Decision(REPLICATE, whole, layer=_not_divisible("out_features", out_features, ctx.world_size))
-    out = Shard(last, segments, unit, (group,) if group > 1 else ())  # uneven when the units do not divide ws, NOTE: [uneven shards]
+    out = Shard(last, segments, unit, groups)  # uneven when the units do not divide ws, NOTE: [uneven shards]
     wants = {w: out.with_dim(ops.out_dim)}
     if b is not None:
         wants[b] = out.with_dim(0)
@@ -180,9 +181,13 @@ def _layer_rule(ctx: RuleContext, ops: LayerOperands) -> Decision:
     if len(segments) > 1:
         reason += f"; fused output, each rank holds its block of every segment {list(segments)}"
     if out.overlaps:
-        held = ["".join(f"[{a // unit}:{(a + n) // unit}]" for a, n in local_ranges(out, r, ctx.world_size)) for r in range(ctx.world_size)]
-        reason += (f"; kv heads {' '.join(held)} per rank: each rank holds the {unit}-wide heads its query heads "
-                   f"read ({group} per kv head), their gradient summed over the holders (NOTE: [grouped shards])")
+        kv = [i for i, g in enumerate(groups) if g > 1]  # the kv segments; each rank holds the same heads of each
+        first = sum(segments[:kv[0]])
+        held = [local_ranges(out, r, ctx.world_size)[kv[0]] for r in range(ctx.world_size)]
+        held_text = " ".join(f"[{(a - first) // unit}:{(a - first + n) // unit}]" for a, n in held)
+        what = "" if len(segments) == 1 else f" (of segment{'s' * (len(kv) > 1)} {', '.join(map(str, kv))})"
+        reason += (f"; kv heads{what} {held_text} per rank: each rank holds the {unit}-wide heads its query heads "
+                   f"read ({groups[kv[0]]} per kv head), their gradient summed over the holders (NOTE: [grouped shards])")
     elif not out.divisible(ctx.world_size):
         rows = "/".join(str(out.local_size(ctx.world_size, r)) for r in range(ctx.world_size))
         heads = f", whole units of {unit} (heads)" if unit > 1 else ""

@@ -112,7 +112,8 @@ def getitem_rule(ctx: RuleContext) -> Decision:
 # Only the size of the sharded dim differs between ranks: a ``sym_size`` of it is refused (a
 # sharded dim is static, ``passes/dynamic.py``, so a capture with that dim static holds the
 # number instead). ``getattr(p_word_embeddings_weight, 'device')`` is what ``passes/normalize.py``
-# inserts for device literals; BERT-large's uneven vocabulary at world_size 8 reaches it.
+# inserts for device literals; BERT-large's uneven vocabulary at world_size 8 reaches it, and so
+# do kv heads several ranks hold (NOTE: [grouped shards]: Falcon's fused query_key_value).
 # Tensor attributes a shard shares with the whole tensor.
 SAME_ON_EVERY_RANK = frozenset(
     {"device", "dtype", "layout", "requires_grad", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "ndim"}
@@ -127,6 +128,7 @@ def assert_metadata_rule(ctx: RuleContext) -> Decision:
 
 
 @register_rule(getattr)
+@overlap_ok
 @uneven_ok
 def getattr_rule(ctx: RuleContext) -> Decision:
     """``getattr(x, name)`` of an attribute in :data:`SAME_ON_EVERY_RANK`.

@@ -162,6 +162,9 @@ def _uneven_view(shard: Shard, in_shape, out_shape, ins: list[int], big_out: lis
         inner = math.prod(out_shape[o] for o in dims[1:])
         if shard.unit % inner == 0:
             return Shard(dims[0], (out_shape[dims[0]],), shard.unit // inner, shard.groups)
+    heads = _heads_view(shard, out_shape, big_in, big_out)
+    if heads is not None:
+        return heads
     if len(shard.segments) == 1 and len(big_out) == 1 and big_in and big_in[0] == shard.dim:
         inner = math.prod(in_shape[i] for i in big_in[1:])
         return Shard(big_out[0], (shard.size * inner,), shard.unit * inner, shard.groups)
@@ -178,6 +181,18 @@ def _uneven_view(shard: Shard, in_shape, out_shape, ins: list[int], big_out: lis
         unit=unit if outer is None else shard.unit,
         unit_segments=outer,
     )
+
+
+def _heads_view(shard: Shard, out_shape, big_in: list[int], big_out: list[int]) -> Optional[Shard]:
+    """A split of the sharded dim alone into ``(heads, ...)`` whose inner span divides the unit:
+    every segment (of any size, kv groups kept) becomes whole heads of the outer dim (Falcon's
+    ``fused_qkv.view(B, T, H + 2, E)`` of Q | K | V segments ``(H * E, E, E)``); else ``None``."""
+    if big_in != [shard.dim] or len(big_out) < 2:
+        return None
+    inner = math.prod(out_shape[o] for o in big_out[1:])
+    if shard.unit % inner or out_shape[big_out[0]] * inner != shard.size:
+        return None
+    return Shard(big_out[0], tuple(s // inner for s in shard.segments), shard.unit // inner, shard.groups)
 
 
 def _refine_for_view(shard: Shard, in_shape, out_shape, group, ws: int) -> Optional[tuple[int, ...]]:
