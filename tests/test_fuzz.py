@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 
 from fuzz_check import check_outcomes, differential
+from fuzz_models import Moe
 from fuzz_strategies import specs
 from hypothesis import HealthCheck, event, given, seed, settings
 
@@ -51,3 +52,5 @@ def test_fxtp_equals_single_device_or_rejects(pool, spec):
     if spec.checkpointing != "none":
         event(f"checkpointing={spec.checkpointing}")
     event("dynamic=True" if spec.dynamic else "dynamic=False")
+    if any(isinstance(b, Moe) for b in spec.blocks):
+        event("MoE block, " + ("expert parallel" if spec.expert_parallel else "tensor parallel"))
