@@ -417,8 +417,8 @@ def plan_world_sizes(
     static shapes: ``fxtp.plan`` compares tensor-parallel degrees, and the passes are cheap
     next to a capture. Arguments and errors as in :func:`analyze`; the program's parameters
     are the model's own tensors (on ``meta`` for a meta model): read them, never write them.
-    With ``expert_parallel``, also the expert-parallel plans, under ``-ws`` (a degree with
-    fewer experts than ranks has none).
+    With ``expert_parallel``, also the expert-parallel plans, under ``-ws`` (none at a degree
+    with fewer experts than ranks, or for experts fxtp cannot dispatch).
     """
     sizes = tuple(check_world_size(ws) for ws in world_sizes)
     args, kwargs = check_inputs(model, example_inputs, example_kwargs)
@@ -430,7 +430,7 @@ def plan_world_sizes(
     for ws in sizes if expert_parallel else ():
         try:
             plans[-ws] = plan_program(program, param_fqns, written, ws, {}, experts=True)
-        except FxtpConfigError:  # fewer experts than ranks
+        except (FxtpConfigError, FxtpPlanError):  # fewer experts than ranks; experts fxtp cannot dispatch
             continue
     return program, plans
 
