@@ -411,11 +411,14 @@ def plan_world_sizes(
     *,
     example_kwargs: Optional[dict[str, Any]] = None,
     capture: str = "auto",
+    expert_parallel: bool = False,
 ) -> tuple[torch.export.ExportedProgram, dict[int, ShardingPlan]]:
     """The captured program and its plan at each of ``world_sizes``, from one capture with
     static shapes: ``fxtp.plan`` compares tensor-parallel degrees, and the passes are cheap
     next to a capture. Arguments and errors as in :func:`analyze`; the program's parameters
     are the model's own tensors (on ``meta`` for a meta model): read them, never write them.
+    With ``expert_parallel``, also the expert-parallel plans, under ``-ws`` (none at a degree
+    with fewer experts than ranks, or for experts fxtp cannot dispatch).
     """
     sizes = tuple(check_world_size(ws) for ws in world_sizes)
     args, kwargs = check_inputs(model, example_inputs, example_kwargs)
@@ -423,6 +426,12 @@ def plan_world_sizes(
         raise FxtpConfigError(f"capture must be one of {', '.join(repr(f) for f in (*FRONTENDS, 'auto'))}, not {capture!r}")
     program = _capture(model, args, kwargs, capture, dynamic_shapes=None).program
     param_fqns, written = normalized(program)
-    return program, {ws: plan_program(program, param_fqns, written, ws, {}) for ws in sizes}
+    plans = {ws: plan_program(program, param_fqns, written, ws, {}) for ws in sizes}
+    for ws in sizes if expert_parallel else ():
+        try:
+            plans[-ws] = plan_program(program, param_fqns, written, ws, {}, experts=True)
+        except (FxtpConfigError, FxtpPlanError):  # fewer experts than ranks; experts fxtp cannot dispatch
+            continue
+    return program, plans
 
 

@@ -10,9 +10,8 @@ import torch
 from torch.export.graph_signature import InputKind
 
 from fxtp.capture.frontends import written_state
-from fxtp.core.errors import FxtpConfigError
 from passes.kv_heads import keep_needed_kv_heads
-from passes.moe.parallel import expert_parallel, select_blocks
+from passes.moe.parallel import check_sequence_parallel, expert_parallel, select_blocks
 from passes.moe.reductions import defer_reductions
 from passes.normalize import normalize
 from passes.plan import ShardingPlan, plan_sharding
@@ -44,21 +43,21 @@ def plan_program(program: torch.export.ExportedProgram, param_fqns: Mapping[str,
     """The plan of a :func:`normalized` program at ``ws`` (the graph is not modified):
     ``overrides`` are ``plan=``'s layer styles; ``experts``: expert parallelism (NOTE: [expert
     parallelism] in fxtp/core/expert_dispatch.py); ``kv_heads``: a decoder cache keeps the kv
-    heads each rank reads (passes/kv_heads.py); ``sequence``: sequence parallelism.
+    heads each rank reads (passes/kv_heads.py); ``sequence``: sequence parallelism, after
+    expert parallelism (NOTE: [expert parallelism with sequence parallelism] in
+    passes/moe/parallel.py).
 
     Raises:
-        FxtpConfigError: expert-parallel blocks together with ``sequence``, or a block with
-            fewer experts than ranks.
-        FxtpPlanError: an override that cannot be honoured.
+        FxtpConfigError: an expert-parallel block with fewer experts than ranks.
+        FxtpPlanError: an override that cannot be honoured; a token shard reaching an
+            expert-parallel block's input.
     """
     blocks, overrides = select_blocks(program.graph, param_fqns, overrides, experts, ws)
-    if blocks and sequence:
-        raise FxtpConfigError("expert_parallel and sequence_parallel=True together are not supported yet: the experts' "
-                              "dispatch reads the MoE input replicated. fix: pass one of them")
     sharding = plan_sharding(program.graph, param_fqns, ws, overrides)
     sharding = defer_reductions(program.graph, expert_parallel(program.graph, sharding, blocks, param_fqns))
     if kv_heads:  # NOTE: [kv heads kept by the ranks that need them] in passes/kv_heads.py
         sharding = keep_needed_kv_heads(program.graph, sharding, written)
     if sequence:  # NOTE: [sequence parallelism] in passes/sequence.py
         sharding = sequence_parallel(program.graph, sharding, frozenset(param_fqns))
+        check_sequence_parallel(sharding)
     return sharding

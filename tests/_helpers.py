@@ -9,7 +9,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 from unittest import mock
 
 import torch
@@ -165,11 +165,13 @@ def no_capture() -> Iterator[None]:
         yield
 
 
-def compare_shapes(model, example, calls, *, lr: float = 0.1, tol: dict | None = None, **compile_kwargs) -> dict[str, Any]:
+def compare_shapes(model, example, calls, *, lr: float = 0.1, tol: dict | None = None,
+                   then: Callable[[Any, Any], Any] | None = None, **compile_kwargs) -> dict[str, Any]:
     """Compile ``model`` once on ``example`` over the default process group, then for each input
     tuple of ``calls`` (other batch sizes and sequence lengths, in a mixed order): outputs,
     every gradient (shard against slice) and one SGD step, against the single-device model,
-    with no recapture. Returns the report and the output shapes."""
+    with no recapture. Returns the report, the output shapes and, under ``"then"``, what
+    ``then(pm, ref)`` returns, called last (more checks on the same compile)."""
     tol = tol or {}
     ws, rank = dist.get_world_size(), dist.get_rank()
     ref = copy.deepcopy(model)
@@ -192,4 +194,4 @@ def compare_shapes(model, example, calls, *, lr: float = 0.1, tol: dict | None =
             opt.zero_grad()
             ref_opt.zero_grad()
             shapes.append([tuple(t.shape) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)])
-    return {"report": pm.report.to_dict(), "shapes": shapes}
+    return {"report": pm.report.to_dict(), "shapes": shapes, "then": then(pm, ref) if then is not None else None}

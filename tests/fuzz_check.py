@@ -34,7 +34,7 @@ __all__ = ["Outcome", "differential", "check_outcomes"]
 
 _NOISE = 10.0
 _CHAOTIC = 1e-3
-_PHASES = tuple((phase, kind) for phase in ("forward", "backward") for kind in ("all_reduce", "all_gather", "reduce_scatter"))
+_PHASES = tuple((phase, kind) for phase in ("forward", "backward") for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"))
 
 
 @dataclass
@@ -127,6 +127,7 @@ def differential(spec: Spec, steps: int = 2, lr: float = 0.1) -> Outcome:
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     try:
         pm = fxtp.compile(model, ws, inputs, sequence_parallel=spec.sequence_parallel, dynamic=spec.dynamic,
+                          expert_parallel=spec.expert_parallel,
                           activation_checkpointing=spec.checkpointing if spec.checkpointing in ("blocks", "selective") else None)
     except fxtp.FxtpError as e:
         return Outcome("rejected", "compile", f"{type(e).__name__}: {e}")

@@ -5,7 +5,7 @@ shrinks well under hypothesis); :func:`build` turns it into ``(model, example_in
 spec's seed, identically on every rank. The grammar (``tests/fuzz_strategies.py`` draws it):
 
     model   := [embedding] block+ [final norm] [head [cross-entropy]]
-    block   := Mlp | Attn | Mha | Einsum          (each (B, T, hidden) -> (B, T, hidden))
+    block   := Mlp | Attn | Mha | Einsum | Moe    (each (B, T, hidden) -> (B, T, hidden); Moe: fuzz_moe.py)
 
 :func:`features` names the grammar features a spec uses (``"gate:glu"``, ``"attn.head_scale"``,
 ...): the keys of the fuzz test's ``KNOWN_BROKEN`` set.
@@ -21,9 +21,10 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from fuzz_moe import Moe, MoeBlock
 from torch import nn
 
-__all__ = ["Mlp", "Attn", "Mha", "Einsum", "Embed", "Spec", "Block", "build", "features"]
+__all__ = ["Mlp", "Attn", "Mha", "Einsum", "Moe", "Embed", "Spec", "Block", "build", "features"]
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class Embed:
     max_norm: Optional[float] = None
 
 
-Block = Union[Mlp, Attn, Mha, Einsum]
+Block = Union[Mlp, Attn, Mha, Einsum, Moe]
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,7 @@ class Spec:
     # activation_checkpointing= that (NOTE: [recomputed regions])
     checkpointing: str = "none"
     dynamic: bool = False  # compile with dynamic=True (symbolic batch/sequence); static: a third of its capture time
+    expert_parallel: bool = False  # compile with expert_parallel=True: Moe blocks hold whole experts per rank
 
 
 def features(spec: Spec) -> set[str]:
@@ -158,7 +160,7 @@ def features(spec: Spec) -> set[str]:
         out |= {f"embed.{f.name}" for f in dataclasses.fields(spec.embed) if getattr(spec.embed, f.name) not in (None, False)}
     if spec.head != "none":
         out.add(f"head:{spec.head}")
-    for flag in ("loss", "train", "also_hidden", "sequence_parallel", "clip", "dynamic"):
+    for flag in ("loss", "train", "also_hidden", "sequence_parallel", "clip", "dynamic", "expert_parallel"):
         if getattr(spec, flag):
             out.add(flag)
     if spec.checkpointing != "none":
@@ -416,13 +418,9 @@ class FuzzModel(nn.Module):
 
 
 def _block(hidden: int, s: Block, seq: int) -> nn.Module:
-    if isinstance(s, Mlp):
-        return MlpBlock(hidden, s)
     if isinstance(s, Attn):
         return AttnBlock(hidden, s, seq)
-    if isinstance(s, Mha):
-        return MhaBlock(hidden, s)
-    return EinsumBlock(hidden, s)
+    return {Mlp: MlpBlock, Mha: MhaBlock, Einsum: EinsumBlock, Moe: MoeBlock}[type(s)](hidden, s)
 
 
 def build(spec: Spec) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:

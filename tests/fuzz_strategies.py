@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from fuzz_models import Attn, Einsum, Embed, Mha, Mlp, Spec
+from fuzz_models import Attn, Einsum, Embed, Mha, Mlp, Moe, Spec
 from hypothesis import strategies as st
 
 __all__ = ["specs"]
@@ -101,6 +101,23 @@ def einsums(draw: st.DrawFn, hidden: int, exclude: frozenset[str]) -> Einsum:
 
 
 @st.composite
+def moes(draw: st.DrawFn, hidden: int, exclude: frozenset[str]) -> Moe:
+    """Hugging Face's MoE blocks (fuzz_moe.py): 4 experts (even at ws 2 and 4) or 6 (2/2/1/1
+    whole experts at 4), top-1 or top-2, routed experts of FFN's widths; ``grouped_mm`` only
+    for widths that are multiples of 4 (torch's alignment)."""
+    ffn = draw(st.sampled_from(FFN))
+    aligned = hidden % 4 == 0 and ffn % 4 == 0
+    return Moe(
+        ffn=ffn,
+        experts=draw(st.sampled_from((4, 6))),
+        top_k=draw(st.sampled_from((2, 1))),
+        shared=draw(_flag("moe.shared", exclude)),
+        impl=draw(_pick("impl", ("grouped_mm", "batched_mm"), exclude)) if aligned else "batched_mm",
+        residual=draw(st.booleans().map(lambda b: not b)),
+    )
+
+
+@st.composite
 def embeds(draw: st.DrawFn, vocab: int, exclude: frozenset[str]) -> Embed:
     return Embed(
         padding_idx=draw(st.none() | st.just(0)) if "embed.padding_idx" not in exclude else None,
@@ -114,7 +131,8 @@ def specs(draw: st.DrawFn, exclude: frozenset[str] = frozenset()) -> Spec:
     """A random :class:`Spec` using no feature in ``exclude``."""
     hidden = draw(st.sampled_from(HIDDEN))
     vocab = draw(st.sampled_from(VOCAB))
-    others = {"block:attn": attns(hidden, exclude), "block:mha": mhas(hidden, exclude), "block:einsum": einsums(hidden, exclude)}
+    others = {"block:attn": attns(hidden, exclude), "block:mha": mhas(hidden, exclude), "block:einsum": einsums(hidden, exclude),
+              "block:moe": moes(hidden, exclude)}
     kinds = [mlps(exclude), *(s for name, s in others.items() if name not in exclude)]
     blocks = tuple(draw(st.lists(st.one_of(kinds), min_size=1, max_size=3)))
     embed = draw(st.none() | embeds(vocab, exclude)) if "embed" not in exclude else None
@@ -137,4 +155,5 @@ def specs(draw: st.DrawFn, exclude: frozenset[str] = frozenset()) -> Spec:
         clip=draw(_flag("clip", exclude)),
         checkpointing=draw(_pick("checkpointing", ("none", "user", "blocks", "selective"), exclude)),
         dynamic=draw(_flag("dynamic", exclude)),
+        expert_parallel=draw(_flag("expert_parallel", exclude)) if any(isinstance(b, Moe) for b in blocks) else False,
     )

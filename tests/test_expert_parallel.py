@@ -12,8 +12,11 @@ sequence, static shapes): Mixtral, Qwen2-MoE (a gated shared expert), Qwen3-MoE,
 (MLA, 2 shared experts, scaled routing weights), gpt-oss (biased experts, interleaved clamped
 SwiGLU, biased router), and a Mixtral on Hugging Face's ``batched_mm`` experts. Each family runs
 at one world size (the attention and shared experts around the experts keep their
-tensor-parallel plan there); DeepSeek-V2 and gpt-oss also under plain tensor parallelism at ws 2
-(Mixtral and Qwen2-MoE: tests/test_moe.py). Meta-device reports of four published configs at
+tensor-parallel plan there); DeepSeek-V2 (2 shared experts folded into the routed experts' one
+all_reduce) under plain tensor parallelism at ws 2 and 4, gpt-oss at ws 2 (Mixtral and
+Qwen2-MoE: tests/test_moe.py); expert parallelism with sequence parallelism: Qwen2-MoE at ws 2,
+Mixtral at ws 4. At ws 2 one dynamic compile also runs batches of 1 and generates greedily
+(batches of 1 and 2) token for token. Meta-device reports of four published configs at
 ws 8 close the file.
 """
 
@@ -42,7 +45,8 @@ pytest.importorskip("transformers")
 N_BLOCKS = 1  # 1 layer per model: one MoE block shows every collective
 SEQ = 8
 EP_CASES = {2: ("mixtral", "gpt_oss", "deepseek_v2", "qwen3_moe"), 4: ("qwen2_moe",)}  # + "batched" at ws 4 (_uneven_checks)
-TP_CASES = {2: ("deepseek_v2", "gpt_oss"), 4: ()}
+TP_CASES = {2: ("deepseek_v2", "gpt_oss"), 4: ("deepseek_v2",)}
+SP_CASES = {2: ("qwen2_moe",), 4: ("mixtral",)}  # expert and sequence parallelism together
 CAPTURE = "export"  # what "auto" ends with on these models, without trying fx first
 UNEVEN_EXPERTS = 6  # at ws 4: 2/2/1/1
 
@@ -93,6 +97,27 @@ def _uneven_checks() -> dict:
     return out
 
 
+def _batch_of_one(pm, ref) -> dict:
+    """On a dynamic compile: a batch of 1 (3 tokens; sizes of 1 take graphs of their own, NOTE:
+    [size-1 graphs]), outputs and every gradient; then greedy generation of 4 tokens, a token
+    count per step the compile never saw, from prompts of batches 1 and 2: token-identical?"""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    _, (ids,) = _build("mixtral")
+    one = ids[:1, :3]
+    out, want = pm(one), ref(one)
+    torch.testing.assert_close(out, want)
+    loss_of(out).backward()
+    loss_of(want).backward()
+    for fqn, p in pm.named_parameters():
+        expected = shard_tensor(ref.get_parameter(fqn).grad, pm.placements[fqn], rank, ws)
+        torch.testing.assert_close(local_tensor(p.grad), expected, msg=lambda m: f"batch of 1, gradient of {fqn}: {m}")
+    pm.eval()
+    ref.eval()
+    generated = [torch.equal(pm.generate(p, max_new_tokens=4), ref.generate(p, max_new_tokens=4, do_sample=False, pad_token_id=0))
+                 for p in (ids[:1, :4], ids[:, :5])]
+    return {"shape": tuple(out.logits.shape), "generate": generated}
+
+
 def _checks() -> dict:
     """Every check of this world size, inside the ranks (one ``pool.run``); what the report,
     the plan and the runs say comes back."""
@@ -104,10 +129,13 @@ def _checks() -> dict:
             "collectives": r["report"]["collectives"]}
     for case in TP_CASES[ws]:
         out["tp"][case] = compare_training(*_build(case), dynamic=False, capture=CAPTURE)["forward"]
-    if ws == 2:  # one compile (dynamic shapes) runs 4, 10 and 6 tokens; a size of 1 takes the size-1 graphs
+    out["sp"] = {case: {k: compare_training(*_build(case), expert_parallel=True, sequence_parallel=True, dynamic=False,
+                                            capture=CAPTURE)[k] for k in ("forward", "backward")} for case in SP_CASES[ws]}
+    if ws == 2:  # one compile (dynamic shapes) runs 4, 10 and 6 tokens, then a batch of 1 and generation (_batch_of_one)
         model, (ids,) = _build("mixtral")
         calls = [(ids[:, :2],), (ids[:, :5],), (ids[:, :3],)]
-        out["shapes"] = compare_shapes(model, (ids,), calls, expert_parallel=True, capture=CAPTURE)["shapes"]
+        r = compare_shapes(model, (ids,), calls, expert_parallel=True, capture=CAPTURE, then=_batch_of_one)
+        out["shapes"], out["batch_of_one"] = r["shapes"], r["then"]
     else:
         out["uneven"] = _uneven_checks()
     return out
@@ -136,10 +164,19 @@ def test_expert_parallel_equals_the_single_device(pool):
         # gpt-oss's interleaved gate/up is read by strided slices, which keep the experts' colwise
         # shard (passes/rules/indexing.py): its experts are tensor parallel too, one all_reduce each.
         assert "all_to_all" not in forward and forward["all_reduce"] == 2 * N_BLOCKS + 1, case
+    # With sequence parallelism (NOTE: [expert parallelism with sequence parallelism]): per block the attention's
+    # and the MoE block's input all_gathered, their outputs reduce_scattered (a shared expert's summed in first);
+    # the lookup's reduce_scatter, the head's input and logits gathered; no all_reduce in forward.
+    assert set(r["sp"]) == set(SP_CASES[ws])
+    for case, got in r["sp"].items():
+        assert got["forward"] == {"reduce_scatter": 2 * N_BLOCKS + 1, "all_gather": 2 * N_BLOCKS + 2,
+                                  "all_to_all": 2 * N_BLOCKS}, case
+        assert got["backward"]["all_to_all"] == 2 * N_BLOCKS, case
     if ws == 2:  # the payload: every (token, expert) pair's row once each way, 16 tokens x top-2 x 64 x fp32
         stats = {c["phase"]: c for c in r["ep"]["mixtral"]["collectives"] if c["kind"] == "all_to_all"}
         assert stats["forward"]["bytes"] == N_BLOCKS * 2 * (2 * SEQ * 2 * 64 * 4)
         assert [s[0][:2] for s in r["shapes"]] == [(2, 2), (2, 5), (2, 3)]
+        assert r["batch_of_one"] == {"shape": (1, 3, 128), "generate": [True, True]}
     else:
         uneven = r["uneven"]
         assert uneven["local_rows"] == expert_ranges(UNEVEN_EXPERTS, ws)[0][1] == 2
@@ -191,7 +228,9 @@ PUBLISHED = {
 @pytest.mark.parametrize("name", [*PUBLISHED, "Mixtral-8x7B"])
 def test_published_configs_at_world_size_8(name):
     """On meta, ``num_hidden_layers`` cut to 2, static shapes: under expert parallelism each
-    rank keeps at most 1/8 + 0.03 of the parameter bytes, the experts' 1/8 exactly."""
+    rank keeps at most 1/8 + 0.03 of the parameter bytes, the experts' 1/8 exactly; under
+    tensor parallelism (the default) too (measured: gpt-oss-20b 12.52%, Qwen3-30B-A3B 12.55%,
+    DeepSeek-V2-Lite 13.04%, Mixtral-8x7B 12.50%)."""
     if name == "Mixtral-8x7B":
         model, inputs = examples.mixtral_8x7b(n_layers=2)
     else:
@@ -203,3 +242,6 @@ def test_published_configs_at_world_size_8(name):
     rows = [row for row in report.layers if row.style == "expert"]
     assert rows and all(row.local_weight_shape[0] * 8 == row.weight_shape[0] for row in rows)
     assert report.count("forward", "all_to_all") == 2 * (1 if name == "DeepSeek-V2-Lite" else 2)
+    tensor = fxtp.analyze(model, 8, inputs, dynamic=False, capture=CAPTURE)
+    assert tensor.param_bytes_per_rank / tensor.param_bytes <= 1 / 8 + 0.03, tensor.param_bytes_per_rank / tensor.param_bytes
+    assert "all_to_all" not in {c.kind for c in tensor.collectives if c.count} and "expert" not in set(tensor.plan.values())

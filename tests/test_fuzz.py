@@ -18,8 +18,9 @@ from __future__ import annotations
 import os
 
 from fuzz_check import check_outcomes, differential
+from fuzz_models import Moe, Spec
 from fuzz_strategies import specs
-from hypothesis import HealthCheck, event, given, seed, settings
+from hypothesis import HealthCheck, event, example, given, seed, settings
 
 # Grammar features with a known bug, never drawn here (each is a regression test in
 # test_fuzz_regressions.py); remove an entry when its fix lands.
@@ -37,6 +38,10 @@ SEED = os.environ.get("FXTP_FUZZ_SEED")
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(spec=specs(exclude=frozenset(KNOWN_BROKEN)))
+# A MoE block under each plan on every run, whatever the draws: Qwen2-MoE's (a shared expert)
+# with tensor parallelism inside the experts, Mixtral's top-1 with 6 experts expert parallel
+@example(spec=Spec(hidden=16, blocks=(Moe(ffn=16, shared=True),), train=True))
+@example(spec=Spec(hidden=16, blocks=(Moe(ffn=32, experts=6, top_k=1),), batch=1, expert_parallel=True))
 @seed(int(SEED or 0))
 def test_fxtp_equals_single_device_or_rejects(pool, spec):
     outcomes = pool.run(differential, spec)
@@ -51,3 +56,5 @@ def test_fxtp_equals_single_device_or_rejects(pool, spec):
     if spec.checkpointing != "none":
         event(f"checkpointing={spec.checkpointing}")
     event("dynamic=True" if spec.dynamic else "dynamic=False")
+    if any(isinstance(b, Moe) for b in spec.blocks):
+        event("MoE block, " + ("expert parallel" if spec.expert_parallel else "tensor parallel"))

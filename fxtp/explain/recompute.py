@@ -1,8 +1,8 @@
 """The report's part on activation checkpointing: the recomputed regions and their collectives.
 
 Read from the rank graph, where the regions run (NOTE: [recomputed regions] in
-fxtp/core/recompute.py): a backward reruns each region's forward collectives, so they are
-added to the backward's counts. A gathered token shard that only a region's ops use is no
+fxtp/core/recompute.py): a backward reruns each region's forward collectives (an
+expert-parallel block's two all_to_all included), so they are added to the backward's counts. A gathered token shard that only a region's ops use is no
 longer saved as a shard and regathered (NOTE: [regathered activations]): the recompute gathers
 it, so that all_gather is not counted twice.
 """
@@ -17,6 +17,7 @@ from torch.fx import GraphModule
 
 from fxtp.core import collectives as emitted
 from fxtp.core import local_ops
+from fxtp.core.expert_dispatch import combine_from_experts, dispatch_to_experts
 from fxtp.core.recompute import Recompute
 from fxtp.explain.counts import CollectiveStat, nbytes_of
 from passes.checkpointing import Region
@@ -49,6 +50,13 @@ def recomputed(gm: GraphModule) -> list[tuple[str, collections.Counter, collecti
             if node.target in _KINDS:
                 counts[_KINDS[node.target]] += 1
                 nbytes[_KINDS[node.target]] += nbytes_of(node.args[0].meta.get("val"))
+            elif node.target is dispatch_to_experts:  # NOTE: [expert parallelism]: one all_to_all of the pairs' rows
+                hidden, index = (a.meta.get("val") for a in node.args[:2])
+                counts["all_to_all"] += 1
+                nbytes["all_to_all"] += nbytes_of(hidden) * index.shape[-1]
+            elif node.target is combine_from_experts:  # and one of the experts' rows back
+                counts["all_to_all"] += 1
+                nbytes["all_to_all"] += nbytes_of(node.args[0].meta.get("val"))
             elif node.target in local_ops.EMITTED_COLLECTIVES:
                 inside = local_ops.EMITTED_COLLECTIVES[node.target]  # not `emitted`: that names the collectives module
                 counts[inside.kind] += inside.forward

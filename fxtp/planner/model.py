@@ -60,6 +60,7 @@ from typing import Optional
 from torch import nn
 
 from fxtp.core.errors import FxtpConfigError
+from fxtp.planner.experts import MoeShape
 
 __all__ = ["TransformerShape", "AC_POLICIES"]
 
@@ -100,8 +101,7 @@ class TransformerShape:
         """Read the sizes of a Hugging Face decoder ``model`` whose blocks are at ``blocks_fqn``.
 
         Raises:
-            FxtpConfigError: a model without such a config, or a mixture of experts (whose
-                activations this model does not price).
+            FxtpConfigError: a model without such a config.
         """
         config = getattr(model, "config", None)
         hidden, heads = (getattr(config, k, None) for k in ("hidden_size", "num_attention_heads"))
@@ -111,14 +111,15 @@ class TransformerShape:
                 f"num_hidden_layers); {type(model).__name__} has no such config. fix: plan a transformers model "
                 "or its config.json"
             )
-        if any(getattr(config, k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
-            raise FxtpConfigError(
-                f"{type(model).__name__} is a mixture of experts: fxtp.plan's cost model covers dense decoders "
-                "only (expert activations and all_to_all are not priced yet)"
-            )
         intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
         block = model.get_submodule(blocks_fqn)[0]
         wide = [p for p in block.parameters() if p.dim() == 2 and intermediate in p.shape]
+        gated, idle, idle_block = len(wide) >= 3, 0, 0
+        moe = MoeShape.of(model)
+        if moe is not None and moe.modules:  # NOTE: [experts in the cost model]: a token runs top_k of the experts
+            intermediate, gated = moe.top_k * moe.expert_width + moe.shared_width, True
+            idle_block = moe.expert_params * (moe.experts - moe.top_k) // moe.experts
+            idle = len(moe.modules) * idle_block
         return cls(
             hidden=hidden,
             layers=config.num_hidden_layers,
@@ -126,10 +127,10 @@ class TransformerShape:
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             intermediate=intermediate,
             vocab=config.vocab_size,
-            gated_mlp=len(wide) >= 3,
+            gated_mlp=gated,
             flash=getattr(config, "_attn_implementation", "sdpa") != "eager",
-            matmul_params=_matmul_params(model),
-            block_params=sum(p.numel() for p in block.parameters()),
+            matmul_params=_matmul_params(model) - idle,
+            block_params=sum(p.numel() for p in block.parameters()) - idle_block,
             fused_norms=all(isinstance(m, nn.LayerNorm) for m in block.modules() if _is_norm(m)),
             norm_params=sum(p.numel() for m in model.modules() if _is_norm(m) for p in m.parameters(recurse=False)),
         )

@@ -155,6 +155,7 @@ class ParallelPlan:
             "analyzed_blocks": self.analyzed_blocks,
             "n_blocks": self.n_blocks,
             "layer_styles": dict(self.layer_styles),
+            "notes": list(self.notes),
             "alternatives": [a.to_dict(self.device_memory) for a in self.alternatives],
             "skipped": [dict(s) for s in self.skipped],
             "solve_s": self.solve_s,
@@ -181,6 +182,7 @@ class ParallelPlan:
                      colalign=("right", "right", "left", "left", "left", "right", "right", "left")),
         ]
         lines += [f"skipped tp {x['tp']}: {x['reason']}" for x in self.skipped]
+        lines += [f"experts: {note}" for note in self.notes]
         lines += [f"solved in {self.solve_s:.1f} s"]
         return "\n".join(lines)
 
@@ -223,7 +225,7 @@ class ParallelPlan:
         ) + " (model dtype; FSDP2 keeps them in fp32 over dp)"
 
     def _styles_line(self) -> str:
-        counts = {style: list(self.layer_styles.values()).count(style) for style in ("colwise", "rowwise", "replicate")}
+        counts = {style: list(self.layer_styles.values()).count(style) for style in ("colwise", "rowwise", "replicate", "expert")}
         return (f"layer styles at tp {self.tp}: " + ", ".join(f"{n} {style}" for style, n in counts.items() if n)
                 + " (plan.layer_styles; fxtp.compile(model, plan.tp, ..., strategy=plan, group=mesh['tp']) applies them)")
 

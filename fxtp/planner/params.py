@@ -141,10 +141,13 @@ def _payload(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 
 
 def parameter_shapes(
-    model: nn.Module, tps: tuple[int, ...], example_inputs: tuple[Any, ...], example_kwargs: dict[str, Any]
+    model: nn.Module, tps: tuple[int, ...], example_inputs: tuple[Any, ...], example_kwargs: dict[str, Any],
+    expert_parallel: bool = False,
 ) -> dict[int, ParamShapes]:
     """Rank 0's parameter shapes at each tensor-parallel degree in ``tps`` (NOTE: [repeated blocks]),
     with the bytes the plan's collectives send outside the blocks (``ParamShapes.outside_sent``).
+    With ``expert_parallel`` also the expert-parallel plan's, under ``-tp`` (from the same
+    capture; none where the experts are fewer than ``tp``).
 
     Raises:
         FxtpError: as ``fxtp.analyze`` (capture, inputs).
@@ -160,11 +163,12 @@ def parameter_shapes(
             analyzed, inputs, kwargs, depth = shallow, _to_meta(example_inputs), _to_meta(example_kwargs), 2
     elif blocks is not None:
         depth = blocks.count
-    program, plans = plan_world_sizes(analyzed, tps, inputs, example_kwargs=kwargs)
+    program, plans = plan_world_sizes(analyzed, tps, inputs, example_kwargs=kwargs, expert_parallel=expert_parallel)
     payload = _payload(model, example_inputs, example_kwargs)
     out = _collect(program, plans, blocks, depth, payload)
     if out is None:  # the two blocks were planned differently: count the real model's
-        program, plans = plan_world_sizes(model, tps, example_inputs, example_kwargs=example_kwargs)
+        program, plans = plan_world_sizes(model, tps, example_inputs, example_kwargs=example_kwargs,
+                                          expert_parallel=expert_parallel)
         out = _collect(program, plans, blocks, blocks.count, payload)
     assert out is not None
     return out
@@ -181,7 +185,8 @@ def _collect(
     nodes, needs_grad = {n.name: n for n in program.graph.nodes}, grad_inputs(program)
     fqns = program.graph_signature.inputs_to_parameters
     out = {}
-    for tp, plan in plans.items():
+    for key, plan in plans.items():
+        tp = abs(key)  # -tp: the expert-parallel plan
         held = _held_sent(plan, nodes, needs_grad, fqns, blocks.fqn if blocks is not None and depth else None, tp)
         outside = _outside_sent(collectives(program, plan, nodes, needs_grad), tp, depth if blocks is not None else 0, payload,
                                 sum(v for k, v in held.items() if k is not None) if depth < (blocks.count if blocks is not None else 0) else 0.0)
@@ -205,17 +210,17 @@ def _collect(
         extrapolated = blocks is not None and 0 < depth < blocks.count
         styles = _styles(plan, blocks.fqn if extrapolated else None)
         if blocks is None or not depth:
-            out[tp] = ParamShapes(tp, tuple(other), (), 0, 0, outside, styles)
+            out[key] = ParamShapes(tp, tuple(other), (), 0, 0, outside, styles)
         elif extrapolated:
             first, counted = (tuple(per_block.get(i, ())) for i in (0, 1))
             if first != counted or styles is None:
                 return None
             if held.get(0, 0.0) != held.get(1, 0.0):
                 return None
-            out[tp] = ParamShapes(tp, tuple(other), counted, blocks.count, depth, outside, styles, before or 0, held.get(1, 0.0))
+            out[key] = ParamShapes(tp, tuple(other), counted, blocks.count, depth, outside, styles, before or 0, held.get(1, 0.0))
         else:
             pieces = tuple(other + [p for i in sorted(per_block) for p in per_block[i]])
-            out[tp] = ParamShapes(tp, pieces, (), 0, depth, outside, styles)
+            out[key] = ParamShapes(tp, pieces, (), 0, depth, outside, styles)
     return out
 
 
@@ -240,14 +245,16 @@ def _held_sent(plan: Any, nodes: dict[str, Any], needs_grad: set[str], fqns: dic
 def _outside_sent(stats: Any, tp: int, depth: int, payload: int, held: float = 0.0) -> tuple[float, float]:
     """Bytes a rank sends per forward and backward outside the ``depth`` analyzed blocks, per
     payload byte: the plan's collectives as ring collectives (an all_reduce ``2 (t-1)/t`` of its
-    bytes, an all_gather or reduce_scatter ``(t-1)/t``) less Megatron's 2 all_reduces of one
-    payload per block and phase (NOTE: [cost model]), and less ``held``, the blocks' grouped kv
+    bytes, an all_gather or reduce_scatter ``(t-1)/t``; an all_to_all, whose bytes are summed
+    over the ranks, ``(t-1)/t`` of a rank's share) less Megatron's 2 all_reduces of one payload
+    per block and phase (NOTE: [cost model]), and less ``held``, the blocks' grouped kv
     weight-gradient all_reduces (``ParamShapes.block_weight_sent`` counts them per block)."""
     if tp == 1 or not payload:
         return (0.0, 0.0)
     sent = {"forward": 0.0, "backward": -held}
     for stat in stats:
-        sent[stat.phase] += (2 if stat.kind == "all_reduce" else 1) * (tp - 1) / tp * stat.bytes
+        share = 2 if stat.kind == "all_reduce" else 1 / tp if stat.kind == "all_to_all" else 1
+        sent[stat.phase] += share * (tp - 1) / tp * stat.bytes
     floor = depth * 2 * 2 * (tp - 1) / tp * payload
     return (max(0.0, sent["forward"] - floor) / payload, max(0.0, sent["backward"] - floor) / payload)
 

@@ -12,6 +12,7 @@ fxtp's own analysis (NOTE: [repeated blocks]), the rest from the config
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable, Optional, Union
 
@@ -20,10 +21,11 @@ from torch import nn
 
 from fxtp.core.errors import FxtpConfigError, FxtpInputError
 from fxtp.planner.costs import OPTIMIZER_BYTES, Choice, Estimate, Workload, estimate
+from fxtp.planner.experts import MoeShape, choose_experts
 from fxtp.planner.hardware import Hardware, resolve_hardware
 from fxtp.planner.model import AC_POLICIES, TransformerShape
 from fxtp.planner.parallel_plan import Alternative, ParallelPlan, fmt_size, fmt_time
-from fxtp.planner.params import parameter_shapes, repeated_blocks
+from fxtp.planner.params import ParamShapes, parameter_shapes, repeated_blocks
 
 __all__ = ["plan"]
 
@@ -94,7 +96,11 @@ def plan(
     inside = [t for t in range(1, per_node + 1) if per_node % t == 0 and devices % t == 0]
     across = [t for t in range(per_node + 1, devices + 1) if devices % t == 0][:1]
     say("analyze")
-    params = parameter_shapes(model, tuple(inside + across), args, kwargs)
+    moe = MoeShape.of(model)
+    params = parameter_shapes(model, tuple(inside + across), args, kwargs, expert_parallel=moe is not None)
+    notes: tuple[str, ...] = ()
+    if moe is not None:  # NOTE: [experts in the cost model]
+        params, notes = _experts_plans(moe, params, inside + across, devices, work, shape)
     say("search")
     estimates, skipped = [], []
     for tp in inside + across:
@@ -129,8 +135,31 @@ def plan(
         analyzed_blocks=params[1].analyzed_blocks,
         n_blocks=blocks.count,
         solve_s=time.perf_counter() - start,
+        notes=notes,
         layer_styles=dict(params[best.choice.tp].styles),
     )
+
+
+def _experts_plans(moe: MoeShape, params: dict[int, ParamShapes], tps: list[int], devices: int, work: Workload,
+                   shape: TransformerShape) -> tuple[dict[int, ParamShapes], tuple[str, ...]]:
+    """Each degree's parameters under the experts' plan :func:`choose_experts` picks, and its
+    reasons. Where two blocks were analyzed for many, the MoE layers beyond them add their
+    plan's bytes to ``outside_sent`` (the analysis counted the analyzed ones')."""
+    out, notes = {}, []
+    for tp in tps:
+        payload = max(1, work.batch // (devices // tp)) * work.seq * shape.hidden * work.activation_bytes
+        ep = params.get(-tp)
+        choice = choose_experts(moe, tp, payload, params[tp].bytes(), ep.bytes() if ep is not None else None, work.training)
+        chosen = ep if choice.expert and ep is not None else params[tp]
+        extra = chosen.n_blocks - chosen.analyzed_blocks if chosen.n_blocks else 0
+        if extra > 0 and tp > 1:
+            sent = moe.sent(tp, choice.expert)
+            outside = tuple(max(0.0, o + extra * s) for o, s in zip(chosen.outside_sent, sent))
+            chosen = dataclasses.replace(chosen, outside_sent=outside)
+        out[tp] = chosen
+        if tp > 1:
+            notes.append(choice.reason)
+    return out, tuple(notes)
 
 
 def _rank(e: Estimate) -> tuple:

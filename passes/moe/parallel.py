@@ -9,6 +9,8 @@ NOTE: [expert parallelism] in ``fxtp/core/expert_dispatch.py`` says what runs. H
   its experts (front-loaded where ``world_size`` does not divide ``E``), the block's output
   ``Partial`` (its reduction then moves as any, NOTE: [deferred reduction]), a report row
   per expert weight saying which experts each rank holds, and the blocks for the rewrite.
+* :func:`check_sequence_parallel`: the blocks' inputs stay replicated under sequence
+  parallelism (NOTE: [expert parallelism with sequence parallelism]).
 * :func:`dispatch_experts`: the rank graph's edit, from ``passes/rewrite.py``::
 
       %index_4 = aten.index.Tensor(%view_3, [%floor_divide])          # rows, one per pair
@@ -41,7 +43,7 @@ from passes.moe.blocks import ExpertBlock, find_expert_blocks
 from passes.registry import module_of, shape_of
 from passes.sharding_plan import LayerDecision, ShardingPlan
 
-__all__ = ["EXPERT", "select_blocks", "expert_parallel", "dispatch_experts"]
+__all__ = ["EXPERT", "select_blocks", "expert_parallel", "check_sequence_parallel", "dispatch_experts"]
 
 EXPERT = "expert"  # the layer style of an expert-parallel block's weights (a plan= value)
 
@@ -125,6 +127,35 @@ def expert_parallel(graph: Graph, plan: ShardingPlan, blocks: tuple[ExpertBlock,
     order = {layer.weight: i for i, layer in enumerate(plan.layers)}
     rows = tuple(sorted(layers.values(), key=lambda layer: order.get(layer.weight, len(order))))
     return dataclasses.replace(plan, placements=placements, params=params, reduces=reduces, layers=rows, experts=blocks)
+
+
+# NOTE: [expert parallelism with sequence parallelism]
+# ``sequence_parallel=True`` runs after this pass, on the plan it returns, and needs nothing of
+# its own for the experts. Hugging Face's MoE blocks flatten ``(B, T/ws, H)`` to ``(B*T/ws, H)``
+# before the router; that view merges the token shard with the batch, so the sequence region
+# ends there with an all_gather (backward: a reduce_scatter) and the router and
+# ``dispatch_to_experts`` read the whole, replicated tokens, as without sequence parallelism.
+# The combined output is ``Partial`` as ever; viewed back to ``(B, T, H)`` it is
+# reduce_scattered on its tokens instead of all_reduced (same bytes), and a tensor-parallel
+# shared expert is summed into it first. Per MoE block forward: 1 all_gather, 2 all_to_all,
+# 1 reduce_scatter, no all_reduce. Not done: routing and dispatching from the local tokens,
+# which would save the all_gather but needs the split sizes exchanged.
+
+
+def check_sequence_parallel(plan: ShardingPlan) -> None:
+    """Raise if a token shard of sequence parallelism reaches an expert-parallel block's input.
+
+    Raises:
+        FxtpPlanError: a block's ``hidden`` or routing is token-sharded (a MoE block that does
+            not flatten its tokens first), which ``dispatch_to_experts`` cannot read.
+    """
+    for block in plan.experts:
+        for name in (block.hidden, block.top_k_index, block.top_k_weights):
+            if name in plan.tokens:
+                raise FxtpPlanError(
+                    f"expert_parallel with sequence_parallel=True: {block.module}'s input {name} is sharded on tokens, "
+                    "and the experts' dispatch reads it replicated. fix: compile without one of the two"
+                )
 
 
 def dispatch_experts(graph: Graph, nodes: dict[str, Node], old_name: dict[Node, str], plan: ShardingPlan, rank: int,
