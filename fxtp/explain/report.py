@@ -16,6 +16,7 @@ from torch.export.graph_signature import InputKind
 
 from fxtp.capture.shapes import InputSpec, describe_dims
 from fxtp.core.placement import REPLICATE, Placement, Shard
+from fxtp.explain.alternatives import alternatives_text, layer_alternatives
 from fxtp.explain.counts import (
     CollectiveStat,
     Note,
@@ -83,6 +84,8 @@ class Report:
         self.sequence_parallel = False  # some region is sharded on tokens
         # regions recomputed in backward (fxtp.explain.recompute, NOTE: [recomputed regions])
         self.recompute: tuple[dict[str, Any], ...] = ()
+        # layer name -> its alternative styles' predicted bytes (NOTE: [layer alternatives] in fxtp/explain/alternatives.py)
+        self.alternatives: dict[str, list[dict[str, Any]]] = {}
 
     @property
     def plan(self) -> dict[str, str]:
@@ -109,7 +112,9 @@ class Report:
             "world_size": self.world_size,
             "rank": self.rank,
             "capture": {"frontend": self.frontend, "failed": [{"frontend": f, "reason": r} for f, r in self.attempts]},
-            "layers": [dataclasses.asdict(layer) | {"weight_shape": list(layer.weight_shape), "local_weight_shape": list(layer.local_weight_shape)} for layer in self.layers],
+            "layers": [dataclasses.asdict(layer) | {"weight_shape": list(layer.weight_shape), "local_weight_shape": list(layer.local_weight_shape),
+                                                     "alternatives": [dict(a) for a in self.alternatives.get(layer.name, ())]}
+                       for layer in self.layers],
             "notes": [dataclasses.asdict(n) | {"layers": list(n.layers)} for n in self.notes],
             "collectives": [dataclasses.asdict(c) for c in self.collectives],
             "param_bytes": {"total": self.param_bytes, "per_rank": self.param_bytes_per_rank, "by_rank": list(self.param_bytes_by_rank)},
@@ -151,6 +156,8 @@ class Report:
             note_rows = [(n.code, n.module or "-", n.node, n.message, ", ".join(n.layers)) for n in self.notes]
             parts.append(tabulate(note_rows, headers=("code", "module", "node", "why", "layers"), tablefmt="simple", maxcolwidths=[None, None, 50, 50, 40]))
         parts.append(self.summary(verbose=verbose))
+        if verbose and (alternatives := alternatives_text(self.layers, self.alternatives)):
+            parts.append(alternatives)
         return "\n\n".join(parts)
 
     def summary(self, *, verbose: bool = False) -> str:
@@ -284,6 +291,8 @@ def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, at
     )
     report.sequence_parallel = bool(plan.scatters)
     report.layer_comms = sequence_comms(program, plan)
+    report.alternatives = {layer.name: alts for layer in plan.layers
+                           if (alts := layer_alternatives(layer, nodes, program.state_dict, plan.world_size, needs_grad))}
     return report
 
 

@@ -106,6 +106,9 @@ class Workload:
     optimizer: str
     devices_per_node: int
     activation_bytes: int = 2  # bf16 (NOTE: [mixed precision]); 4 prices an fp32 model
+    # bytes of a parameter element FSDP2 all_gathers: bf16, ``MixedPrecisionPolicy(param_dtype=
+    # torch.bfloat16)`` (NOTE: [mixed precision]); 4 prices a run without a policy (fp32 gathers)
+    gather_bytes: int = _COMPUTE
 
 
 def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: Hardware, work: Workload) -> Estimate:
@@ -140,7 +143,9 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
     tp_s = choice.accumulation * (shape.layers * block_s + outside_s)
     fsdp_bytes, fsdp_s, fsdp_exposed_s = 0, 0.0, 0.0
     if work.training and dp > 1:
-        fsdp_bytes = int(choice.accumulation * (2 * _COMPUTE + _GRAD) * params.elements() * (dp - 1) / dp)
+        # a rank sends (dp-1)/dp of each all_gather's output and reduce_scatter's input, whose
+        # dim 0 FSDP2 pads to a multiple of dp: (dp-1) x its padded shard (NOTE: [collective time])
+        fsdp_bytes = choice.accumulation * (2 * work.gather_bytes + _GRAD) * (dp - 1) * params.elements(dp)
         units = _fsdp_units(choice, shape, params, hw, work, compute / choice.accumulation)
         fsdp_s = choice.accumulation * sum(2 * u.all_gather + u.reduce_scatter for u in units)
         fsdp_exposed_s = choice.accumulation * fsdp_exposed(units)
@@ -165,7 +170,7 @@ def _fsdp_units(choice: Choice, shape: TransformerShape, params: ParamShapes, hw
     group = Group.dp(choice.tp, choice.dp, work.devices_per_node)
 
     def unit(elements: int, forward: float, backward: float) -> Unit:
-        return Unit(ring_time("all_gather", _COMPUTE * elements, group, hw),
+        return Unit(ring_time("all_gather", work.gather_bytes * elements, group, hw),
                     ring_time("reduce_scatter", _GRAD * elements, group, hw), forward, backward)
 
     if not params.n_blocks:

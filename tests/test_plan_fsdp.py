@@ -1,0 +1,94 @@
+"""``fxtp.plan``'s predicted FSDP2 bytes per step against a run (issue 25, item 6): dp 2 x tp 2
+on real gloo ranks (world size 4: the smallest dp x tp), a tiny Llama (2 blocks, hidden 64).
+
+The planner prices torchtitan's units (each block, then the root): every parameter gathered in
+forward, gathered again in backward (``reshard_after_forward=True``) and reduce_scattered once
+(NOTE: [cost model] in fxtp/planner/costs.py). The bytes do not depend on how the parameters
+are grouped into units, only on that. A ``ParallelModule`` runs one graph over all its
+parameters and never calls its blocks' ``forward``, so ``fully_shard`` on a block registers
+hooks that never fire (the graph then gets the block's dp shards: a shape error); the run wraps
+the root alone with ``reshard_after_forward=True`` (FSDP2 otherwise keeps the root gathered
+after forward), which gathers and scatters each parameter as often as the per-block units do.
+
+The run's FSDP2 collectives are counted by ``_Fsdp2Bytes``, a ``TorchDispatchMode`` on the c10d
+ops FSDP2 issues (``c10d._allgather_base_`` from ``dist.all_gather_single``,
+``c10d._reduce_scatter_base_`` from ``dist.reduce_scatter_single``), whose call counts are
+checked against torch's own ``CommDebugMode`` (which counts c10d collectives, not their bytes).
+The planner prices bf16 gathers and fp32 scatters (NOTE: [mixed precision]); this CPU run has no
+``MixedPrecisionPolicy`` (fp32 gathers), so the prediction is asked with ``gather_bytes=4``.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_FSDP2_OPS = {"_allgather_base_": 0, "_reduce_scatter_base_": 1}  # which argument is the whole tensor
+
+
+class _Fsdp2Bytes(TorchDispatchMode):
+    """Bytes a rank sends in FSDP2's ring collectives, by c10d op: ``(n-1)/n`` of an all_gather's
+    output (argument 0) or a reduce_scatter's input (argument 1) over its ``n`` ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d" and func._opname in _FSDP2_OPS:
+            whole = args[_FSDP2_OPS[func._opname]]
+            n = whole.numel() // args[1 - _FSDP2_OPS[func._opname]].numel()
+            self.sent[func._opname] += (n - 1) * whole.numel() * whole.element_size() // n
+            self.calls[func._opname] += 1
+        return out
+
+
+def _run() -> dict:
+    """One rank of dp 2 x tp 2: the planner's FSDP2 bytes for that mesh, and the bytes and calls
+    of the second step (the first makes FSDP2's lazy state), per-block units then the root."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import fxtp
+    from fxtp.planner import HARDWARE
+    from fxtp.planner.costs import Choice, Workload, estimate
+    from fxtp.planner.model import TransformerShape
+    from fxtp.planner.params import parameter_shapes, repeated_blocks
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      use_cache=False)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    local = ids.chunk(2)[mesh["dp"].get_local_rank()]
+    shape = TransformerShape.of(model, repeated_blocks(model).fqn)
+    params = parameter_shapes(model, (2,), (local,), {})[2]
+    work = Workload(4, 16, True, "sgd", 2, activation_bytes=4, gather_bytes=4)  # fp32 gathers: no MixedPrecisionPolicy
+    predicted = estimate(Choice(2, 2, False, None, 2, 1), shape, params, HARDWARE["h100"], work).comm_bytes["fsdp"]
+    pm = fxtp.compile(model, 2, (local,), example_kwargs={"labels": local}, group=mesh["tp"], dynamic=False)
+    fully_shard(pm, mesh=mesh["dp"], reshard_after_forward=True)
+    pm(local, labels=local).loss.backward()
+    with CommDebugMode() as comm, _Fsdp2Bytes() as counted:
+        pm(local, labels=local).loss.backward()
+    debug = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items() if str(op).startswith("c10d.")}
+    return {"predicted": predicted, "sent": dict(counted.sent), "calls": dict(counted.calls), "debug": debug,
+            "held": sum(p.to_local().numel() for p in pm.parameters())}
+
+
+def test_fsdp2_bytes_per_step_equal_the_run(rank_pools):
+    """dp 2 x tp 2: the bytes FSDP2's all_gathers (forward and again in backward) and
+    reduce_scatter send per step equal the planner's ``comm_bytes["fsdp"]``; the collective
+    counts equal ``CommDebugMode``'s (FSDP2 issues no other c10d collective)."""
+    for rank in rank_pools(4).run(_run):
+        assert rank["calls"] == rank["debug"] == {"_allgather_base_": 2, "_reduce_scatter_base_": 1}, rank
+        # fp32: 4 B gathered twice and scattered once per element a dp rank holds, sent (dp-1)/dp of it
+        assert rank["sent"]["_allgather_base_"] == 2 * rank["sent"]["_reduce_scatter_base_"] == 2 * 4 * rank["held"], rank
+        assert rank["predicted"] == sum(rank["sent"].values()), rank
