@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import re
+import ast
 from pathlib import Path
 from typing import Any, Callable
 
@@ -15,27 +15,51 @@ QUICK_MODULES = ("test_rules.py", "test_rules_graphs.py", "test_rules_graphs_mor
 
 
 # pytest-xdist (the README's `python -m pytest -q -n 2`): how the suite shares two workers.
-# A module that starts gloo ranks names the fixture `pool` or `rank_pools`; those modules run in
-# one worker, so the ranks start once per session and two worlds of ranks never share the cores.
-_RANK_FIXTURE = re.compile(r"\b(pool|rank_pools)\b")
-RANK_MODULES = frozenset(p.name for p in Path(__file__).parent.glob("test_*.py") if _RANK_FIXTURE.search(p.read_text()))
+# A test that starts gloo ranks asks for the fixture `pool` or `rank_pools`, directly or through
+# a fixture of its module; those tests run in one worker, so the ranks start once per session
+# and two worlds of ranks never share the cores. The rest run beside them, in the other worker.
+_RANK_FIXTURES = frozenset({"pool", "rank_pools"})
 # Long modules without ranks, started first so that the other worker is not left with them last.
 FIRST_MODULES = ("test_docs.py", "test_bench.py")
 
 
+def _rank_tests(path: Path) -> frozenset[str]:
+    """Names of the test functions in ``path`` that need ranks (read from its source, as the
+    xdist controller does not collect): a parameter named in :data:`_RANK_FIXTURES`, or one
+    naming a function of the module that needs them (its fixtures), transitively."""
+    functions = {node.name: {a.arg for a in node.args.args + node.args.kwonlyargs}
+                 for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.FunctionDef)}
+    needs = set(_RANK_FIXTURES)
+    while True:
+        more = {name for name, args in functions.items() if args & needs} - needs
+        if not more:
+            break
+        needs |= more
+    return frozenset(name for name in needs if name.startswith("test_"))
+
+
+RANK_TESTS = {p.name: _rank_tests(p) for p in Path(__file__).parent.glob("test_*.py")}
+
+
+def _needs_ranks(module: str, test: str) -> bool:
+    return test.split("::")[-1].split("[")[0] in RANK_TESTS.get(module, ())
+
+
 def _order(item: pytest.Item) -> int:
     name = item.path.name
-    return 0 if name in RANK_MODULES else 1 + FIRST_MODULES.index(name) if name in FIRST_MODULES else 1 + len(FIRST_MODULES)
+    if _needs_ranks(name, item.name):
+        return 0
+    return 1 + FIRST_MODULES.index(name) if name in FIRST_MODULES else 1 + len(FIRST_MODULES)
 
 
 def scope_of(nodeid: str) -> str:
-    """The unit of work one xdist worker takes: ``ranks`` for every module in
-    :data:`RANK_MODULES`; each docs block on its own (``tests/test_docs.py`` runs them in fresh
-    directories); any other module whole (its module-scoped fixtures are built once, and its
+    """The unit of work one xdist worker takes: ``ranks`` for every test that needs ranks; each
+    docs block on its own (``tests/test_docs.py`` runs them in fresh directories); the other
+    tests of a module together (its module-scoped fixtures are built once per worker, and its
     tests run in file order: the docs' commands share one directory, in page order)."""
     path, _, test = nodeid.partition("::")
     name = Path(path).name
-    if name in RANK_MODULES:
+    if _needs_ranks(name, test):
         return "ranks"
     if name == "test_docs.py" and test.startswith("test_python_block_runs_as_a_file"):
         return nodeid
@@ -57,9 +81,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Marks the quick modules, and orders the modules for two workers: the ranks' modules
-    first (the longest unit), then :data:`FIRST_MODULES`, then the rest; each module's tests stay
-    together, in file order."""
+    """Marks the quick modules, and orders the tests for two workers: the ones that need ranks
+    first (the longest unit), then :data:`FIRST_MODULES`, then the rest; within each, in
+    collection order."""
     for item in items:
         if item.path.name in QUICK_MODULES:
             item.add_marker(pytest.mark.quick)
