@@ -147,7 +147,7 @@ def test_json_is_the_report_dict(capsys):
 def test_rank_and_input_specs(capsys):
     """--rank picks the rank; --input replaces the example input (3x64 floats: 768 B all_reduce)."""
     code, out, _ = run(capsys, "inspect", "mlp", "-n", "2", "--rank", "1", "--input", "3x64")
-    assert code == 0 and "fxtp plan: world_size 2, rank 1" in out and "1 all_reduce (768 B)" in out
+    assert code == 0 and "fxtp: layer styles for world_size 2, rank 1" in out and "1 all_reduce (768 B)" in out
     code, out, _ = run(capsys, "inspect", "mlp", "-n", "2", "-r", "1", "-f", "graph", "-i", "3x64")
     assert code == 0 and "# mlp: rank 1 of world_size 2" in out and "input,  # R  f32[3, 64]" in out
 
