@@ -17,7 +17,8 @@ The package is grouped by stage, and imports run one way (``tests/test_structure
   rewrite, in order: ``fxtp.planning``).
 - ``fxtp.planner``: ``plan``, the mesh and policies by predicted step time under a memory budget.
 
-``import fxtp`` loads only the errors and placements; everything else loads on first use.
+``import fxtp`` loads only the errors (no torch); everything else, the placements included,
+loads on first use.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from fxtp.core.errors import (
     FxtpPlanError,
     FxtpRuntimeError,
 )
-from fxtp.core.placement import Partial, Replicate, Shard
 
 __all__ = [
     "compile",
@@ -58,7 +58,8 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-# Public names that load their stage on first use, so `import fxtp` stays cheap.
+# Public names that load their stage on first use, so `import fxtp` stays cheap (no torch:
+# `fxtp --help` answers without it).
 _LAZY = {
     "compile": "fxtp.api",
     "analyze": "fxtp.api",
@@ -66,6 +67,9 @@ _LAZY = {
     "ParallelPlan": "fxtp.planner",
     "ParallelModule": "fxtp.runtime.module",
     "Report": "fxtp.explain.report",
+    "Replicate": "fxtp.core.placement",
+    "Shard": "fxtp.core.placement",
+    "Partial": "fxtp.core.placement",
 }
 
 # The flat module paths before the split by stage (README, "Changes to the design contracts"):

@@ -147,7 +147,7 @@ def test_json_is_the_report_dict(capsys):
 def test_rank_and_input_specs(capsys):
     """--rank picks the rank; --input replaces the example input (3x64 floats: 768 B all_reduce)."""
     code, out, _ = run(capsys, "inspect", "mlp", "-n", "2", "--rank", "1", "--input", "3x64")
-    assert code == 0 and "fxtp plan: world_size 2, rank 1" in out and "1 all_reduce (768 B)" in out
+    assert code == 0 and "fxtp: layer styles for world_size 2, rank 1" in out and "1 all_reduce (768 B)" in out
     code, out, _ = run(capsys, "inspect", "mlp", "-n", "2", "-r", "1", "-f", "graph", "-i", "3x64")
     assert code == 0 and "# mlp: rank 1 of world_size 2" in out and "input,  # R  f32[3, 64]" in out
 
@@ -313,3 +313,27 @@ def test_python_dash_m_fxtp_verify():
     assert json.loads(report)["world_size"] == 2
     assert verified.startswith("2 rank(s) on gloo") and "outputs:   max abs error" in verified
     assert "(4 parameters)" in verified and verified.rstrip().endswith("OK")
+
+
+def test_help_and_usage_errors_import_no_torch():
+    """``fxtp --help``, ``fxtp inspect --help``, ``fxtp plan --help`` and a missing argument
+    answer without importing torch (seconds of start-up): the parser's converters import on
+    call, ``FORMATS`` and ``HARDWARE`` come from torch-free modules. One subprocess runs all
+    four, each to its ``SystemExit``, and lists what of torch got loaded."""
+    code = (
+        "import sys, contextlib, io; from fxtp.explain.cli import main\n"
+        "for argv in (['--help'], ['inspect', '--help'], ['plan', '--help'], ['plan']):\n"
+        "    out = io.StringIO()\n"
+        "    try:\n"
+        "        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out): main(argv)\n"
+        "    except SystemExit as exc:\n"
+        "        assert exc.code == (2 if argv == ['plan'] else 0), (argv, exc.code)\n"
+        "    assert 'usage: fxtp' in out.getvalue(), out.getvalue()\n"
+        "    assert argv != ['plan', '--help'] or 'h200' in out.getvalue()  # HARDWARE's names\n"
+        "    loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'torch')\n"
+        "    assert not loaded, (argv, loaded[:5])\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -14,6 +14,7 @@ import torch
 
 from fxtp.explain.cli import main
 from fxtp.explain.hf_config import DEFAULT_SEQ, load_config_model
+from fxtp.explain.counts import fmt_bytes
 from fxtp.explain.report import megatron_floor
 
 transformers = pytest.importorskip("transformers")
@@ -90,10 +91,54 @@ def test_config_json_table_and_inputs(capsys, tmp_path):
     assert [(a.shape, a.dtype, a.device.type) for a in args] == [((1, DEFAULT_SEQ), torch.long, "meta")] and kwargs == {}
     assert main(["inspect", str(path), "-n", "2"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("fxtp plan: world_size 2, rank 0") and "model.layers.1.mlp.down_proj" in out
+    assert out.startswith("fxtp: layer styles for world_size 2, rank 0") and "model.layers.1.mlp.down_proj" in out
     assert "collectives per forward: 5 all_reduce (160.0 KiB), 1 all_gather (64.0 KiB)" in out
     assert main(["inspect", str(path), "-n", "2", "--input", "2x16:int64[0,128)"]) == 0
     assert "collectives per forward: 5 all_reduce (40.0 KiB)" in capsys.readouterr().out
+
+
+def test_report_header_input_dims_and_tied_weights(capsys, tmp_path):
+    """A Qwen2 config with ``tie_word_embeddings`` (2 layers, hidden 64): the header names the
+    layer styles (not ``fxtp plan``), the ``input dims`` line is short with the reason for the
+    static batch of 1 under it (gone with a batch of 2), and ``lm_head``'s row says its weight is
+    the embedding table, whose bytes count once (as ``model.parameters()`` counts it)."""
+    config = transformers.Qwen2Config(**_SMALL, tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"])
+    config.save_pretrained(tmp_path)
+    path = str(tmp_path / "config.json")
+    assert main(["inspect", path, "-n", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "fxtp: layer styles for world_size 2, rank 0"
+    dims = next(i for i, line in enumerate(lines) if line.startswith("input dims: "))
+    assert lines[dims].startswith("input dims: input_ids (1, s") and lines[dims].endswith(" in [2, inf])"), lines[dims]
+    assert lines[dims + 1] == "  1: the example's size (torch.export specializes 0 and 1); an example of 2 keeps it dynamic"
+    head = [i for i, line in enumerate(lines) if line.startswith("lm_head ")]
+    assert len(head) == 1 and "weight tied with model.embed_tokens: one table, counted once" in " ".join(
+        line.strip() for line in lines[head[0]:head[0] + 3]), lines[head[0]:head[0] + 3]
+    assert not any("tied" in line for line in lines if line.startswith("model.embed_tokens "))
+    model, _, _ = load_config_model(path)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())  # the tied table once
+    assert any(line.startswith("parameter bytes per rank: ") and f" of {fmt_bytes(whole)} (" in line for line in lines)
+    assert main(["inspect", path, "-n", "2", "--input", "2x16:int64[0,128)"]) == 0
+    out = capsys.readouterr().out
+    assert "\ninput dims: input_ids (s" in out and "example's size" not in out and "static (" not in out
+
+
+def test_input_dims_say_why_a_dim_is_static():
+    """``describe_inputs`` without a capture: the 0/1 reason only in a dynamic capture; other
+    static sizes get the generic line, naming the notes below only when there are some."""
+    from fxtp.capture.shapes import DimSpec, InputSpec, describe_inputs
+
+    dyn, one, hidden = DimSpec(symbol="s0", lo=2, example=4), DimSpec(size=1, example=1), DimSpec(size=64, example=64)
+    x, y = InputSpec("x", torch.float32, (one, dyn, hidden)), InputSpec("y", torch.long, (one, dyn))
+    assert describe_inputs((x, y, InputSpec("flag", value=True)), notes=True) == [
+        "input dims: x (1, s0 in [2, inf], 64); y (1, s0 in [2, inf])",
+        "  1: the example's size (torch.export specializes 0 and 1); an example of 2 keeps it dynamic",
+        "  64: static (the model, dynamic=False, dynamic_shapes= or a note below fixes it)",
+    ]
+    static = InputSpec("x", torch.float32, (one, hidden))  # dynamic=False: no dim has a symbol
+    assert describe_inputs((static,)) == [
+        "input dims: x (1, 64)", "  1, 64: static (the model, dynamic=False, dynamic_shapes= fixes it)"]
+    assert describe_inputs((InputSpec("flag", value=3),)) == []
 
 
 @pytest.mark.parametrize(

@@ -176,7 +176,7 @@ def test_to_dict_is_json_with_the_figures(plans):
         assert sum(v for k, v in fig["memory_per_device"].items() if k != "total") == fig["memory_per_device"]["total"]
     assert all(a["reason"] for a in d["alternatives"])
     text = str(plans["70b"])
-    assert "fits 80.0 GiB with" in text and "tp 16 crosses nodes" in text and "<- chosen" in text
+    assert "fits 80.0 GiB: uses " in text and "tp 16 crosses nodes" in text and "<- chosen" in text
 
 
 def test_hardware_is_overridable():

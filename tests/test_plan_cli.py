@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sys
 
 import pytest
@@ -48,10 +49,17 @@ def test_plan_a_published_config_as_json(capsys, tmp_path):
 
 
 def test_plan_table_says_micro_batches(capsys, tmp_path):
+    """The verdict shows the memory used (its own unit, not the budget's), the table's column
+    names micro-batch x accumulation steps, and the step line is in one unit, the total's."""
     argv = ["plan", _config(tmp_path, TINY), "-n", "4", "-m", "1GB", "--batch", "8", "--seq", "64", "--devices-per-node", "4"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "<- chosen" in out and "micro-batch" in out and "fits 953.7 MiB" in out
+    assert "<- chosen" in out and "micro-batch x accumulation" in out
+    verdict = next(line for line in out.splitlines() if line.startswith("fits "))
+    assert re.match(r"fits 953\.7 MiB: uses \d+\.\d (KiB|MiB) per device \(\d+\.\d%\)", verdict), verdict
+    step = next(line for line in out.splitlines() if line.startswith("step: "))
+    units = set(re.findall(r"\d (s|ms|us)\b", step))
+    assert len(units) == 1 and len(re.findall(r"\d (?:s|ms|us)\b", step)) == 6, step
 
 
 def test_plan_progress_on_a_terminal_only(capsys, tmp_path, monkeypatch):
@@ -103,3 +111,12 @@ def test_help_examples_parse(capsys):
 
     for argv in examples:
         get_args_parser().parse_args(argv)  # exits 2 on bad usage
+
+
+def test_times_share_the_unit_of_their_line():
+    """``fmt_time(x, like=largest)``: a line's parts in its largest figure's unit; a part too
+    small for the unit's two decimals keeps two significant digits instead of reading 0."""
+    from fxtp.planner.parallel_plan import fmt_time
+
+    assert [fmt_time(27.7e-6), fmt_time(1.25e-3), fmt_time(1.94), fmt_time(0)] == ["27.7 us", "1.25 ms", "1.94 s", "0.00 s"]
+    assert [fmt_time(0, like=27.7e-6), fmt_time(0.02176, like=1.94), fmt_time(0.0043, like=2.0)] == ["0.0 us", "0.02 s", "0.0043 s"]

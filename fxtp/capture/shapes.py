@@ -26,7 +26,7 @@ from torch.utils._sympy.numbers import int_oo
 
 from fxtp.core.errors import FxtpInputError
 
-__all__ = ["DimSpec", "InputSpec", "input_specs", "check_inputs", "describe_dims", "specialized_shapes"]
+__all__ = ["DimSpec", "InputSpec", "input_specs", "check_inputs", "describe_dims", "describe_inputs", "specialized_shapes"]
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,37 @@ def describe_dims(spec: InputSpec) -> str:
     """``ids: (s0 in [2, inf], s1 in [2, 16])`` or ``x: (s0 in [2, inf], 64)``."""
     parts = [str(d.size) if not d.dynamic else f"{d.symbol} in {d.range_text()}" for d in spec.dims]
     return f"{spec.name}: ({', '.join(parts)})"
+
+
+def describe_inputs(specs: tuple[InputSpec, ...], *, notes: bool = False) -> list[str]:
+    """The report's ``input dims`` lines: ``input dims: ids (s0 in [2, inf], 1); mask (...)``
+    (a symbol: dynamic, in its range; a number: static), then, indented, one line per kind of
+    static dim saying why it is static, as far as fxtp knows:
+
+    - an example size of 0 or 1 in a dynamic capture (some dim has a symbol): torch.export's
+      0/1 specialization (the module docstring); an example of 2 keeps it dynamic;
+    - any other static size: the model (its guards), ``dynamic=False``, the caller's
+      ``dynamic_shapes`` or, with ``notes``, one of the shape notes printed below fixes it.
+
+    Returns ``[]`` when ``specs`` holds no tensor.
+    """
+    tensors = [spec for spec in specs if spec.is_tensor]
+    if not tensors:
+        return []
+    dims = [d for spec in tensors for d in spec.dims]
+    dynamic = any(d.dynamic for d in dims)
+    small = sorted({d.size for d in dims if not d.dynamic and dynamic and d.size in (0, 1)})
+    fixed = sorted({d.size for d in dims if not d.dynamic and d.size not in small})
+    parts = [f"{spec.name} ({', '.join(str(d.size) if not d.dynamic else f'{d.symbol} in {d.range_text()}' for d in spec.dims)})"
+             for spec in tensors]
+    lines = ["input dims: " + "; ".join(parts)]
+    if small:
+        lines.append(f"  {', '.join(map(str, small))}: the example's size (torch.export specializes 0 and 1); "
+                     "an example of 2 keeps it dynamic")
+    if fixed:
+        fixes = "the model, dynamic=False, dynamic_shapes=" + (" or a note below" if notes else "")
+        lines.append(f"  {', '.join(map(str, fixed))}: static ({fixes} fixes it)")
+    return lines
 
 
 def specialized_shapes(flat: list[Any], specs: tuple[InputSpec, ...], symbols: set[str]) -> ShapesCollection:

@@ -18,11 +18,14 @@ Exit status: 0 on success, 1 on an fxtp error (one message; ``--verbose`` adds t
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["get_args_parser", "main"]
+__all__ = ["FORMATS", "get_args_parser", "main"]
+
+FORMATS = ("table", "json", "graph", "dot")  # fxtp inspect --format
 
 _EPILOG = """\
 examples:
@@ -100,22 +103,30 @@ def _memory(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2) or "b"])
 
 
-def _checked(fn: Callable[[str], Any], what: str) -> Callable[[str], Any]:
-    """An argparse ``type=`` from a function that raises ``ValueError`` with a full message."""
+def _deferred(module: str, name: str, what: str) -> Callable[[str], Any]:
+    """An argparse ``type=`` that imports ``module`` and calls its ``name`` (dotted, e.g.
+    ``InputSpec.parse``) when it converts a value, not when the parser is built, so
+    ``fxtp --help`` and usage errors load no torch. ``name`` raises ``ValueError`` with a full
+    message for bad text; it becomes argparse's ``ArgumentTypeError`` (exit 2)."""
 
-    def convert(text: str):
+    def convert(text: str) -> Any:
+        fn: Any = importlib.import_module(module)
+        for attr in name.split("."):
+            fn = getattr(fn, attr)
         try:
             return fn(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
-    convert.__name__ = what
+    convert.__name__ = what  # argparse names the converter in its "invalid MODEL value" message
     return convert
 
 
-def get_args_parser() -> argparse.ArgumentParser:
-    from fxtp.explain.inspection import FORMATS, InputSpec, check_model_arg
+_MODEL = _deferred("fxtp.explain.inspection", "check_model_arg", "MODEL")
 
+
+def get_args_parser() -> argparse.ArgumentParser:
+    """The ``fxtp`` parser; building it and ``--help`` import no torch (the converters defer)."""
     parser = argparse.ArgumentParser(
         prog="fxtp",
         description="Automatic tensor parallelism for PyTorch models.",
@@ -139,11 +150,11 @@ def get_args_parser() -> argparse.ArgumentParser:
         epilog=_INSPECT_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    inspect.add_argument("model", metavar="MODEL", type=_checked(check_model_arg, "MODEL"), help="see MODEL below")
+    inspect.add_argument("model", metavar="MODEL", type=_MODEL, help="see MODEL below")
     inspect.add_argument("--world-size", "-n", metavar="N", type=_world_size, required=True, help="tensor-parallel degree, >= 1")
     inspect.add_argument(
         "--input", "-i", dest="inputs", metavar="SPEC", action="append", default=[],
-        type=_checked(InputSpec.parse, "SPEC"), help="a positional input, repeatable (see SPEC below)",
+        type=_deferred("fxtp.explain.inspection", "InputSpec.parse", "SPEC"), help="a positional input, repeatable (see SPEC below)",
     )
     inspect.add_argument(
         "--format", "-f", choices=FORMATS, default="table",
@@ -163,7 +174,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr (it shows only on a terminal)")
     inspect.set_defaults(subparser=inspect)
-    _add_plan_parser(sub, check_model_arg)
+    _add_plan_parser(sub)
     return parser
 
 
@@ -183,7 +194,7 @@ examples:
 """
 
 
-def _add_plan_parser(sub: Any, check_model_arg: Callable[[str], str]) -> None:
+def _add_plan_parser(sub: Any) -> None:
     from fxtp.planner.hardware import HARDWARE
 
     plan = sub.add_parser(
@@ -195,7 +206,7 @@ def _add_plan_parser(sub: Any, check_model_arg: Callable[[str], str]) -> None:
         epilog=_PLAN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    plan.add_argument("model", metavar="MODEL", type=_checked(check_model_arg, "MODEL"), help="as for fxtp inspect")
+    plan.add_argument("model", metavar="MODEL", type=_MODEL, help="as for fxtp inspect")
     plan.add_argument("--devices", "-n", metavar="N", type=_world_size, required=True, help="devices in the job (tp x dp)")
     plan.add_argument("--device-memory", "-m", metavar="SIZE", type=_memory, required=True,
                       help="memory each device may use, e.g. 80GiB (GiB = 2**30 bytes, GB = 10**9)")

@@ -34,7 +34,6 @@ from fxtp.explain.hf_config import is_config_path, load_config_model
 from fxtp.explain.render import graph_dot, graph_text
 
 __all__ = [
-    "FORMATS",
     "InputSpec",
     "Loaded",
     "UsageError",
@@ -48,7 +47,6 @@ __all__ = [
     "write_output",
 ]
 
-FORMATS = ("table", "json", "graph", "dot")
 RENDERED = (".svg", ".png", ".pdf")
 
 

@@ -14,7 +14,7 @@ from tabulate import tabulate
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from fxtp.capture.shapes import InputSpec, describe_dims
+from fxtp.capture.shapes import InputSpec, describe_inputs
 from fxtp.core.placement import REPLICATE, Placement, Shard
 from fxtp.explain.alternatives import alternatives_text, layer_alternatives
 from fxtp.explain.counts import (
@@ -32,7 +32,7 @@ from fxtp.explain.counts import (
 )
 from passes.plan import LayerDecision, ShardingPlan
 
-__all__ = ["Report", "CollectiveStat", "Note", "build_report", "megatron_floor", "parameter_placements"]
+__all__ = ["Report", "CollectiveStat", "Note", "build_report", "megatron_floor", "parameter_placements", "tied_layers"]
 
 _aten = torch.ops.aten
 
@@ -149,7 +149,7 @@ class Report:
         headers += ["op", "weight", "style", "local weight", "communication", "reason"]
         widths = [None] * (len(headers) - 1) + [64]
         parts = [
-            f"fxtp plan: world_size {self.world_size}, rank {self.rank}",
+            f"fxtp: layer styles for world_size {self.world_size}, rank {self.rank}",
             tabulate(rows, headers=headers, tablefmt="simple", maxcolwidths=widths, disable_numparse=True),
         ]
         if self.notes:
@@ -170,12 +170,7 @@ class Report:
             why = "".join(f"; {f} failed: {r}" for f, r in self.attempts) if verbose else "; why: --verbose, report.attempts"
             capture += f" ({failed} could not capture the model, {self.frontend} could: nothing to fix{why})"
         lines = [capture]
-        tensors = [spec for spec in self.inputs if spec.is_tensor]
-        if tensors:
-            lines.append(
-                "input dims (a symbol: dynamic, in its range; a number: static, as the model, an example size of 0 or 1, "
-                "dynamic=False or a note below fixes it): " + "; ".join(map(describe_dims, tensors))
-            )
+        lines += describe_inputs(self.inputs, notes=bool(self.shape_notes))
         lines += [f"  {note}" for note in self.shape_notes]
         lines += [f"outputs: {line}" for line in self.left_out]
         for phase in ("forward", "backward"):
@@ -258,6 +253,27 @@ def _layer_comm(layer: LayerDecision) -> str:
     return "-"
 
 
+def tied_layers(program: ExportedProgram, layers: tuple[LayerDecision, ...]) -> tuple[LayerDecision, ...]:
+    """``layers`` with each row whose weight is the same tensor as an earlier row's of another
+    module (tied weights, as Hugging Face's ``tie_word_embeddings``: the output head reads the
+    embedding table) saying so in its reason. The parameter bytes count the tensor once
+    (:func:`build_report` sums distinct tensors). Rows of one module (a weight split in pieces,
+    a module called twice) are not tied."""
+
+    def key(layer: LayerDecision) -> Any:
+        tensor = program.state_dict.get(layer.weight)
+        return id(tensor) if tensor is not None else layer.weight
+
+    first: dict[Any, LayerDecision] = {}
+    out = []
+    for layer in layers:
+        owner = first.setdefault(key(layer), layer)
+        if owner.module != layer.module:
+            layer = dataclasses.replace(layer, reason=f"{layer.reason}; weight tied with {owner.name}: one table, counted once")
+        out.append(layer)
+    return tuple(out)
+
+
 def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, attempts, rank: int) -> Report:
     """Assemble the report from the captured program and the plan (reads ``meta["val"]``)."""
     nodes = {n.name: n for n in program.graph.nodes}
@@ -279,7 +295,7 @@ def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, at
         rank=rank,
         frontend=frontend,
         attempts=tuple(attempts),
-        layers=plan.layers,
+        layers=tied_layers(program, plan.layers),
         notes=notes(plan, nodes, param_names) + other_parameters(program, plan, placements, rank),
         collectives=stats,
         param_bytes=total,

@@ -8,10 +8,30 @@ fastest under a memory budget (``fxtp.plan``).
 - ``costs``: predicted memory and step time of one configuration.
 - ``search``: the search, ``plan``.
 - ``parallel_plan``: the frozen result, ``ParallelPlan``.
+
+``plan`` and ``ParallelPlan`` load on first use (as ``fxtp``'s own names do), so the CLI's
+parser can read ``HARDWARE`` without importing torch.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from fxtp.planner.hardware import HARDWARE, Hardware
-from fxtp.planner.parallel_plan import ParallelPlan
-from fxtp.planner.search import plan
 
 __all__ = ["plan", "ParallelPlan", "Hardware", "HARDWARE"]
+
+_LAZY = {"plan": "fxtp.planner.search", "ParallelPlan": "fxtp.planner.parallel_plan"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'fxtp.planner' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

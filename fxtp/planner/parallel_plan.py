@@ -39,12 +39,17 @@ def fmt_size(nbytes: float) -> str:
     return f"{int(nbytes)} B"
 
 
-def fmt_time(seconds: float) -> str:
-    if seconds >= 1 or seconds == 0:
-        return f"{seconds:.2f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds * 1e6:.1f} us"
+def fmt_time(seconds: float, like: Optional[float] = None) -> str:
+    """Seconds in s, ms or us, the unit chosen by the magnitude of ``like`` (default: ``seconds``;
+    pass a line's largest figure so the whole line shares one unit): ``27.7 us``, ``1.25 ms``,
+    ``0.0043 s`` (a small part of a line in seconds keeps two significant digits, not ``0.00``)."""
+    scale = seconds if like is None else like
+    unit, factor, digits = ("s", 1.0, 2) if scale >= 1 or scale == 0 else ("ms", 1e3, 2) if scale >= 1e-3 else ("us", 1e6, 1)
+    value = seconds * factor
+    text = f"{value:.{digits}f}"
+    if value and not float(text):
+        text = f"{value:.2g}"
+    return f"{text} {unit}"
 
 
 def _ac_name(ac: Optional[str]) -> str:
@@ -173,12 +178,11 @@ class ParallelPlan:
             self._verdict(),
             "memory per device: " + " + ".join(f"{k.replace('_', ' ')} {fmt_size(m[k])}" for k in _MEMORY_KEYS[:-1] if m[k])
             + f" = {fmt_size(m['total'])}",
-            f"step: {fmt_time(s['total'])} = compute {fmt_time(s['compute'])} (recompute {fmt_time(s['recompute'])}) + tp comm "
-            f"{fmt_time(s['tp_comm'])} + fsdp comm not hidden {fmt_time(s['fsdp_exposed'])} (of {fmt_time(s['fsdp_comm'])})",
+            self._step_line(),
             self._params_line(),
             self._styles_line(),
             "",
-            tabulate(self._rows(), headers=["tp", "dp", "sp", "checkpointing", "micro-batch", "memory", "step", ""],
+            tabulate(self._rows(), headers=["tp", "dp", "sp", "checkpointing", "micro-batch x accumulation", "memory", "step", ""],
                      colalign=("right", "right", "left", "left", "left", "right", "right", "left")),
         ]
         lines += [f"skipped tp {x['tp']}: {x['reason']}" for x in self.skipped]
@@ -203,10 +207,11 @@ class ParallelPlan:
     def _verdict(self) -> str:
         budget, peak = self.device_memory, self.chosen.peak
         if self.fits:
-            head = f"fits {fmt_size(budget)} with {fmt_size(budget - peak)} spare"
+            head = f"fits {fmt_size(budget)}: uses {fmt_size(peak)} per device ({peak / budget:.1%})"
         else:
             head = f"does not fit {fmt_size(budget)}: the smallest configuration needs {fmt_size(peak)} per device"
         others = []
+        slowest = max((a.estimate.step["total"] for a in self._per_tp().values()), default=0.0)
         for tp, a in self._per_tp().items():
             e = a.estimate
             if tp > self.devices_per_node:
@@ -214,8 +219,18 @@ class ParallelPlan:
             elif e.peak > self.device_memory:
                 others.append(f"tp {tp} needs {fmt_size(e.peak)}")
             else:
-                others.append(f"tp {tp} takes {fmt_time(e.step['total'])}")
+                others.append(f"tp {tp} takes {fmt_time(e.step['total'], like=slowest)}")
         return head + ("; " + "; ".join(others) if others else "")
+
+    def _step_line(self) -> str:
+        """The step time and its parts, all in the unit of the total (the largest figure)."""
+        s = self.chosen.step
+
+        def t(key: str) -> str:
+            return fmt_time(s[key], like=s["total"])
+
+        return (f"step: {t('total')} = compute {t('compute')} (recompute {t('recompute')}) + tp comm {t('tp_comm')} "
+                f"+ fsdp comm not hidden {t('fsdp_exposed')} (of {t('fsdp_comm')})")
 
     def _params_line(self) -> str:
         how = (f"{self.analyzed_blocks} of {self.n_blocks} blocks analyzed, the rest counted as block 1"
@@ -231,9 +246,12 @@ class ParallelPlan:
 
     def _rows(self) -> list[list[Any]]:
         """The chosen row, then each other tp's best (``to_dict()`` has every alternative)."""
+        shown = [self.chosen, *(a.estimate for a in self._per_tp().values())]
+        slowest = max(e.step["total"] for e in shown)  # one time unit for the step column
+
         def row(e: Estimate, verdict: str) -> list[Any]:
             c = e.choice
             return [c.tp, c.dp, "yes" if c.sequence_parallel else "no", _ac_name(c.activation_checkpointing),
-                    f"{c.micro_batch} x {c.accumulation}", fmt_size(e.peak), fmt_time(e.step["total"]), verdict]
+                    f"{c.micro_batch} x {c.accumulation}", fmt_size(e.peak), fmt_time(e.step["total"], like=slowest), verdict]
 
         return [row(self.chosen, "<- chosen" if self.fits else "<- chosen: the smallest")] + [row(a.estimate, a.reason) for a in self._per_tp().values()]

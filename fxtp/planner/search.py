@@ -174,7 +174,7 @@ def _why(e: Estimate, best: Estimate, budget: int, per_node: int) -> str:
     if e.peak > budget:
         return f"needs {fmt_size(e.peak)}"
     if e.step["total"] > best.step["total"]:
-        return f"slower: {fmt_time(e.step['total'])} vs {fmt_time(best.step['total'])}"
+        return f"slower: {fmt_time(e.step['total'])} vs {fmt_time(best.step['total'], like=e.step['total'])}"
     return f"as fast, but {fmt_size(e.peak)} vs {fmt_size(best.peak)}"
 
 
