@@ -28,12 +28,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Optional
+
+from _dist import _free_port  # the rank pool's: a free port on 127.0.0.1
 
 __all__ = ["Zygote"]
 
@@ -79,12 +80,6 @@ class Zygote:
 
 
 # --- the server ------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(request: dict, rank: Optional[int], port: int, out_fd: int) -> None:
