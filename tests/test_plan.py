@@ -143,6 +143,26 @@ def test_llama31_70b_on_64_devices_is_tp8_dp8(plans):
     assert any("crosses nodes" in a.reason for a in plan.alternatives)
 
 
+def test_a_pinned_tp_is_that_degrees_best_and_prices_the_others(plans):
+    """torchtitan's layout for Llama-3.1-70B on 64 H100s, asked for: the plan keeps tp 8 and
+    still chooses dp, sequence parallelism, checkpointing and micro-batches for it; the free
+    choice (the xfail above) stays in the alternatives with the time the pin gives up."""
+    free = plans["70b"]
+    pinned = fxtp.plan(llama31("70b"), 64, device_memory=H100, batch=64, seq=8192, devices_per_node=8, hardware="h100", tp=8)
+    assert (pinned.tp, pinned.dp, pinned.fits, pinned.pinned_tp) == (8, 8, True, 8)
+    # the pinned degree's best row is the free plan's best row at tp 8: the same search, one degree kept
+    tp8 = min((a.estimate for a in free.alternatives if a.estimate.choice.tp == 8 and a.estimate.peak <= H100),
+              key=lambda e: e.step["total"])
+    assert pinned.chosen.choice == tp8.choice and pinned.step_s == pytest.approx(tp8.step)
+    other = [a for a in pinned.alternatives if a.estimate.choice == free.chosen.choice]
+    assert len(other) == 1 and other[0].reason.startswith("not the pinned tp 8: fits, ")
+    assert "(tp pinned by the caller)" in str(pinned) and pinned.to_dict()["pinned_tp"] == 8
+    with pytest.raises(fxtp.FxtpConfigError, match="tp=3 does not divide the 64 devices"):
+        fxtp.plan(llama31("8b"), 64, device_memory=H100, batch=64, seq=8192, tp=3)
+    with pytest.raises(fxtp.FxtpConfigError, match="does not divide the global batch 12"):
+        fxtp.plan(llama31("8b"), 16, device_memory=H100, batch=12, seq=8192, tp=2)
+
+
 def test_llama31_405b_on_64_devices_does_not_fit_and_says_how_much_it_needs(plans):
     plan = plans["405b-64"]
     assert not plan.fits

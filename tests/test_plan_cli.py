@@ -62,6 +62,21 @@ def test_plan_table_says_micro_batches(capsys, tmp_path):
     assert len(units) == 1 and len(re.findall(r"\d (?:s|ms|us)\b", step)) == 6, step
 
 
+def test_plan_tp_pins_the_degree(capsys, tmp_path):
+    """``--tp`` keeps that degree (the chosen row and the JSON say so); a degree that does not
+    divide the devices is a one-line fxtp error with the degrees that do."""
+    argv = ["plan", _config(tmp_path, TINY), "-n", "4", "-m", "1GB", "--batch", "8", "--seq", "64", "--devices-per-node", "4"]
+    assert main(argv + ["--tp", "4", "--format", "json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["mesh"] == {"tp": 4, "dp": 1} and plan["pinned_tp"] == 4
+    assert {a["mesh"]["tp"] for a in plan["alternatives"]} == {1, 2, 4}
+    assert main(argv + ["--tp", "4"]) == 0
+    assert "(tp pinned by the caller)" in capsys.readouterr().out
+    assert main(argv + ["--tp", "3"]) != 0
+    err = capsys.readouterr().err
+    assert "tp=3 does not divide the 4 devices. fix: pin one of 1, 2, 4" in err and "Traceback" not in err
+
+
 def test_plan_progress_on_a_terminal_only(capsys, tmp_path, monkeypatch):
     argv = ["plan", _config(tmp_path, TINY), "-n", "2", "-m", "8GiB", "--batch", "4", "--seq", "32"]
     terminal = _Terminal()

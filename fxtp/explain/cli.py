@@ -216,6 +216,8 @@ def _add_plan_parser(sub: Any) -> None:
     plan.add_argument("--batch", "-b", metavar="B", type=_world_size, default=None, help="global batch, sequences per optimizer step")
     plan.add_argument("--seq", "-s", metavar="T", type=_world_size, default=None, help="tokens per sequence")
     plan.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw", help="its state is priced (default: adamw)")
+    plan.add_argument("--tp", metavar="T", type=_world_size, default=None,
+                      help="pin the tensor-parallel degree; the other degrees are still priced, to show what the pin costs")
     plan.add_argument("--inference", action="store_true", help="price a forward with a KV cache instead of a training step")
     plan.add_argument("--format", "-f", choices=("table", "json"), default="table", help="table (default) or the plan's JSON")
     plan.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr (it shows only on a terminal)")
@@ -236,7 +238,8 @@ def _plan(args: argparse.Namespace) -> int:
     result = fxtp.plan(
         loaded.model, args.devices, device_memory=args.device_memory, example_inputs=loaded.inputs,
         example_kwargs=loaded.kwargs, batch=args.batch, seq=args.seq, devices_per_node=args.devices_per_node,
-        hardware=args.hardware, optimizer=args.optimizer, training=not args.inference, progress=progress.stage,
+        hardware=args.hardware, optimizer=args.optimizer, training=not args.inference, tp=args.tp,
+        progress=progress.stage,
     )
     progress.done()
     print(json.dumps(result.to_dict(), indent=2) if args.format == "json" else result)

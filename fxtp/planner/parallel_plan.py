@@ -102,6 +102,7 @@ class ParallelPlan:
     notes: tuple[str, ...] = field(default=())
     # the chosen tp's layer styles, as plan= entries (NOTE: [repeated blocks] in fxtp/planner/params.py)
     layer_styles: Mapping[str, str] = field(default_factory=dict)
+    pinned_tp: Optional[int] = None  # the caller's fxtp.plan(..., tp=): chosen is then that degree's best
 
     @property
     def tp(self) -> int:
@@ -160,6 +161,7 @@ class ParallelPlan:
             "analyzed_blocks": self.analyzed_blocks,
             "n_blocks": self.n_blocks,
             "layer_styles": dict(self.layer_styles),
+            "pinned_tp": self.pinned_tp,
             "notes": list(self.notes),
             "alternatives": [a.to_dict(self.device_memory) for a in self.alternatives],
             "skipped": [dict(s) for s in self.skipped],
@@ -174,7 +176,8 @@ class ParallelPlan:
         lines = [
             f"fxtp plan: {self.model} on {self.devices} x {self.hardware.name} ({self.devices_per_node} per node), "
             f"{self.batch} x {self.seq} tokens per {what}" + (f", {self.optimizer}" if self.training else ""),
-            f"chosen: tp {c.tp} x dp {c.dp}{sp}, activation checkpointing: {_ac_name(c.activation_checkpointing)}, {micro}",
+            f"chosen: tp {c.tp} x dp {c.dp}{sp}, activation checkpointing: {_ac_name(c.activation_checkpointing)}, {micro}"
+            + (" (tp pinned by the caller)" if self.pinned_tp is not None else ""),
             self._verdict(),
             "memory per device: " + " + ".join(f"{k.replace('_', ' ')} {fmt_size(m[k])}" for k in _MEMORY_KEYS[:-1] if m[k])
             + f" = {fmt_size(m['total'])}",

@@ -43,6 +43,7 @@ def plan(
     hardware: Union[str, Hardware] = "h100",
     optimizer: str = "adamw",
     training: bool = True,
+    tp: Optional[int] = None,
     progress: Optional[Callable[[str], None]] = None,
 ) -> ParallelPlan:
     """Choose how to run ``model`` on ``devices`` devices: fastest predicted step that fits.
@@ -64,6 +65,10 @@ def plan(
             or a :class:`fxtp.planner.Hardware`.
         optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"`` (its state, NOTE: [mixed precision]).
         training: price a training step (else a forward with a KV cache).
+        tp: pin the tensor-parallel degree (e.g. torchtitan's tp 8 for Llama-3-70B on 64
+            devices): the search then chooses only ``dp = devices / tp``, sequence
+            parallelism, checkpointing and micro-batches. The other degrees stay in
+            ``alternatives`` with their figures, so the plan says what the pin costs.
         progress: called with each stage's name as it starts (the CLI prints them).
 
     Returns:
@@ -71,7 +76,8 @@ def plan(
         when nothing fits ``device_memory``.
 
     Raises:
-        FxtpConfigError: bad arguments, a model the cost model does not cover.
+        FxtpConfigError: bad arguments, a model the cost model does not cover; a pinned
+            ``tp`` that does not divide ``devices`` or whose ``dp`` does not divide ``batch``.
         FxtpInputError: no batch/seq given and no example input to read them from.
     """
     start = time.perf_counter()
@@ -95,6 +101,8 @@ def plan(
     work = Workload(batch, seq, training, optimizer, per_node)
     inside = [t for t in range(1, per_node + 1) if per_node % t == 0 and devices % t == 0]
     across = [t for t in range(per_node + 1, devices + 1) if devices % t == 0][:1]
+    pin = None if tp is None else _pinned(tp, devices, batch if training else None)
+    across += [] if pin is None or pin in inside + across else [pin]
     say("analyze")
     moe = MoeShape.of(model)
     params = parameter_shapes(model, tuple(inside + across), args, kwargs, expert_parallel=moe is not None)
@@ -113,10 +121,10 @@ def plan(
                 estimates.append(_best_micro_batch(tp, dp, sp, ac, shape, params[tp], hw, work, budget))
     if not estimates:
         raise FxtpConfigError(f"no mesh of {devices} devices divides the global batch {batch}: " + "; ".join(s["reason"] for s in skipped))
-    inside_node = [e for e in estimates if e.choice.tp <= per_node]
-    fitting = [e for e in inside_node if e.peak <= budget]
-    best = min(fitting, key=_rank) if fitting else min(inside_node, key=lambda e: (e.peak, _rank(e)))
-    alternatives = tuple(Alternative.of(e, _why(e, best, budget, per_node)) for e in sorted(estimates, key=_rank) if e is not best)
+    candidates = [e for e in estimates if (e.choice.tp == pin if pin is not None else e.choice.tp <= per_node)]
+    fitting = [e for e in candidates if e.peak <= budget]
+    best = min(fitting, key=_rank) if fitting else min(candidates, key=lambda e: (e.peak, _rank(e)))
+    alternatives = tuple(Alternative.of(e, _why(e, best, budget, per_node, pin)) for e in sorted(estimates, key=_rank) if e is not best)
     return ParallelPlan(
         model=type(model).__name__,
         devices=devices,
@@ -137,6 +145,7 @@ def plan(
         solve_s=time.perf_counter() - start,
         notes=notes,
         layer_styles=dict(params[best.choice.tp].styles),
+        pinned_tp=pin,
     )
 
 
@@ -167,8 +176,11 @@ def _rank(e: Estimate) -> tuple:
     return (round(e.step["total"], 9), e.peak, e.choice.tp)
 
 
-def _why(e: Estimate, best: Estimate, budget: int, per_node: int) -> str:
+def _why(e: Estimate, best: Estimate, budget: int, per_node: int, pinned: Optional[int] = None) -> str:
     c = e.choice
+    if pinned is not None and c.tp != pinned:
+        fits = "fits" if e.peak <= budget else f"needs {fmt_size(e.peak)}"
+        return f"not the pinned tp {pinned}: {fits}, {fmt_time(e.step['total'])}"
     if c.tp > per_node:
         return f"tp {c.tp} crosses nodes ({per_node} devices per node)"
     if e.peak > budget:
@@ -187,6 +199,18 @@ def _best_micro_batch(tp, dp, sp, ac, shape, params, hw, work: Workload, budget:
     found = [estimate(Choice(tp, dp, sp, ac, b, share // b), shape, params, hw, work) for b in sizes]
     fitting = [e for e in found if e.peak <= budget]
     return min(fitting, key=lambda e: (round(e.step["total"], 9), e.choice.accumulation)) if fitting else found[0]
+
+
+def _pinned(tp: Any, devices: int, batch: Optional[int]) -> int:
+    """A pinned ``tp`` checked: it divides the devices, and its ``dp`` the global batch (training)."""
+    tp = _positive("tp", tp)
+    if devices % tp:
+        divisors = ", ".join(str(t) for t in range(1, devices + 1) if devices % t == 0)
+        raise FxtpConfigError(f"tp={tp} does not divide the {devices} devices. fix: pin one of {divisors}")
+    if batch is not None and batch % (devices // tp):
+        raise FxtpConfigError(f"tp={tp} leaves dp {devices // tp}, which does not divide the global batch {batch}. "
+                              f"fix: a batch that is a multiple of {devices // tp}, or another tp")
+    return tp
 
 
 def _positive(name: str, value: Any) -> int:
