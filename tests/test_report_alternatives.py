@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxtp
 
@@ -53,3 +54,119 @@ def test_alternatives_price_the_chosen_style_as_the_report_does():
     text = report.to_text(verbose=True)
     assert "  up: replicate: 0 B, 4.2 KiB; *colwise (paired): 512 B, 2.1 KiB" in text, text
     assert "alternatives per layer" not in str(report)  # the table stays as it was (the goldens)
+
+
+class _Embedded(nn.Module):
+    """A token table feeding a colwise/rowwise pair."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.up, self.down = nn.Embedding(128, 16), nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(self.emb(ids))))
+
+
+class _FullBytes(TorchDispatchMode):
+    """The functional collectives dispatched while active, in call order, as ``(kind, bytes)``
+    in the report's convention: the full tensor's bytes (an all_reduce's input, an all_gather's
+    output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "_c10d_functional" and func._opname in ("all_reduce", "all_gather_into_tensor"):
+            full = out if func._opname == "all_gather_into_tensor" else args[0]
+            self.seen.append((func._opname, full.numel() * full.element_size()))
+        return out
+
+
+_EMBEDDING_PLANS = ({}, {"emb": "colwise"}, {"emb": "replicate"})
+
+
+def _embedding_runs() -> list[dict]:
+    """On each rank, per plan: the report's alternatives, the collectives one forward and one
+    backward dispatch, and the rank's local parameter bytes."""
+    import torch.distributed as dist
+
+    from fxtp.runtime.sharded import local_tensor
+
+    out = []
+    for plan in _EMBEDDING_PLANS:
+        torch.manual_seed(0)
+        ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+        pm = fxtp.compile(_Embedded(), dist.get_world_size(), (ids,), dynamic=False, plan=plan)
+        with _FullBytes() as forward:
+            y = pm(ids)
+        with _FullBytes() as backward:
+            y.pow(2).mean().backward()
+        local = {name: local_tensor(p).numel() * p.element_size() for name, p in pm.named_parameters()}
+        out.append({"styles": pm.report.plan, "alternatives": pm.report.alternatives, "forward": forward.seen,
+                    "backward": backward.seen, "local": local})
+    return out
+
+
+def test_embedding_alternatives_against_a_run(rank_pools):
+    """At ws 2 on real gloo ranks, an embedding vocab-parallel (the default), by columns and
+    replicated (``plan=``): its chosen alternative's forward bytes are the run's collective
+    after the lookup (counted by a ``TorchDispatchMode`` over the functional collectives, not
+    fxtp's report), its parameter bytes the rank's local table; the chosen alternatives of the
+    three layers sum to the run's bytes per phase; a replicated table holds the whole table."""
+    runs = rank_pools(2).run(_embedding_runs)
+    for rank in runs:
+        for plan, run in zip(_EMBEDDING_PLANS, rank):
+            chosen = {name: next(a for a in alts if a["chosen"]) for name, alts in run["alternatives"].items()}
+            assert set(chosen) == {"emb", "up", "down"}, run
+            for phase in ("forward", "backward"):
+                assert sum(c[f"{phase}_bytes"] for c in chosen.values()) == sum(b for _, b in run[phase]), (plan, phase, run)
+            emb = chosen["emb"]
+            assert emb["param_bytes_per_rank"] == run["local"]["emb.weight"], (plan, run)
+            expected = {"": "rowwise (vocab-parallel)", "colwise": "colwise", "replicate": "replicate"}[plan.get("emb", "")]
+            assert emb["style"].startswith(expected), (plan, emb)
+            if emb["forward_bytes"]:  # the first collective of the forward follows the lookup
+                assert run["forward"][0][1] == emb["forward_bytes"] == 2 * 8 * 16 * 4, (plan, run)
+            by_style = {a["style"]: a for a in run["alternatives"]["emb"]}
+            assert by_style["replicate"]["param_bytes_per_rank"] == 128 * 16 * 4
+            assert by_style["rowwise (vocab-parallel)"]["param_bytes_per_rank"] == by_style["colwise (by columns)"]["param_bytes_per_rank"] == 128 * 16 * 2
+
+
+def test_expert_alternatives_sum_to_the_report():
+    """The tiny Mixtral cut to 1 layer at ws 2 (analysis, no ranks), tensor parallel and
+    expert parallel: the chosen alternatives of all layers (the 3-D experts, the embedding,
+    q/k/v sharing one input's all_reduce) sum to the report's collectives per phase, which
+    tests/test_moe_figures.py checks against a run; the deferred rowwise reduction is the
+    block output's, plus the routing weights' gradient; an expert-parallel rank holds half the
+    experts."""
+    from fxtp.explain import examples
+
+    model, (ids,) = examples.mixtral(num_hidden_layers=1)
+    tokens, hidden = 2 * 16, 64
+    for ep in (False, True):
+        report = fxtp.analyze(model, 2, (ids,), dynamic=False, capture="export", expert_parallel=ep)
+        rows = {row["name"]: row for row in report.to_dict()["layers"]}
+        chosen = {}
+        for name, row in rows.items():
+            picked = [a for a in row["alternatives"] if a["chosen"]]
+            assert len(picked) == 1, row
+            chosen[name] = picked[0]
+        stats = report.to_dict()["collectives"]
+        for phase in ("forward", "backward"):
+            assert sum(c[f"{phase}_bytes"] for c in chosen.values()) == sum(s["bytes"] for s in stats if s["phase"] == phase), (ep, phase)
+        gate_up, down = (f"model.layers.0.mlp.experts.{p}" for p in ("gate_up_proj", "down_proj"))
+        assert chosen["model.layers.0.self_attn.k_proj"]["backward_bytes"] == 0  # q_proj carries their input's all_reduce
+        assert chosen["model.embed_tokens"]["style"] == "rowwise (vocab-parallel)"
+        alts = {name: {a["style"]: a for a in rows[name]["alternatives"]} for name in (gate_up, down)}
+        for name in (gate_up, down):
+            assert alts[name]["expert"]["param_bytes_per_rank"] == alts[name]["replicate"]["param_bytes_per_rank"] // 2
+        rowwise = alts[down]["rowwise (paired)"]
+        assert (rowwise["forward_bytes"], rowwise["backward_bytes"]) == (tokens * hidden * 4, tokens * 2 * 4)
+        if ep:
+            assert chosen[gate_up]["style"] == chosen[down]["style"] == "expert"
+            to_all = sum(s["bytes"] for s in stats if s["phase"] == "forward" and s["kind"] == "all_to_all")
+            assert chosen[gate_up]["forward_bytes"] + chosen[down]["forward_bytes"] == to_all + tokens * hidden * 4
+        else:
+            assert (chosen[gate_up]["style"], chosen[down]["style"]) == ("colwise (paired)", "rowwise (paired)")
+    assert f"  {down}: replicate: 0 B, 128.0 KiB;" in report.to_text(verbose=True)

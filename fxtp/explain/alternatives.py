@@ -1,4 +1,4 @@
-"""Each linear layer's alternative styles and their predicted collective and parameter bytes.
+"""Each layer's alternative styles and their predicted collective and parameter bytes.
 
 NOTE: [layer alternatives]
 The passes choose a layer's style and keep no figures for the styles they did not choose, so
@@ -19,28 +19,60 @@ example input; parameter bytes on rank 0, ``ceil`` of an uneven shard). For a li
 - ``rowwise, sliced`` (alone): the pair's rowwise figures plus the backward all_gather of the
   input's gradient (the forward slices the input locally).
 
+For an embedding ``y = W[ids]`` (``W`` ``(V, D)``; the ids need no gradient):
+
+- ``replicate``: no collective; the whole table.
+- ``rowwise (vocab-parallel)`` (Megatron-LM's ``VocabParallelEmbedding``): rows of ``W``; each
+  rank zeroes the ids outside its rows, forward an all_reduce of the output, backward none.
+- ``colwise (by columns)``: columns of ``W``, output sharded on ``D`` into consumers that take
+  it so (NOTE: [column-sharded embedding]): no collective.
+- ``colwise, gathered``: by columns, the output all_gathered in forward for a consumer that
+  needs it whole (its gradient is sliced in backward, no collective).
+
+3-D expert weights: NOTE: [expert alternatives] below.
+
+One value's gradient is all_reduced once however many colwise layers read it (one ``f`` per
+producer, ``passes/propagate.py``: q, k and v read one input): the first layer in graph order
+that reads it colwise in the plan carries those bytes, and a later layer's colwise alternatives
+add none for it. So the chosen alternatives' bytes sum to the report's collectives.
+
 Priced without sequence parallelism (under it an all_reduce becomes an all_gather and
 reduce_scatter pair moving the same bytes). The chosen alternative is the one named by the
 layer's style; a colwise layer is taken as gathered when it is the output head
-(``LayerDecision.output_head``), else as one of a pair.
+(``LayerDecision.output_head``) or, for an embedding, when the plan gathers its output, else as
+one of a pair.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+from fxtp.core.errors import FxtpPlanError
 from fxtp.explain.counts import fmt_bytes, nbytes_of
+from passes.moe.blocks import ExpertBlock, find_expert_blocks
+from passes.plan import ShardingPlan
 
-__all__ = ["layer_alternatives", "alternatives_text"]
+__all__ = ["report_alternatives", "layer_alternatives", "embedding_alternatives", "expert_alternatives", "ExpertLayers",
+           "expert_layers", "alternatives_text"]
 
 
 def _bytes(val: Any) -> int:
     return nbytes_of(val) if val is not None else 0
 
 
+def _rows(table: list[tuple[str, int, int, int]], chosen: str | None) -> list[dict[str, Any]]:
+    return [{"style": s, "forward_bytes": f, "backward_bytes": b, "param_bytes_per_rank": p, "chosen": s == chosen}
+            for s, f, b, p in table]
+
+
 def layer_alternatives(layer: Any, nodes: dict[str, Any], state: dict[str, Any], world_size: int,
-                       needs_grad: set[str]) -> list[dict[str, Any]]:
+                       needs_grad: set[str], carried: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
     """The alternatives of one ``linear`` layer (NOTE: [layer alternatives]); ``[]`` for others.
 
     Args:
@@ -49,6 +81,7 @@ def layer_alternatives(layer: Any, nodes: dict[str, Any], state: dict[str, Any],
         state: the captured program's state dict (parameter FQN -> tensor): the weight's dtype.
         world_size: the tensor-parallel degree ``t``.
         needs_grad: the names of the nodes whose value needs a gradient.
+        carried: values whose gradient's all_reduce an earlier colwise layer carries.
 
     Returns:
         Per alternative: ``style``, ``forward_bytes`` and ``backward_bytes`` (collective payload
@@ -59,7 +92,8 @@ def layer_alternatives(layer: Any, nodes: dict[str, Any], state: dict[str, Any],
         return []
     x = node.args[0]
     x_bytes = _bytes(x.meta.get("val")) if hasattr(x, "meta") else 0
-    grad_bytes = x_bytes if getattr(x, "name", None) in needs_grad else 0
+    name = getattr(x, "name", None)
+    grad_bytes = x_bytes if name in needs_grad and name not in carried else 0
     y_bytes = _bytes(node.meta.get("val"))
     weight = state.get(layer.weight)
     if weight is None or len(layer.weight_shape) != 2:
@@ -72,15 +106,204 @@ def layer_alternatives(layer: Any, nodes: dict[str, Any], state: dict[str, Any],
     cols = out_f * math.ceil(in_f / world_size) * size + bias
     chosen = {"replicate": "replicate", "colwise": "colwise, gathered" if layer.output_head else "colwise (paired)",
               "rowwise": "rowwise (paired)"}.get(layer.style)
-    table = [
+    return _rows([
         ("replicate", 0, 0, out_f * in_f * size + bias),
         ("colwise (paired)", 0, grad_bytes, rows),
         ("rowwise (paired)", y_bytes, 0, cols),
         ("colwise, gathered", y_bytes, grad_bytes, rows),
-        ("rowwise, sliced", y_bytes, grad_bytes, cols),
-    ]
-    return [{"style": s, "forward_bytes": f, "backward_bytes": b, "param_bytes_per_rank": p, "chosen": s == chosen}
-            for s, f, b, p in table]
+        ("rowwise, sliced", y_bytes, x_bytes if name in needs_grad else 0, cols),
+    ], chosen)
+
+
+def embedding_alternatives(layer: Any, nodes: dict[str, Any], state: dict[str, Any], world_size: int,
+                           gathered: bool) -> list[dict[str, Any]]:
+    """The alternatives of one ``embedding`` layer (NOTE: [layer alternatives]); ``[]`` for others.
+
+    Args:
+        layer, nodes, state, world_size: as :func:`layer_alternatives`.
+        gathered: the plan all_gathers the layer's output (a colwise table whose consumer needs
+            it whole).
+
+    Returns:
+        As :func:`layer_alternatives`: ``replicate``, ``rowwise (vocab-parallel)``, ``colwise
+        (by columns)``, ``colwise, gathered``.
+    """
+    node = nodes.get(layer.node)
+    weight = state.get(layer.weight)
+    if layer.op != "embedding" or node is None or weight is None or len(layer.weight_shape) != 2 or world_size <= 1:
+        return []
+    vocab, dim = layer.weight_shape
+    size = weight.element_size()
+    y_bytes = _bytes(node.meta.get("val"))
+    chosen = {"replicate": "replicate", "rowwise": "rowwise (vocab-parallel)",
+              "colwise": "colwise, gathered" if gathered else "colwise (by columns)"}.get(layer.style)
+    cols = vocab * math.ceil(dim / world_size) * size
+    return _rows([
+        ("replicate", 0, 0, vocab * dim * size),
+        ("rowwise (vocab-parallel)", y_bytes, 0, math.ceil(vocab / world_size) * dim * size),
+        ("colwise (by columns)", 0, 0, cols),
+        ("colwise, gathered", y_bytes, 0, cols),
+    ], chosen)
+
+
+# NOTE: [expert alternatives]
+# A routed-experts block (``passes/moe/blocks.py``: ``hidden`` ``(T, H)`` made into ``S = T k``
+# rows, the experts' grouped matmuls on them, the ``result`` ``(S, H)`` weighted by the routing
+# weights ``(T, k)`` and summed over the top-k into ``output`` ``(T, H)``) has, per layer, in the
+# convention of NOTE: [layer alternatives] above (``x`` ``(S, K)`` the layer's input,
+#, ``N`` its output features, ``t`` the ranks):
+#
+# - ``replicate``: no collective; the whole ``E N K`` weight.
+# - ``colwise (paired)`` (tensor parallelism inside every expert, ``passes/rules/experts.py``):
+#   ``N`` sharded; backward an all_reduce of ``x``'s gradient.
+# - ``rowwise (paired)``: ``K`` sharded; forward an all_reduce of the partial sums. For the
+#   block's last layer it is deferred past the routing weights and the top-k sum (NOTE:
+#   [deferred reduction] in ``passes/moe/reductions.py``): of ``output``, ``(T, H)``, and the
+#   routing weights enter through ``f``, whose gradient is all_reduced in backward. Elsewhere, of
+#   the layer's output.
+# - ``expert`` (``expert_parallel=True``, NOTE: [expert parallelism] in
+#   ``fxtp/core/expert_dispatch.py``; only for a block fxtp can dispatch): ``ceil(E / t)`` whole
+#   experts on rank 0. The block's collectives (``fxtp.explain.counts.expert_comms``) are split
+#   as the pair's are: its first layer carries the dispatch (forward the all_to_all of the
+#   ``S H`` rows; backward its reverse and the all_gather of ``hidden``'s gradient), its last
+#   the combine (forward the all_to_all of the ``S H`` result rows and the all_reduce of the
+#   ``Partial`` ``output``; backward the reverse all_to_all and the all_gather of the routing
+#   weights' gradient). A layer between them carries none.
+#
+# Expert biases (``(E, N)``, gathered by expert) are other parameters, not priced here. A shared
+# expert whose rowwise output is added to the block's before one all_reduce (Qwen2-MoE) is
+# priced as a linear layer of its own: that reduction is counted twice.
+
+
+@dataclass(frozen=True)
+class ExpertLayers:
+    """The experts blocks and, per block, its layers' nodes in graph order."""
+
+    blocks: tuple[ExpertBlock, ...]
+    by_weight: dict[str, int]  # parameter FQN -> index of its block
+    layer_nodes: tuple[tuple[str, ...], ...]  # per block: its layers' node names, graph order
+
+
+def expert_layers(program: ExportedProgram, plan: ShardingPlan) -> ExpertLayers:
+    """The plan's expert-parallel blocks, else the graph's experts blocks (none when a module
+    with 3-D parameters is not one fxtp can dispatch: its layers then have no ``expert``
+    alternative, and their rowwise reduction is priced where the layer is)."""
+    fqns = {s.arg.name: s.target for s in program.graph_signature.input_specs if s.kind == InputKind.PARAMETER}
+    blocks = plan.experts
+    if not blocks:
+        try:
+            blocks = find_expert_blocks(program.graph, fqns)
+        except FxtpPlanError:
+            blocks = ()
+    by_weight = {fqns[p]: i for i, block in enumerate(blocks) for p in block.params}
+    layers = {layer.node for layer in plan.layers}
+    return ExpertLayers(blocks, by_weight, tuple(tuple(n for n in b.region if n in layers) for b in blocks))
+
+
+def expert_alternatives(layer: Any, nodes: dict[str, Any], state: dict[str, Any], world_size: int,
+                        needs_grad: set[str], carried: frozenset[str], experts: ExpertLayers) -> list[dict[str, Any]]:
+    """The alternatives of one 3-D expert layer (NOTE: [expert alternatives]); ``[]`` for others.
+
+    Args:
+        layer: its ``LayerDecision``.
+        nodes: the captured graph's nodes by name (``meta["val"]`` read).
+        state: the captured program's state dict (parameter FQN -> tensor).
+        world_size: the degree ``t``.
+        needs_grad: the names of the nodes whose value needs a gradient.
+        carried: values whose gradient's all_reduce an earlier colwise layer carries.
+        experts: the graph's experts blocks (:func:`expert_layers`).
+
+    Returns:
+        As :func:`layer_alternatives`: ``replicate``, ``colwise
+        (paired)``, ``rowwise (paired)`` and, in a block fxtp can dispatch, ``expert``.
+    """
+    node, weight = nodes.get(layer.node), state.get(layer.weight)
+    if node is None or weight is None or len(layer.weight_shape) != 3 or world_size <= 1 or not node.args:
+        return []
+    x, out = node.args[0], node.meta.get("val")
+    e, a, b = layer.weight_shape
+    n = int(optimization_hint(out.shape[-1])) if out is not None and out.dim() else 0
+    if n not in (a, b):
+        return []
+    k = a * b // n
+    size = weight.element_size()
+    x_name = getattr(x, "name", None)
+    grad = _bytes(x.meta.get("val")) if x_name in needs_grad and x_name not in carried else 0
+    index = experts.by_weight.get(layer.weight)
+    block = experts.blocks[index] if index is not None else None
+    order = experts.layer_nodes[index] if index is not None else ()
+    first, last = bool(order) and order[0] == layer.node, bool(order) and order[-1] == layer.node
+    table = [("replicate", 0, 0, e * n * k * size), ("colwise (paired)", 0, grad, e * math.ceil(n / world_size) * k * size)]
+    rowwise_params = e * n * math.ceil(k / world_size) * size
+    if block is not None and last:
+        weights = nodes[block.top_k_weights]
+        routing_grad = _bytes(weights.meta.get("val")) if block.top_k_weights in needs_grad else 0
+        table.append(("rowwise (paired)", _bytes(nodes[block.output].meta.get("val")), routing_grad, rowwise_params))
+    else:
+        table.append(("rowwise (paired)", _bytes(out), 0, rowwise_params))
+    if block is not None:
+        table.append(("expert", *_expert_bytes(block, nodes, needs_grad, first, last), math.ceil(e / world_size) * n * k * size))
+    chosen: Optional[str] = {"replicate": "replicate", "colwise": "colwise (paired)", "rowwise": "rowwise (paired)",
+                             "expert": "expert"}.get(layer.style)
+    return [{"style": s, "forward_bytes": f, "backward_bytes": bw, "param_bytes_per_rank": p, "chosen": s == chosen}
+            for s, f, bw, p in table]
+
+
+def _expert_bytes(block: ExpertBlock, nodes: dict[str, Any], needs_grad: set[str], first: bool, last: bool) -> tuple[int, int]:
+    """Forward and backward bytes of the block's expert-parallel collectives that the layer
+    carries: the dispatch if it is the block's first layer, the combine if its last
+    (NOTE: [expert alternatives]; the figures of ``fxtp.explain.counts.expert_comms``)."""
+    hidden, result = nodes[block.hidden].meta["val"], nodes[block.result].meta["val"]
+    rows = optimization_hint(hidden.shape[0]) * block.top_k * optimization_hint(hidden.shape[-1])
+    forward = backward = 0
+    if first:
+        forward += rows * hidden.element_size()
+        if block.hidden in needs_grad:
+            backward += rows * hidden.element_size() + nbytes_of(hidden)  # the reverse all_to_all, the all_gather
+    if last:
+        forward += rows * result.element_size() + _bytes(nodes[block.output].meta.get("val"))
+        if block.result in needs_grad:
+            backward += rows * result.element_size()
+        if block.top_k_weights in needs_grad:
+            backward += _bytes(nodes[block.top_k_weights].meta.get("val"))
+    return forward, backward
+
+
+def report_alternatives(program: ExportedProgram, plan: ShardingPlan, nodes: dict[str, Any],
+                        needs_grad: set[str]) -> dict[str, list[dict[str, Any]]]:
+    """Every layer's alternatives (NOTE: [layer alternatives]), by layer name.
+
+    Args:
+        program: the captured program (its graph's ``meta["val"]``, its state dict).
+        plan: the sharding plan the report describes.
+        nodes: ``program.graph``'s nodes by name.
+        needs_grad: the names of the nodes whose value needs a gradient.
+
+    Returns:
+        ``{layer name: alternatives}`` for the linear, embedding and 3-D expert layers; empty at
+        world_size 1.
+    """
+    if plan.world_size <= 1:
+        return {}
+    state = program.state_dict
+    gathered = {p for (_, p), a in plan.edges.items() if a.kind == "gather"}
+    experts: ExpertLayers | None = None  # found on the first 3-D layer
+    carried: set[str] = set()
+    out: dict[str, list[dict[str, Any]]] = {}
+    for layer in plan.layers:
+        if len(layer.weight_shape) == 3:
+            experts = experts or expert_layers(program, plan)
+            alts = expert_alternatives(layer, nodes, state, plan.world_size, needs_grad, frozenset(carried), experts)
+        elif layer.op == "embedding":
+            alts = embedding_alternatives(layer, nodes, state, plan.world_size, layer.node in gathered)
+        else:
+            alts = layer_alternatives(layer, nodes, state, plan.world_size, needs_grad, frozenset(carried))
+        node = nodes.get(layer.node)
+        if layer.style == "colwise" and layer.op != "embedding" and node is not None and node.args and hasattr(node.args[0], "name"):
+            carried.add(node.args[0].name)
+        if alts:
+            out[layer.name] = alts
+    return out
 
 
 def alternatives_text(layers: tuple[Any, ...], alternatives: dict[str, list[dict[str, Any]]]) -> str:

@@ -16,7 +16,7 @@ from torch.export.graph_signature import InputKind
 
 from fxtp.capture.shapes import InputSpec, describe_inputs
 from fxtp.core.placement import REPLICATE, Placement, Shard
-from fxtp.explain.alternatives import alternatives_text, layer_alternatives
+from fxtp.explain.alternatives import alternatives_text, report_alternatives
 from fxtp.explain.counts import (
     CollectiveStat,
     Note,
@@ -307,8 +307,7 @@ def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, at
     )
     report.sequence_parallel = bool(plan.scatters)
     report.layer_comms = sequence_comms(program, plan)
-    report.alternatives = {layer.name: alts for layer in plan.layers
-                           if (alts := layer_alternatives(layer, nodes, program.state_dict, plan.world_size, needs_grad))}
+    report.alternatives = report_alternatives(program, plan, nodes, needs_grad)
     return report
 
 
