@@ -51,6 +51,9 @@ def test_alternatives_price_the_chosen_style_as_the_report_does():
         assert replicate["param_bytes_per_rank"] == _bytes(*module.parameters())
     assert chosen["up"]["param_bytes_per_rank"] == _bytes(model.up.weight, model.up.bias) // 2  # rows of W and b
     assert chosen["down"]["param_bytes_per_rank"] == _bytes(model.down.weight) // 2 + _bytes(model.down.bias)
+    # every parameter is a layer's: the chosen alternatives hold the rank's bytes (a property of the per-parameter bytes)
+    assert sum(c["param_bytes_per_rank"] for c in chosen.values()) == report.param_bytes_per_rank == report.param_bytes_by_rank[0]
+    assert report.to_dict()["param_bytes"]["per_rank"] == report.param_bytes_per_rank
     text = report.to_text(verbose=True)
     assert "  up: replicate: 0 B, 4.2 KiB; *colwise (paired): 512 B, 2.1 KiB" in text, text
     assert "alternatives per layer" not in str(report)  # the table stays as it was (the goldens)
