@@ -136,40 +136,50 @@ def test_embedding_alternatives_against_a_run(rank_pools):
             assert by_style["rowwise (vocab-parallel)"]["param_bytes_per_rank"] == by_style["colwise (by columns)"]["param_bytes_per_rank"] == 128 * 16 * 2
 
 
-def test_expert_alternatives_sum_to_the_report():
-    """The tiny Mixtral cut to 1 layer at ws 2 (analysis, no ranks), tensor parallel and
-    expert parallel: the chosen alternatives of all layers (the 3-D experts, the embedding,
-    q/k/v sharing one input's all_reduce) sum to the report's collectives per phase, which
-    tests/test_moe_figures.py checks against a run; the deferred rowwise reduction is the
-    block output's, plus the routing weights' gradient; an expert-parallel rank holds half the
+def _chosen_and_stats(report) -> tuple[dict, dict, list]:
+    rows = {row["name"]: row for row in report.to_dict()["layers"]}
+    chosen = {}
+    for name, row in rows.items():
+        picked = [a for a in row["alternatives"] if a["chosen"]]
+        assert len(picked) == 1, row
+        chosen[name] = picked[0]
+    return rows, chosen, report.to_dict()["collectives"]
+
+
+def test_chosen_alternatives_sum_to_the_report():
+    """Analyses (no ranks) of the tiny Mixtral and Qwen2-MoE cut to 1 layer at ws 2, tensor and
+    expert parallel, and of the tiny Llama at ws 4: the chosen alternatives of all layers sum to
+    the report's collectives per phase (which tests/test_moe_figures.py and the numerics tests
+    check against runs): q/k/v share one input's all_reduce; Mixtral's rowwise experts reduce
+    the block output (deferred), plus the routing weights' gradient; Qwen2-MoE's shared expert
+    and routed experts share one all_reduce; Llama's 2 kv heads at ws 4 add their holders'
+    weight-gradient all_reduce (NOTE: [grouped shards]). An expert-parallel rank holds half the
     experts."""
     from fxtp.explain import examples
 
-    model, (ids,) = examples.mixtral(num_hidden_layers=1)
     tokens, hidden = 2 * 16, 64
-    for ep in (False, True):
-        report = fxtp.analyze(model, 2, (ids,), dynamic=False, capture="export", expert_parallel=ep)
-        rows = {row["name"]: row for row in report.to_dict()["layers"]}
-        chosen = {}
-        for name, row in rows.items():
-            picked = [a for a in row["alternatives"] if a["chosen"]]
-            assert len(picked) == 1, row
-            chosen[name] = picked[0]
-        stats = report.to_dict()["collectives"]
+    cases = [("mixtral", examples.mixtral(num_hidden_layers=1), 2, ep) for ep in (False, True)]
+    cases += [("qwen2-moe", examples.qwen2_moe(num_hidden_layers=1), 2, ep) for ep in (False, True)]
+    cases.append(("llama", examples.llama(), 4, False))
+    for name, (model, inputs), ws, ep in cases:
+        report = fxtp.analyze(model, ws, tuple(inputs), dynamic=False, capture="export", expert_parallel=ep)
+        rows, chosen, stats = _chosen_and_stats(report)
         for phase in ("forward", "backward"):
-            assert sum(c[f"{phase}_bytes"] for c in chosen.values()) == sum(s["bytes"] for s in stats if s["phase"] == phase), (ep, phase)
+            assert sum(c[f"{phase}_bytes"] for c in chosen.values()) == sum(s["bytes"] for s in stats if s["phase"] == phase), (name, ep, phase)
+        if name != "mixtral":
+            continue
         gate_up, down = (f"model.layers.0.mlp.experts.{p}" for p in ("gate_up_proj", "down_proj"))
         assert chosen["model.layers.0.self_attn.k_proj"]["backward_bytes"] == 0  # q_proj carries their input's all_reduce
         assert chosen["model.embed_tokens"]["style"] == "rowwise (vocab-parallel)"
-        alts = {name: {a["style"]: a for a in rows[name]["alternatives"]} for name in (gate_up, down)}
-        for name in (gate_up, down):
-            assert alts[name]["expert"]["param_bytes_per_rank"] == alts[name]["replicate"]["param_bytes_per_rank"] // 2
+        alts = {n: {a["style"]: a for a in rows[n]["alternatives"]} for n in (gate_up, down)}
+        for n in (gate_up, down):
+            assert alts[n]["expert"]["param_bytes_per_rank"] == alts[n]["replicate"]["param_bytes_per_rank"] // 2
         rowwise = alts[down]["rowwise (paired)"]
         assert (rowwise["forward_bytes"], rowwise["backward_bytes"]) == (tokens * hidden * 4, tokens * 2 * 4)
         if ep:
             assert chosen[gate_up]["style"] == chosen[down]["style"] == "expert"
             to_all = sum(s["bytes"] for s in stats if s["phase"] == "forward" and s["kind"] == "all_to_all")
             assert chosen[gate_up]["forward_bytes"] + chosen[down]["forward_bytes"] == to_all + tokens * hidden * 4
+            assert f"  {down}: replicate: 0 B, 128.0 KiB;" in report.to_text(verbose=True)
         else:
             assert (chosen[gate_up]["style"], chosen[down]["style"]) == ("colwise (paired)", "rowwise (paired)")
-    assert f"  {down}: replicate: 0 B, 128.0 KiB;" in report.to_text(verbose=True)

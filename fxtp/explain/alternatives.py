@@ -31,10 +31,19 @@ For an embedding ``y = W[ids]`` (``W`` ``(V, D)``; the ids need no gradient):
 
 3-D expert weights: NOTE: [expert alternatives] below.
 
-One value's gradient is all_reduced once however many colwise layers read it (one ``f`` per
-producer, ``passes/propagate.py``: q, k and v read one input): the first layer in graph order
-that reads it colwise in the plan carries those bytes, and a later layer's colwise alternatives
-add none for it. So the chosen alternatives' bytes sum to the report's collectives.
+The chosen alternative's figures are the plan's own collectives, each counted on one layer, so
+the chosen alternatives sum to the report's collectives (:func:`report_alternatives`, in graph
+order): a value's ``f`` (all_reduce of its gradient, one per value: ``passes/propagate.py``) on
+the first colwise layer reading it (q, k and v read one input) or, for a replicated value that
+meets a layer's sharded output before the next layer (a bias gathered per expert, a gate) or a
+rowwise layer's partial value before its all_reduce (the routing weights), on that layer; a
+rowwise layer's all_reduce where the plan puts it, past the ops linear in the partial value
+(NOTE: [deferred reduction] in passes/moe/reductions.py), on the first layer reaching it (a
+shared expert's and the routed experts' sum, a LoRA pair and its base layer: one all_reduce);
+the all_reduce of a grouped shard's gradient over its holders (NOTE: [grouped shards]) on the
+layer it is a weight of. The other alternatives are priced from shapes, as above, less the
+``f`` an earlier layer carries. Layers of other ops (GPT-2's ``Conv1D`` ``addmm``, an ``mm`` or
+``matmul`` of a parameter) have no alternatives yet, so their collectives are in no row.
 
 Priced without sequence parallelism (under it an all_reduce becomes an all_gather and
 reduce_scatter pair moving the same bytes). The chosen alternative is the one named by the
@@ -54,6 +63,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from fxtp.core.errors import FxtpPlanError
+from fxtp.core.placement import holder_layout
 from fxtp.explain.counts import fmt_bytes, nbytes_of
 from passes.moe.blocks import ExpertBlock, find_expert_blocks
 from passes.plan import ShardingPlan
@@ -170,9 +180,10 @@ def embedding_alternatives(layer: Any, nodes: dict[str, Any], state: dict[str, A
 #   ``Partial`` ``output``; backward the reverse all_to_all and the all_gather of the routing
 #   weights' gradient). A layer between them carries none.
 #
-# Expert biases (``(E, N)``, gathered by expert) are other parameters, not priced here. A shared
-# expert whose rowwise output is added to the block's before one all_reduce (Qwen2-MoE) is
-# priced as a linear layer of its own: that reduction is counted twice.
+# Expert biases (``(E, N)``, gathered by expert) are other parameters, not priced here (the
+# ``f`` of a gathered bias is the chosen colwise layer's, NOTE: [layer alternatives]). The
+# chosen ``expert`` row's output all_reduce is counted once with a shared expert's that is
+# summed with it (Qwen2-MoE).
 
 
 @dataclass(frozen=True)
@@ -287,8 +298,12 @@ def report_alternatives(program: ExportedProgram, plan: ShardingPlan, nodes: dic
         return {}
     state = program.state_dict
     gathered = {p for (_, p), a in plan.edges.items() if a.kind == "gather"}
+    entered = {p for (_, p), a in plan.edges.items() if _enters(a) and p in needs_grad}  # one f each (counts.collectives)
     experts: ExpertLayers | None = None  # found on the first 3-D layer
-    carried: set[str] = set()
+    carried: set[str] = set()  # entered values whose f an earlier layer carries
+    owned: set[str] = set()  # reduced values an earlier rowwise layer carries
+    layer_nodes = frozenset(layer.node for layer in plan.layers)
+    held = _held_bytes(plan, nodes, needs_grad)
     out: dict[str, list[dict[str, Any]]] = {}
     for layer in plan.layers:
         if len(layer.weight_shape) == 3:
@@ -301,9 +316,103 @@ def report_alternatives(program: ExportedProgram, plan: ShardingPlan, nodes: dic
         node = nodes.get(layer.node)
         if layer.style == "colwise" and layer.op != "embedding" and node is not None and node.args and hasattr(node.args[0], "name"):
             carried.add(node.args[0].name)
+            if alts:
+                _price_entries(next(a for a in alts if a["chosen"]), node, plan, nodes, entered, carried, layer_nodes)
+        elif layer.style == "rowwise" and layer.op != "embedding" and node is not None and alts:
+            _price_reduction(next(a for a in alts if a["chosen"]), node, plan, nodes, entered, carried, owned)
+        elif layer.style == "expert" and experts is not None and alts:
+            _share_expert_reduction(next(a for a in alts if a["chosen"]), layer, experts, nodes, plan, owned)
+        if alts and node is not None and layer.style in ("colwise", "rowwise"):  # NOTE: [grouped shards]
+            next(a for a in alts if a["chosen"])["backward_bytes"] += sum(held.pop(a.name, 0) for a in node.all_input_nodes)
         if alts:
             out[layer.name] = alts
     return out
+
+
+def _held_bytes(plan: ShardingPlan, nodes: dict[str, Any], needs_grad: set[str]) -> dict[str, int]:
+    """Per parameter held as grouped shards, the bytes of its gradient's all_reduce over its
+    holders (NOTE: [grouped shards] in fxtp/core/placement.py; ``fxtp.explain.counts``'s figure)."""
+    return {n: nbytes_of(nodes[n].meta["val"]) * holder_layout(plan.params[n], 0, plan.world_size)[1] // plan.params[n].size
+            for names in plan.holders for n in names if n in needs_grad}
+
+
+def _enters(action: Any) -> bool:
+    """The edge wraps its value in Megatron's ``f`` (all_reduce of the gradient), as ``fxtp.explain.counts``."""
+    return action.kind == "enter" or action.kind in ("slice", "gather") and action.enter
+
+
+_SHAPE_QUERIES = ("sym_size", "sym_stride", "sym_numel")
+_DEPTH = 16  # ops linear in a partial value between a rowwise layer and its all_reduce (NOTE: [deferred reduction])
+
+
+def _reduction(node: Any, plan: ShardingPlan) -> tuple[Any, list[Any]] | None:
+    """The value whose all_reduce ``node``'s partial value reaches through single-use ops, and
+    those ops; ``None`` if it branches first or is not reduced within ``_DEPTH`` ops."""
+    chain, n = [], node
+    for _ in range(_DEPTH):
+        if n.name in plan.reduces:
+            return n, chain
+        users = [u for u in n.users if not any(q in str(u.target) for q in _SHAPE_QUERIES)]
+        if len(users) != 1:
+            return None
+        n = users[0]
+        chain.append(n)
+    return None
+
+
+def _price_reduction(row: dict[str, Any], node: Any, plan: ShardingPlan, nodes: dict[str, Any], entered: set[str],
+                     carried: set[str], owned: set[str]) -> None:
+    """A chosen rowwise layer's figures from the plan: forward, the all_reduce its partial
+    output reaches through single-use ops (deferred past the ops linear in it: NOTE: [deferred
+    reduction] in passes/moe/reductions.py), counted on the first layer that reaches it (a
+    shared expert's and the routed experts' sum, a LoRA pair and its base layer: one all_reduce);
+    backward, the ``f`` of the replicated values that meet the partial value on the way (the
+    routing weights). The row is left as priced from shapes where no all_reduce is found."""
+    found = _reduction(node, plan)
+    if found is None:
+        return
+    reduced, chain = found
+    row["forward_bytes"] = 0 if reduced.name in owned else _bytes(reduced.meta.get("val"))
+    owned.add(reduced.name)
+    on_chain = {m.name for m in chain}
+    met = {p for (c, p), a in plan.edges.items() if c in on_chain and _enters(a) and p in entered} - carried
+    row["backward_bytes"] = sum(_bytes(nodes[p].meta.get("val")) for p in met)
+    carried |= met
+
+
+def _price_entries(row: dict[str, Any], node: Any, plan: ShardingPlan, nodes: dict[str, Any], entered: set[str],
+                   carried: set[str], layer_nodes: frozenset[str]) -> None:
+    """A chosen colwise layer's backward adds the ``f`` of the replicated values that meet its
+    sharded output before the next layer or all_reduce (a bias gathered per expert, a gate):
+    each value's all_reduce once, on the first layer that meets it."""
+    seen, todo = set(), [(u, 1) for u in node.users]
+    while todo:
+        n, depth = todo.pop()
+        if n.name in seen or n.name in layer_nodes or depth > _DEPTH:
+            continue
+        seen.add(n.name)
+        if n.name not in plan.reduces:
+            todo.extend((u, depth + 1) for u in n.users)
+    met = {p for (c, p), a in plan.edges.items() if c in seen and _enters(a) and p in entered} - carried
+    row["backward_bytes"] += sum(_bytes(nodes[p].meta.get("val")) for p in met)
+    carried |= met
+
+
+def _share_expert_reduction(row: dict[str, Any], layer: Any, experts: ExpertLayers, nodes: dict[str, Any],
+                            plan: ShardingPlan, owned: set[str]) -> None:
+    """An expert-parallel block's last layer: its ``Partial`` output's all_reduce counted once
+    with a rowwise layer's that reaches the same one (Qwen2-MoE's shared expert), as
+    :func:`_price_reduction` counts them."""
+    index = experts.by_weight.get(layer.weight)
+    if index is None or not experts.layer_nodes[index] or experts.layer_nodes[index][-1] != layer.node:
+        return
+    block = experts.blocks[index]
+    found = _reduction(nodes[block.output], plan)
+    if found is None:
+        return
+    reduced, _ = found
+    row["forward_bytes"] += _bytes(reduced.meta.get("val")) * (reduced.name not in owned) - _bytes(nodes[block.output].meta.get("val"))
+    owned.add(reduced.name)
 
 
 def alternatives_text(layers: tuple[Any, ...], alternatives: dict[str, list[dict[str, Any]]]) -> str:
