@@ -298,7 +298,10 @@ def report_alternatives(program: ExportedProgram, plan: ShardingPlan, nodes: dic
         return {}
     state = program.state_dict
     gathered = {p for (_, p), a in plan.edges.items() if a.kind == "gather"}
-    entered = {p for (_, p), a in plan.edges.items() if _enters(a) and p in needs_grad}  # one f each (counts.collectives)
+    entered: dict[str, set[str]] = {}  # consumer -> the values it wraps in f (one f per value: counts.collectives)
+    for (c, p), a in plan.edges.items():
+        if _enters(a) and p in needs_grad:
+            entered.setdefault(c, set()).add(p)
     experts: ExpertLayers | None = None  # found on the first 3-D layer
     carried: set[str] = set()  # entered values whose f an earlier layer carries
     owned: set[str] = set()  # reduced values an earlier rowwise layer carries
@@ -360,7 +363,7 @@ def _reduction(node: Any, plan: ShardingPlan) -> tuple[Any, list[Any]] | None:
     return None
 
 
-def _price_reduction(row: dict[str, Any], node: Any, plan: ShardingPlan, nodes: dict[str, Any], entered: set[str],
+def _price_reduction(row: dict[str, Any], node: Any, plan: ShardingPlan, nodes: dict[str, Any], entered: dict[str, set[str]],
                      carried: set[str], owned: set[str]) -> None:
     """A chosen rowwise layer's figures from the plan: forward, the all_reduce its partial
     output reaches through single-use ops (deferred past the ops linear in it: NOTE: [deferred
@@ -375,12 +378,12 @@ def _price_reduction(row: dict[str, Any], node: Any, plan: ShardingPlan, nodes: 
     row["forward_bytes"] = 0 if reduced.name in owned else _bytes(reduced.meta.get("val"))
     owned.add(reduced.name)
     on_chain = {m.name for m in chain}
-    met = {p for (c, p), a in plan.edges.items() if c in on_chain and _enters(a) and p in entered} - carried
+    met = set().union(*(entered.get(c, ()) for c in on_chain)) - carried
     row["backward_bytes"] = sum(_bytes(nodes[p].meta.get("val")) for p in met)
     carried |= met
 
 
-def _price_entries(row: dict[str, Any], node: Any, plan: ShardingPlan, nodes: dict[str, Any], entered: set[str],
+def _price_entries(row: dict[str, Any], node: Any, plan: ShardingPlan, nodes: dict[str, Any], entered: dict[str, set[str]],
                    carried: set[str], layer_nodes: frozenset[str]) -> None:
     """A chosen colwise layer's backward adds the ``f`` of the replicated values that meet its
     sharded output before the next layer or all_reduce (a bias gathered per expert, a gate):
@@ -393,7 +396,7 @@ def _price_entries(row: dict[str, Any], node: Any, plan: ShardingPlan, nodes: di
         seen.add(n.name)
         if n.name not in plan.reduces:
             todo.extend((u, depth + 1) for u in n.users)
-    met = {p for (c, p), a in plan.edges.items() if c in seen and _enters(a) and p in entered} - carried
+    met = set().union(*(entered.get(c, ()) for c in seen)) - carried
     row["backward_bytes"] += sum(_bytes(nodes[p].meta.get("val")) for p in met)
     carried |= met
 
