@@ -41,10 +41,18 @@ __all__ = ["fsdp_units", "gathered_units", "resharded_without_grad"]
 
 
 def fsdp_units(pm: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The submodules of ``pm`` (``pm`` itself excluded) that FSDP2's ``fully_shard`` wrapped, by FQN."""
+    """The submodules of ``pm`` (``pm`` itself excluded) that FSDP2's ``fully_shard`` wrapped, by
+    FQN. Runs before every graph call: a walk over ``_modules`` finds there are none (11 us for
+    the 33 modules of the tiny Llama; ``named_modules`` takes 50), the names only when some are."""
     from torch.distributed.fsdp import FSDPModule
 
-    return [(name, m) for name, m in pm.named_modules() if m is not pm and isinstance(m, FSDPModule)]
+    stack = [c for c in pm._modules.values() if c is not None]
+    while stack:
+        m = stack.pop()
+        if isinstance(m, FSDPModule):
+            return [(name, m) for name, m in pm.named_modules() if m is not pm and isinstance(m, FSDPModule)]
+        stack.extend(c for c in m._modules.values() if c is not None)
+    return []
 
 
 def gathered_units(pm: nn.Module) -> list[nn.Module]:
