@@ -316,20 +316,27 @@ def test_python_dash_m_fxtp_verify():
 
 
 def test_help_and_usage_errors_import_no_torch():
-    """``fxtp --help``, ``fxtp inspect --help``, ``fxtp plan --help`` and a missing argument
-    answer without importing torch (seconds of start-up): the parser's converters import on
-    call, ``FORMATS`` and ``HARDWARE`` come from torch-free modules. One subprocess runs all
-    four, each to its ``SystemExit``, and lists what of torch got loaded."""
+    """``fxtp --help``, ``fxtp inspect --help``, ``fxtp plan --help``, a missing argument and a
+    bad MODEL (an unknown name: exit 2; a missing ``config.json`` or ``file.py``: exit 1, the
+    errors ``load_model`` gives) answer without importing torch (seconds of start-up): the
+    parser's converters import on call, ``FORMATS``, ``HARDWARE`` and ``EXAMPLE_NAMES`` come from
+    torch-free modules. One subprocess runs them all, each to its exit status, and lists what of
+    torch got loaded."""
     code = (
         "import sys, contextlib, io; from fxtp.explain.cli import main\n"
-        "for argv in (['--help'], ['inspect', '--help'], ['plan', '--help'], ['plan']):\n"
+        "cases = [(['--help'], 0, 'usage: fxtp'), (['inspect', '--help'], 0, 'usage: fxtp'),\n"
+        "         (['plan', '--help'], 0, 'h200'), (['plan'], 2, 'usage: fxtp'),\n"
+        "         (['inspect', 'no_such_model', '-n', '2'], 2, \"unknown model 'no_such_model': use a built-in example (mlp,\"),\n"
+        "         (['plan', 'nosuch.json', '-n', '8', '-m', '80GiB'], 1,\n"
+        "          'fxtp: error: no such file: nosuch.json (MODEL is a Hugging Face config.json)'),\n"
+        "         (['inspect', 'missing_dir/missing.py:build', '-n', '2'], 1, 'fxtp: error: no such file: missing_dir/missing.py')]\n"
+        "for argv, status, text in cases:\n"
         "    out = io.StringIO()\n"
         "    try:\n"
-        "        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out): main(argv)\n"
+        "        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out): code = main(argv)\n"
         "    except SystemExit as exc:\n"
-        "        assert exc.code == (2 if argv == ['plan'] else 0), (argv, exc.code)\n"
-        "    assert 'usage: fxtp' in out.getvalue(), out.getvalue()\n"
-        "    assert argv != ['plan', '--help'] or 'h200' in out.getvalue()  # HARDWARE's names\n"
+        "        code = exc.code\n"
+        "    assert code == status and text in out.getvalue(), (argv, code, out.getvalue())\n"
         "    loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'torch')\n"
         "    assert not loaded, (argv, loaded[:5])\n"
         "print('ok')\n"
@@ -337,3 +344,11 @@ def test_help_and_usage_errors_import_no_torch():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_example_names_are_the_examples():
+    """The CLI's torch-free list of built-in names is ``EXAMPLES``'s, in its order."""
+    from fxtp.explain.cli import EXAMPLE_NAMES
+    from fxtp.explain.examples import EXAMPLES
+
+    assert EXAMPLE_NAMES == tuple(EXAMPLES)

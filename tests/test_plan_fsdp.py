@@ -5,9 +5,9 @@ The planner prices torchtitan's units (each block, then the root): every paramet
 forward, gathered again in backward (``reshard_after_forward=True``) and reduce_scattered once
 (NOTE: [cost model] in fxtp/planner/costs.py). The bytes do not depend on how the parameters
 are grouped into units, only on that. A ``ParallelModule`` runs one graph over all its
-parameters and never calls its blocks' ``forward``, so ``fully_shard`` on a block registers
-hooks that never fire (the graph then gets the block's dp shards: a shape error); the run wraps
-the root alone with ``reshard_after_forward=True`` (FSDP2 otherwise keeps the root gathered
+parameters and never calls its blocks' ``forward``: per-block units are gathered once before
+the graph and held through backward (NOTE: [FSDP2 units inside a ParallelModule] in
+fxtp/runtime/fsdp.py), not the bytes priced here; the run wraps the root alone with ``reshard_after_forward=True`` (FSDP2 otherwise keeps the root gathered
 after forward), which gathers and scatters each parameter as often as the per-block units do.
 
 The run's FSDP2 collectives are counted by ``_Fsdp2Bytes``, a ``TorchDispatchMode`` on the c10d

@@ -122,7 +122,61 @@ def _deferred(module: str, name: str, what: str) -> Callable[[str], Any]:
     return convert
 
 
-_MODEL = _deferred("fxtp.explain.inspection", "check_model_arg", "MODEL")
+# The built-in examples' names, in the order of fxtp.explain.examples.EXAMPLES, which imports
+# torch: MODEL is checked before torch loads (tests/test_cli.py keeps the two equal).
+EXAMPLE_NAMES = (
+    "mlp", "tiny-gpt", "transformer", "gpt2", "llama", "bert", "gpt2-124m", "llama-7b", "llama-3-8b", "llama-3.1-70b",
+    "llama-3.1-405b", "mixtral", "qwen2-moe", "qwen3-moe", "deepseek-v2", "gpt-oss", "mixtral-8x7b", "qwen2-moe-a2.7b",
+)
+
+
+def _names_config(text: str) -> bool:
+    """``fxtp.explain.hf_config.is_config_path`` without torch: a ``.json`` name, or a directory
+    holding a ``config.json``."""
+    from pathlib import Path
+
+    return text.lower().endswith(".json") or (Path(text).is_dir() and (Path(text) / "config.json").is_file())
+
+
+def _model(text: str) -> str:
+    """argparse ``type=`` for MODEL, torch-free: a built-in name, a ``.json`` file, a directory
+    holding a ``config.json``, or ``something:callable``; else ``ArgumentTypeError`` (exit 2)."""
+    from pathlib import Path
+
+    if text.replace("_", "-") not in EXAMPLE_NAMES and not _names_config(text) and not (":" in text and text.rpartition(":")[2]):
+        held = f"; {text!r} is a directory without a config.json" if Path(text).is_dir() else ""
+        raise argparse.ArgumentTypeError(
+            f"unknown model {text!r}: use a built-in example ({', '.join(EXAMPLE_NAMES)}), a Hugging Face "
+            f"path/to/config.json or a checkpoint directory holding one, package.module:callable or "
+            f"path/to/file.py:callable{held}"
+        )
+    return text
+
+
+_model.__name__ = "MODEL"  # argparse names the converter in its "invalid MODEL value" message
+
+
+def _check_model_file(text: str) -> None:
+    """The missing-file errors ``fxtp.explain.inspection.load_model`` raises for MODEL, raised
+    before torch loads (seconds): a ``config.json`` or a ``file.py`` that is not there.
+
+    Raises:
+        FxtpConfigError: ``no such file: ...``, as ``load_model`` words it.
+    """
+    import os
+    from pathlib import Path
+
+    from fxtp.core.errors import FxtpConfigError
+
+    if text.replace("_", "-") in EXAMPLE_NAMES:
+        return
+    if _names_config(text):
+        if not Path(text).is_dir() and not Path(text).is_file():
+            raise FxtpConfigError(f"no such file: {Path(text)} (MODEL is a Hugging Face config.json)")
+        return
+    where = text.rpartition(":")[0]
+    if (where.endswith(".py") or os.sep in where or "/" in where) and not Path(where).is_file():
+        raise FxtpConfigError(f"no such file: {where} (MODEL is path/to/file.py:callable)")
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -150,7 +204,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         epilog=_INSPECT_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    inspect.add_argument("model", metavar="MODEL", type=_MODEL, help="see MODEL below")
+    inspect.add_argument("model", metavar="MODEL", type=_model, help="see MODEL below")
     inspect.add_argument("--world-size", "-n", metavar="N", type=_world_size, required=True, help="tensor-parallel degree, >= 1")
     inspect.add_argument(
         "--input", "-i", dest="inputs", metavar="SPEC", action="append", default=[],
@@ -206,7 +260,7 @@ def _add_plan_parser(sub: Any) -> None:
         epilog=_PLAN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    plan.add_argument("model", metavar="MODEL", type=_MODEL, help="as for fxtp inspect")
+    plan.add_argument("model", metavar="MODEL", type=_model, help="as for fxtp inspect")
     plan.add_argument("--devices", "-n", metavar="N", type=_world_size, required=True, help="devices in the job (tp x dp)")
     plan.add_argument("--device-memory", "-m", metavar="SIZE", type=_memory, required=True,
                       help="memory each device may use, e.g. 80GiB (GiB = 2**30 bytes, GB = 10**9)")
@@ -290,6 +344,16 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _run(args: argparse.Namespace) -> int:
+    from fxtp.explain.inspection import UsageError
+
+    try:
+        return _plan(args) if args.command == "plan" else _inspect(args)
+    except UsageError as exc:
+        args.subparser.error(str(exc))  # exits 2
+        raise  # not reached: error() exits
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line; returns the exit status (argparse exits 2 itself on bad usage)."""
     parser = get_args_parser()
@@ -300,12 +364,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run_demo(args.world_size)
         return 0
     from fxtp.core.errors import FxtpError
-    from fxtp.explain.inspection import UsageError
 
     try:
-        return _plan(args) if args.command == "plan" else _inspect(args)
-    except UsageError as exc:
-        args.subparser.error(str(exc))  # exits 2
+        _check_model_file(args.model)  # before torch loads
+        return _run(args)
     except FxtpError as exc:
         if args.verbose:
             traceback.print_exc()

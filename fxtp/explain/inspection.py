@@ -38,7 +38,6 @@ __all__ = [
     "Loaded",
     "UsageError",
     "check_inputs",
-    "check_model_arg",
     "example_name",
     "inspect_text",
     "load_model",
@@ -147,20 +146,6 @@ def example_name(text: str) -> Optional[str]:
     """The built-in example ``text`` names (``tiny_gpt`` and ``tiny-gpt`` alike), or None."""
     name = text.replace("_", "-")
     return name if name in EXAMPLES else None
-
-
-def check_model_arg(text: str) -> str:
-    """argparse ``type=`` for MODEL: a built-in name, a ``.json`` file, a directory holding a
-    ``config.json``, or ``something:callable``."""
-    callable_ref = ":" in text and text.rpartition(":")[2]
-    if example_name(text) is None and not is_config_path(text) and not callable_ref:
-        held = f"; {text!r} is a directory without a config.json" if Path(text).is_dir() else ""
-        raise ValueError(
-            f"unknown model {text!r}: use a built-in example ({', '.join(EXAMPLES)}), a Hugging Face "
-            f"path/to/config.json or a checkpoint directory holding one, package.module:callable or "
-            f"path/to/file.py:callable{held}"
-        )
-    return text
 
 
 def _import(where: str) -> Any:

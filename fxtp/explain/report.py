@@ -16,7 +16,7 @@ from torch.export.graph_signature import InputKind
 
 from fxtp.capture.shapes import InputSpec, describe_inputs
 from fxtp.core.placement import REPLICATE, Placement, Shard
-from fxtp.explain.alternatives import alternatives_text, layer_alternatives
+from fxtp.explain.alternatives import alternatives_text, report_alternatives
 from fxtp.explain.counts import (
     CollectiveStat,
     Note,
@@ -53,7 +53,6 @@ class Report:
         notes: tuple[Note, ...],
         collectives: tuple[CollectiveStat, ...],
         param_bytes: int,
-        param_bytes_per_rank: int,
         rounds: int,
         regions: tuple[tuple[str, ...], ...] = (),
         uneven: bool = False,
@@ -67,7 +66,6 @@ class Report:
         self.notes = notes
         self.collectives = collectives
         self.param_bytes = param_bytes
-        self.param_bytes_per_rank = param_bytes_per_rank
         self.rounds = rounds
         self.regions = regions
         self.uneven = uneven  # some parameter is sharded unevenly: per-rank bytes differ between ranks
@@ -96,6 +94,11 @@ class Report:
     def rejections(self) -> list[LayerDecision]:
         """Layers left replicated with a rejection code."""
         return [layer for layer in self.layers if layer.code is not None]
+
+    @property
+    def param_bytes_per_rank(self) -> int:
+        """Parameter bytes on this report's rank (:attr:`rank`): its entry of :attr:`param_bytes_by_rank`."""
+        return sum(per_rank[self.rank] for per_rank in self.parameter_bytes.values())
 
     @property
     def param_bytes_by_rank(self) -> tuple[int, ...]:
@@ -288,7 +291,6 @@ def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, at
         for fqn, tensor, placement in tensors.values()
     }
     total = sum(nbytes_of(tensor) for _, tensor, _ in tensors.values())
-    per_rank = sum(per_rank_bytes[rank] for per_rank_bytes in by_parameter.values())
     param_names = {s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.PARAMETER}
     report = Report(
         world_size=plan.world_size,
@@ -299,7 +301,6 @@ def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, at
         notes=notes(plan, nodes, param_names) + other_parameters(program, plan, placements, rank),
         collectives=stats,
         param_bytes=total,
-        param_bytes_per_rank=per_rank,
         rounds=plan.rounds,
         regions=regions(program, plan),
         uneven=any(isinstance(p, Shard) and not p.divisible(plan.world_size) for _, _, p in tensors.values()),
@@ -307,8 +308,7 @@ def build_report(program: ExportedProgram, plan: ShardingPlan, frontend: str, at
     )
     report.sequence_parallel = bool(plan.scatters)
     report.layer_comms = sequence_comms(program, plan)
-    report.alternatives = {layer.name: alts for layer in plan.layers
-                           if (alts := layer_alternatives(layer, nodes, program.state_dict, plan.world_size, needs_grad))}
+    report.alternatives = report_alternatives(program, plan, nodes, needs_grad)
     return report
 
 

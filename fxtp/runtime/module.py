@@ -20,7 +20,7 @@ from torch.fx import GraphModule
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from fxtp.core import activations, collectives, rng
-from fxtp.runtime import checkpoint, clipping, generation, layout, sharded
+from fxtp.runtime import checkpoint, clipping, fsdp, generation, layout, sharded
 from fxtp.runtime.variants import SizeGraphs, differs_in_zero_one, held, static_refusal
 from fxtp.capture.frontends import written_state
 from fxtp.core.errors import FxtpInputError, FxtpRuntimeError
@@ -325,8 +325,7 @@ class ParallelModule(nn.Module):
                 "process group was initialized when fxtp.compile ran, so it can only be inspected. fix: call "
                 "torch.distributed.init_process_group(...) (or pass group=) before fxtp.compile, on every rank"
             )
-        if not self._fsdp_warned:  # NOTE: [clipping under FSDP2] in fxtp/runtime/clipping.py
-            self._fsdp_warned = clipping.warn_under_fsdp(self)
+        units = fsdp.gathered_units(self)  # NOTE: [FSDP2 units inside a ParallelModule] in fxtp/runtime/fsdp.py
         graph = self._graphs[self._mode]
         flat = self._flatten(graph, args, kwargs)
         graph = self._graph_for(graph, flat)
@@ -335,7 +334,7 @@ class ParallelModule(nn.Module):
         if graph.draws_random and self._world_size > 1 and not torch.compiler.is_compiling():
             self._check_generators(inputs)
         try:
-            with activations.saved_tensors(regather=graph.regathers):
+            with activations.saved_tensors(regather=graph.regathers), fsdp.resharded_without_grad(units):
                 outputs = graph.gm(*sharded.plain_inputs(inputs))
             collectives.release()  # NOTE: [gloo frees] in fxtp/core/collectives.py
         except IndexError as exc:  # a lookup the single device would refuse too (ids, positions)

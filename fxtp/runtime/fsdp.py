@@ -1,0 +1,100 @@
+"""FSDP2 units inside a ``ParallelModule``: ``fully_shard`` on its blocks, as torchtitan applies it.
+
+NOTE: [FSDP2 units inside a ParallelModule]
+torchtitan wraps each transformer block in FSDP2's ``fully_shard``, then the root
+(``torchtitan/models/llama3/infra/parallelize.py``, ``apply_fsdp``). FSDP2 gathers a unit's
+parameters in the unit's forward pre-hook and reduce-scatters its gradients from an autograd
+hook on the unit's inputs. A ``ParallelModule`` runs one rank graph over all its parameters:
+its submodules (``pm.get_submodule("model.layers.0")``) only hold parameters under the
+original FQNs, their ``forward`` is never called, so those hooks never fire and the graph would
+read the units' data-parallel shards (a shape error).
+
+So, before the graph reads its parameters, :func:`gathered_units` gathers every FSDP2 unit below the root with
+FSDP2's public ``FSDPModule.unshard()``; the units stay gathered through backward, and the
+root's end-of-backward callback, which runs each unit's post-backward when its own hooks did
+not ("in case forward inputs did not require gradient", ``_root_post_backward_final_callback``
+in ``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``), reduce-scatters their gradients and
+reshards them. Outside autograd (``no_grad``, ``inference_mode``) they are resharded after the
+graph with ``FSDPModule.reshard()`` (:func:`resharded_without_grad`). The root must be ``fully_shard``-ed too (torchtitan does):
+without it nobody queues that callback and the gradients would never be reduced, so a unit
+below an unwrapped root raises ``FxtpConfigError``.
+
+What that costs: one all_gather and one reduce_scatter per unit and step (as FSDP2's root unit
+with ``reshard_after_forward=False``), not the gather again in backward that
+``reshard_after_forward=True`` units would do; and, since one graph needs every parameter at
+once, the whole model's parameters are held gathered from the forward to the end of backward,
+as under a root unit alone. Per-block units keep FSDP2's grouping of collectives, not its memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from fxtp.core.errors import FxtpConfigError
+from fxtp.runtime import clipping
+
+__all__ = ["fsdp_units", "gathered_units", "resharded_without_grad"]
+
+
+def fsdp_units(pm: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The submodules of ``pm`` (``pm`` itself excluded) that FSDP2's ``fully_shard`` wrapped, by
+    FQN. Runs before every graph call: a walk over ``_modules`` finds there are none (11 us for
+    the 33 modules of the tiny Llama; ``named_modules`` takes 50), the names only when some are."""
+    from torch.distributed.fsdp import FSDPModule
+
+    stack = [c for c in pm._modules.values() if c is not None]
+    while stack:
+        m = stack.pop()
+        if isinstance(m, FSDPModule):
+            return [(name, m) for name, m in pm.named_modules() if m is not pm and isinstance(m, FSDPModule)]
+        stack.extend(c for c in m._modules.values() if c is not None)
+    return []
+
+
+def gathered_units(pm: nn.Module) -> list[nn.Module]:
+    """Before a call of ``pm``'s rank graph (before its parameters are read): its FSDP2 units
+    gathered (NOTE: [FSDP2 units inside a ParallelModule]), and the first call under FSDP2 warns
+    about torch's clipping (NOTE: [clipping under FSDP2] in fxtp/runtime/clipping.py).
+
+    Returns:
+        The units gathered, for :func:`resharded_without_grad`; ``[]`` without units.
+
+    Raises:
+        FxtpConfigError: a unit below a ``pm`` that ``fully_shard`` did not wrap.
+    """
+    if not pm._fsdp_warned:
+        pm._fsdp_warned = clipping.warn_under_fsdp(pm)
+    units = fsdp_units(pm)
+    if not units:
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(pm, FSDPModule):
+        name = units[0][0]
+        raise FxtpConfigError(
+            f"fully_shard was applied to {name!r} of this ParallelModule but not to the ParallelModule itself: "
+            f"fxtp runs one graph over all parameters, so the FSDP2 hooks of {name!r} never fire, and without a root "
+            "unit nothing would reduce-scatter its gradients (NOTE: [FSDP2 units inside a ParallelModule] in "
+            "fxtp/runtime/fsdp.py). fix: after the blocks, also call fully_shard(pm, mesh=mesh['dp']) on the "
+            "ParallelModule, as torchtitan does; or wrap the ParallelModule alone: fully_shard(pm, mesh=mesh['dp'], "
+            "reshard_after_forward=True)"
+        )
+    for _, unit in units:
+        unit.unshard()  # type: ignore[operator]  # FSDPModule.unshard: all_gather, waited
+    return [unit for _, unit in units]
+
+
+@contextlib.contextmanager
+def resharded_without_grad(units: list[nn.Module]) -> Iterator[None]:
+    """Around the graph call: outside autograd, the gathered ``units`` resharded after it
+    (no backward will come to reshard them)."""
+    try:
+        yield
+    finally:
+        if units and not torch.is_grad_enabled():
+            for unit in units:
+                unit.reshard()  # type: ignore[operator]
