@@ -1,7 +1,9 @@
 """Mixture-of-experts models built from Hugging Face config classes (random weights, nothing
-downloaded): routed experts stored as 3-D parameters and run by ``grouped_mm`` are sharded
-inside each expert (``passes/rules/experts.py``), on real gloo process groups at world sizes 2
-and 4, against the single-device model (outputs, every gradient, 3 SGD steps).
+downloaded): routed experts stored as 3-D parameters and run by ``grouped_mm`` or by
+``batched_mm`` (each pair's experts gathered, then ``bmm``; NOTE: [gathered experts] in
+passes/propagate.py) are sharded inside each expert (``passes/rules/experts.py``), on real gloo
+process groups at world sizes 2 and 4, against the single-device model (outputs, every
+gradient, 3 SGD steps). Mixtral and Qwen2-MoE run both implementations in one ``pool.run``.
 
 Tiny configs (fxtp/explain/examples.py): 2 layers, hidden 64, 4 heads (2 kv heads), 4 experts of
 intermediate 128, top-2, vocab 128, seq 16.
@@ -32,6 +34,14 @@ def _train(name: str, **overrides):
     return result
 
 
+IMPLEMENTATIONS = ("grouped_mm", "batched_mm")
+
+
+def _train_each(name: str) -> dict[str, dict]:
+    """``_train`` of ``name`` on each of Hugging Face's experts implementations."""
+    return {impl: _train(name, experts_implementation=impl) for impl in IMPLEMENTATIONS}
+
+
 def _layers(result) -> dict[str, dict]:
     return {row["name"]: row for row in result["report"]["layers"]}
 
@@ -56,37 +66,41 @@ def test_mixtral(pool):
     """Forward: per block the attention's all_reduce and one of the experts' combined output
     (after the routing weights and the top-k sum, NOTE: [deferred reduction]), plus the
     vocab-parallel lookup; backward: Megatron's 2 per block plus the routing weights' f."""
-    (r, *_) = pool.run(_train, "mixtral")
+    (runs, *_) = pool.run(_train_each, "mixtral")
     ws = pool.world_size
-    _check_experts(r, ws, "model.layers.")
     tokens = examples.TINY_BATCH * examples.TINY_SEQ
-    assert r["forward"] == {"all_reduce": 2 * N_BLOCKS + 1, "all_gather": 1}
-    # Every forward all_reduce holds tokens x hidden values: the experts' too, not (tokens x top_k, hidden).
-    assert [math.prod(shape) for shape in r["forward_shapes"]] == [tokens * HIDDEN] * (2 * N_BLOCKS + 1)
-    # 2 kv heads at ws 4: each held by the 2 ranks whose query heads read it, their gradients summed in one
-    # all_reduce per attention (NOTE: [grouped shards])
-    kv_slices = 0 if ws == 2 else N_BLOCKS
-    assert r["backward"] == {"all_reduce": 3 * N_BLOCKS + 1 + kv_slices}
-    assert not [n for n in r["report"]["notes"] if n["code"] == "not-a-layer"]
+    for impl, r in runs.items():
+        _check_experts(r, ws, "model.layers.")
+        assert _layers(r)["model.layers.0.mlp.experts.gate_up_proj"]["op"] == {"grouped_mm": "grouped_mm_fallback",
+                                                                               "batched_mm": "bmm"}[impl]
+        assert r["forward"] == {"all_reduce": 2 * N_BLOCKS + 1, "all_gather": 1}, impl
+        # Every forward all_reduce holds tokens x hidden values: the experts' too, not (tokens x top_k, hidden).
+        assert [math.prod(shape) for shape in r["forward_shapes"]] == [tokens * HIDDEN] * (2 * N_BLOCKS + 1), impl
+        # 2 kv heads at ws 4: each held by the 2 ranks whose query heads read it, their gradients summed in one
+        # all_reduce per attention (NOTE: [grouped shards])
+        kv_slices = 0 if ws == 2 else N_BLOCKS
+        assert r["backward"] == {"all_reduce": 3 * N_BLOCKS + 1 + kv_slices}, impl
+        assert not [n for n in r["report"]["notes"] if n["code"] == "not-a-layer"], impl
 
 
 def test_qwen2_moe(pool):
     """Routed experts as in Mixtral; the shared expert is a dense SwiGLU MLP (gate/up colwise,
     down rowwise); its 1-wide sigmoid gate stays replicated (``not-divisible``)."""
-    (r, *_) = pool.run(_train, "qwen2_moe")
+    (runs, *_) = pool.run(_train_each, "qwen2_moe")
     ws = pool.world_size
-    _check_experts(r, ws, "model.layers.")
-    layers = _layers(r)
-    for i in range(N_BLOCKS):
-        p = f"model.layers.{i}.mlp."
-        styles = [layers[p + f"shared_expert.{m}_proj"]["style"] for m in ("gate", "up", "down")]
-        assert styles == ["colwise", "colwise", "rowwise"]
-        assert layers[p + "shared_expert_gate"]["code"] == "not-divisible"
-    # Per block: attention, and the sum of the routed and shared experts' partial outputs, reduced once.
-    assert r["forward"] == {"all_reduce": 2 * N_BLOCKS + 1, "all_gather": 1}
-    kv_slices = 0 if ws == 2 else N_BLOCKS  # as in Mixtral
-    # Backward per block: attention, routed and shared experts' inputs, routing weights, shared gate.
-    assert r["backward"] == {"all_reduce": 5 * N_BLOCKS + 1 + kv_slices}
+    for impl, r in runs.items():
+        _check_experts(r, ws, "model.layers.")
+        layers = _layers(r)
+        for i in range(N_BLOCKS):
+            p = f"model.layers.{i}.mlp."
+            styles = [layers[p + f"shared_expert.{m}_proj"]["style"] for m in ("gate", "up", "down")]
+            assert styles == ["colwise", "colwise", "rowwise"], impl
+            assert layers[p + "shared_expert_gate"]["code"] == "not-divisible", impl
+        # Per block: attention, and the sum of the routed and shared experts' partial outputs, reduced once.
+        assert r["forward"] == {"all_reduce": 2 * N_BLOCKS + 1, "all_gather": 1}, impl
+        kv_slices = 0 if ws == 2 else N_BLOCKS  # as in Mixtral
+        # Backward per block: attention, routed and shared experts' inputs, routing weights, shared gate.
+        assert r["backward"] == {"all_reduce": 5 * N_BLOCKS + 1 + kv_slices}, impl
 
 
 def test_mixtral_8x7b_at_world_size_8():
