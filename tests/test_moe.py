@@ -150,3 +150,26 @@ def test_mixtral_bf16(pool):
     gate_up = layers["model.layers.0.mlp.experts.gate_up_proj"]
     assert (gate_up["op"], gate_up["style"]) == ("_grouped_mm", "colwise")
     assert r["forward"] == {"all_reduce": 2 * N_BLOCKS + 1, "all_gather": 1}
+
+
+def test_eager_experts_are_refused_with_the_line_that_switches_them():
+    """Hugging Face's ``eager`` experts loop over the experts the routing hit (data-dependent):
+    refused before any frontend runs (NOTE: [eager experts] in fxtp/capture/hf_experts.py), the
+    message naming the experts module and transformers' public switch; running that line makes
+    the analysis succeed. A standalone MoE block (no ``PreTrainedModel``) gets its config's
+    line. 1 layer: the check reads modules, not the layer count."""
+    import transformers
+
+    model, inputs = examples.mixtral(num_hidden_layers=1, experts_implementation="eager")
+    fix = 'model.set_experts_implementation("grouped_mm")'
+    with pytest.raises(fxtp.FxtpCaptureError, match="model.layers.0.mlp.experts") as info:
+        fxtp.analyze(model, 2, inputs, dynamic=False)
+    assert fix in str(info.value) and "(MixtralExperts)" in str(info.value) and "frontends tried" not in str(info.value)
+    eval(fix, {"model": model})
+    report = fxtp.analyze(model, 2, inputs, dynamic=False, capture="export")
+    assert {row.name: row.style for row in report.layers if ".experts." in row.name} == {
+        "model.layers.0.mlp.experts.gate_up_proj": "colwise", "model.layers.0.mlp.experts.down_proj": "rowwise"}
+    block = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock(
+        examples.mixtral_config(experts_implementation="eager"))
+    with pytest.raises(fxtp.FxtpCaptureError, match=r'model.get_submodule\("experts"\).config._experts_implementation = "grouped_mm"'):
+        fxtp.analyze(block, 2, (torch.randn(2, 4, HIDDEN),), dynamic=False)
