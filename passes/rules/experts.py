@@ -1,4 +1,4 @@
-"""MoE experts: grouped matmuls over 3-D expert weights, sharded inside each expert.
+"""MoE experts: grouped and batched matmuls over 3-D expert weights, sharded inside each expert.
 
 Hugging Face's routed experts (``MixtralExperts``, ``Qwen2MoeExperts``: any class decorated with
 ``@use_experts_implementation``) store every expert's weights in one 3-D parameter:
@@ -27,6 +27,21 @@ each expert is one Megatron MLP (Shoeybi et al. 2019, section 3), sharded inside
 * rowwise (``x`` sharded on ``K``): ``w`` sharded on ``K``, output ``Partial``, all_reduced
   after the combine (the routing weights, the gather back to token order and the top-k sum are
   linear in it: NOTE: [deferred reduction] in ``passes/moe/reductions.py``).
+
+Their ``batched_mm`` implementation gathers each pair's matrices instead and multiplies them by
+``bmm`` (``is_transposed`` weights, gpt-oss's ``(E, H, 2I)``, sit on the right)::
+
+    %index_4 = aten.index.Tensor(%gate_up_proj, [%expert_ids])                      # (S, 2I, H)
+    %bmm = aten.bmm.default(%index_4, %unsqueeze_18)                                # (S, 2I, 1)
+    %squeeze = aten.squeeze.dim(%bmm, -1); %chunk = aten.chunk(%squeeze, 2, -1) ...  # (S, 2I)
+    %index_5 = aten.index.Tensor(%down_proj, [%expert_ids])                         # (S, H, I)
+    %bmm_1 = aten.bmm.default(%index_5, %unsqueeze_19)                              # (S, H, 1)
+
+The gathered ``(S, N, K)`` value is the parameter to the planner (NOTE: [gathered experts] in
+``passes/propagate.py``), so each ``bmm`` is the same layer, every pair's row one expert's
+matrix-vector product: :func:`experts_layer` serves both, told by :class:`ExpertDims` where
+each operand keeps its features (the planner reads a ``bmm`` layer's output features from
+``PlannerState.features``: they are not its last dim).
 
 The router (a plain ``linear``) stays replicated: its input is replicated and its output feeds
 a softmax/topk over the experts. The offsets and the sort are integer values, replicated.
