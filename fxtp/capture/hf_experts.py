@@ -40,7 +40,7 @@ def _is_experts_module(module: nn.Module) -> bool:
 
 
 def _implementation(module: nn.Module) -> Optional[str]:
-    return getattr(module.config, "_experts_implementation", None)
+    return getattr(module.config, "_experts_implementation", "eager" if module.config is not None else "")
 
 
 def check_experts_implementation(model: nn.Module) -> None:
