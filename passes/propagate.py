@@ -173,7 +173,8 @@ def param_root(node: Node, param_names: frozenset[str]) -> Optional[ParamPiece]:
 # shard on dims 1 and 2 (``rules/indexing.py``), so the planner treats the gathered value as the
 # parameter (as it does ``W.T``): the ``bmm`` is a layer (``rules/experts.py``) and its wants are the
 # parameter's, which each rank stores sharded; the gather runs on the local shard, its backward
-# (an ``index_put`` with accumulation) sums each expert's rows there.
+# (an ``index_put`` with accumulation) sums each expert's rows there. Its dim 0 is the pairs, not
+# the experts: a want on it slices the gathered value, as any replicated value's.
 
 
 def _gathers_experts(node: Node) -> bool:
@@ -348,6 +349,8 @@ def _apply_wants(node, dec, res, effective, origins, param_names, sharded_out: b
         if not is_tensor_node(inp):
             continue
         piece = param_root(inp, param_names)
+        if piece is not None and piece.gathered and isinstance(want, Shard) and want.dim == 0:
+            piece = None  # rows of (token, expert) pairs, no dim of the parameter: sliced as a value (NOTE: [gathered experts])
         if piece is not None:
             # The planner stores the parameter as wanted, every round (also when it already is),
             # so a parameter nobody wants sharded is replicated next round, and one wanted both
