@@ -81,6 +81,10 @@ def plan_sharding(
     layers = [n for n in graph.nodes if weight_of(n, param_names) is not None]
     names = layer_names(layers, param_names, param_fqns)
     state = PlannerState()
+    for n in layers:  # a bmm of MoE experts holds its output features on dim 1 or 2 (rules/experts.py)
+        ops = layer_operands(n, lambda a: param_root(a, param_names) is not None)
+        if n.target is aten.bmm.default and ops is not None:
+            state.features[n.name] = shape_of(n)[ops.out_dim]
     if world_size == 1:
         for n in layers:
             state.demoted[n.name] = LayerNote("replicate", "world_size is 1: nothing to shard")
@@ -185,7 +189,7 @@ def _act_on_conflicts(res: Propagation, state: PlannerState, ws: int, param_name
                     state.first[n.name] = note
             if c.unit is not None:  # the first layout under which whole heads would fit
                 for n in demotable:
-                    state.unit_hints.setdefault(n.name, (layer_segments(n, c.unit_segments) or state.segments.get(n.name), c.unit))
+                    state.unit_hints.setdefault(n.name, (layer_segments(n, c.unit_segments, state) or state.segments.get(n.name), c.unit))
             if refined_now & set(demotable):
                 continue
             if refine_uneven(demotable, c.unit_segments or c.refine, c.unit, state, refined_now, ws) or refine_layout(demotable, c.refine, state, ws, refined_now):

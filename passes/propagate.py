@@ -71,6 +71,9 @@ class ParamPiece:
     offset: int = 0
     length: int = 0
     transposed: bool = False  # the parameter with its last two dims swapped (``W.T``; 3-D experts), whole
+    # a 3-D experts parameter's rows gathered by expert, ``W[expert_ids]`` (NOTE: [gathered experts]); a want on
+    # its dims 1 and 2 is the parameter's
+    gathered: bool = False
 
     def placement_of_param(self, want: Placement) -> Placement:
         """What a want on this piece asks of the parameter itself."""
@@ -103,6 +106,7 @@ class PlannerState:
     slice_input: set[str] = field(default_factory=set)  # rowwise on a sliced replicated input, NOTE: [rowwise fallback]
     whole_input: dict[str, LayerNote] = field(default_factory=dict)  # input kept replicated, NOTE: [tied uses]
     columns: set[str] = field(default_factory=set)  # tables sharded by columns, NOTE: [column-sharded embedding]
+    features: dict[str, int] = field(default_factory=dict)  # output features held on a dim not the last (a bmm of experts)
     no_columns: set[str] = field(default_factory=set)  # tables tried by columns and kept as they were
     column_trial: Optional[Any] = None  # passes.layers.ColumnTrial while one runs
 
@@ -139,10 +143,13 @@ class Propagation:
 
 
 def param_root(node: Node, param_names: frozenset[str]) -> Optional[ParamPiece]:
-    """The parameter ``node`` is, a ``split`` piece of one, or a 2-D one's transpose; ``None``
-    for computed values."""
+    """The parameter ``node`` is, a ``split`` piece of one, a 2-D one's transpose, or a 3-D
+    experts one's transpose or rows gathered by expert; ``None`` for computed values."""
     if node.op == "placeholder":
         return ParamPiece(node) if node.name in param_names else None
+    if node.target is aten.index.Tensor and _gathers_experts(node):
+        base = node.args[0]
+        return ParamPiece(base, gathered=True) if base.op == "placeholder" and base.name in param_names else None
     if node.target in _TRANSPOSES and _is_matrix_transpose(node):
         base = node.args[0]
         if isinstance(base, Node) and base.op == "placeholder" and base.name in param_names:
@@ -157,6 +164,27 @@ def param_root(node: Node, param_names: frozenset[str]) -> Optional[ParamPiece]:
                 sizes = [int(v.shape[dim]) for v in src.meta["val"]]
                 return ParamPiece(base, dim, sum(sizes[:index]), sizes[index])
     return None
+
+
+# NOTE: [gathered experts]
+# Hugging Face's ``batched_mm`` experts (``transformers/integrations/moe.py``) gather each (token,
+# expert) pair's matrices, ``gate_up_proj[expert_ids]`` ``(S, 2I, H)`` from ``(E, 2I, H)``, and
+# multiply them by ``bmm``. A gather of whole experts by a replicated index keeps every expert's
+# shard on dims 1 and 2 (``rules/indexing.py``), so the planner treats the gathered value as the
+# parameter (as it does ``W.T``): the ``bmm`` is a layer (``rules/experts.py``) and its wants are the
+# parameter's, which each rank stores sharded; the gather runs on the local shard, its backward
+# (an ``index_put`` with accumulation) sums each expert's rows there. Its dim 0 is the pairs, not
+# the experts: a want on it slices the gathered value, as any replicated value's.
+
+
+def _gathers_experts(node: Node) -> bool:
+    """``W[ids]``: a 3-D value indexed on dim 0 only, by one 1-D integer tensor."""
+    base, indices = node.args[:2]
+    if not isinstance(base, Node) or base.meta["val"].dim() != 3 or len(indices) != 1:
+        return False
+    ids = indices[0]
+    val = ids.meta.get("val") if isinstance(ids, Node) else None
+    return isinstance(val, torch.Tensor) and val.dim() == 1 and not val.is_floating_point() and val.dtype is not torch.bool
 
 
 def _is_matrix_transpose(node: Node) -> bool:
@@ -321,6 +349,8 @@ def _apply_wants(node, dec, res, effective, origins, param_names, sharded_out: b
         if not is_tensor_node(inp):
             continue
         piece = param_root(inp, param_names)
+        if piece is not None and piece.gathered and isinstance(want, Shard) and want.dim == 0:
+            piece = None  # rows of (token, expert) pairs, no dim of the parameter: sliced as a value (NOTE: [gathered experts])
         if piece is not None:
             # The planner stores the parameter as wanted, every round (also when it already is),
             # so a parameter nobody wants sharded is replicated next round, and one wanted both

@@ -104,7 +104,8 @@ def einsums(draw: st.DrawFn, hidden: int, exclude: frozenset[str]) -> Einsum:
 def moes(draw: st.DrawFn, hidden: int, exclude: frozenset[str]) -> Moe:
     """Hugging Face's MoE blocks (fuzz_moe.py): 4 experts (even at ws 2 and 4) or 6 (2/2/1/1
     whole experts at 4), top-1 or top-2, routed experts of FFN's widths; ``grouped_mm`` only
-    for widths that are multiples of 4 (torch's alignment)."""
+    for widths that are multiples of 4 (torch's alignment), else ``batched_mm``. Either
+    implementation under either plan (``Spec.expert_parallel`` is drawn apart)."""
     ffn = draw(st.sampled_from(FFN))
     aligned = hidden % 4 == 0 and ffn % 4 == 0
     return Moe(

@@ -13,8 +13,8 @@ sequence, static shapes): Mixtral, Qwen2-MoE (a gated shared expert), Qwen3-MoE,
 SwiGLU, biased router), and a Mixtral on Hugging Face's ``batched_mm`` experts. Each family runs
 at one world size (the attention and shared experts around the experts keep their
 tensor-parallel plan there); DeepSeek-V2 (2 shared experts folded into the routed experts' one
-all_reduce) under plain tensor parallelism at ws 2 and 4, gpt-oss at ws 2 (Mixtral and
-Qwen2-MoE: tests/test_moe.py); expert parallelism with sequence parallelism: Qwen2-MoE at ws 2,
+all_reduce) under plain tensor parallelism at ws 2 and 4, gpt-oss at ws 2, each also on
+``batched_mm`` experts (Mixtral and Qwen2-MoE: tests/test_moe.py); expert parallelism with sequence parallelism: Qwen2-MoE at ws 2,
 Mixtral at ws 4. At ws 2 one dynamic compile also runs batches of 1 and generates greedily
 (batches of 1 and 2) token for token. Meta-device reports of four published configs at
 ws 8 close the file.
@@ -45,7 +45,7 @@ pytest.importorskip("transformers")
 N_BLOCKS = 1  # 1 layer per model: one MoE block shows every collective
 SEQ = 8
 EP_CASES = {2: ("mixtral", "gpt_oss", "deepseek_v2", "qwen3_moe"), 4: ("qwen2_moe",)}  # + "batched" at ws 4 (_uneven_checks)
-TP_CASES = {2: ("deepseek_v2", "gpt_oss"), 4: ("deepseek_v2",)}
+TP_CASES = {2: ("deepseek_v2", "gpt_oss", "gpt_oss/batched_mm"), 4: ("deepseek_v2", "deepseek_v2/batched_mm")}  # family/impl
 SP_CASES = {2: ("qwen2_moe",), 4: ("mixtral",)}  # expert and sequence parallelism together
 CAPTURE = "export"  # what "auto" ends with on these models, without trying fx first
 UNEVEN_EXPERTS = 6  # at ws 4: 2/2/1/1
@@ -56,7 +56,8 @@ def _build(case: str):
         model, (ids,) = examples.mixtral(num_hidden_layers=N_BLOCKS, experts_implementation="batched_mm",
                                          num_local_experts=UNEVEN_EXPERTS)
     else:
-        model, (ids,) = getattr(examples, case)(num_hidden_layers=N_BLOCKS)
+        family, _, impl = case.partition("/")
+        model, (ids,) = getattr(examples, family)(num_hidden_layers=N_BLOCKS, experts_implementation=impl or "grouped_mm")
     return model, (ids[:, :SEQ],)
 
 
@@ -128,7 +129,8 @@ def _checks() -> dict:
             "experts": {row["name"]: row for row in r["report"]["layers"] if ".experts." in row["name"]},
             "collectives": r["report"]["collectives"]}
     for case in TP_CASES[ws]:
-        out["tp"][case] = compare_training(*_build(case), dynamic=False, capture=CAPTURE)["forward"]
+        r = compare_training(*_build(case), dynamic=False, capture=CAPTURE)
+        out["tp"][case] = r["forward"] | {"styles": sorted(row["style"] for row in r["report"]["layers"] if ".experts." in row["name"])}
     out["sp"] = {case: {k: compare_training(*_build(case), expert_parallel=True, sequence_parallel=True, dynamic=False,
                                             capture=CAPTURE)[k] for k in ("forward", "backward")} for case in SP_CASES[ws]}
     if ws == 2:  # one compile (dynamic shapes) runs 4, 10 and 6 tokens, then a batch of 1 and generation (_batch_of_one)
@@ -160,9 +162,12 @@ def test_expert_parallel_equals_the_single_device(pool):
         assert got["forward"]["all_reduce"] == 2 * N_BLOCKS + 1, case  # attention + experts per block; the lookup
         assert got["backward"]["all_to_all"] == 2 * N_BLOCKS and got["backward"]["all_gather"] == 2 * N_BLOCKS, case
         assert "expert" in set(got["plan"].values()), case
+    assert set(r["tp"]) == set(TP_CASES[ws])
     for case, forward in r["tp"].items():
+        assert forward.pop("styles") == sorted(["colwise", "rowwise"] * N_BLOCKS), case
         # gpt-oss's interleaved gate/up is read by strided slices, which keep the experts' colwise
-        # shard (passes/rules/indexing.py): its experts are tensor parallel too, one all_reduce each.
+        # shard (passes/rules/indexing.py): its experts are tensor parallel too, one all_reduce each;
+        # on batched_mm experts as on grouped_mm ones (NOTE: [gathered experts] in passes/propagate.py).
         assert "all_to_all" not in forward and forward["all_reduce"] == 2 * N_BLOCKS + 1, case
     # With sequence parallelism (NOTE: [expert parallelism with sequence parallelism]): per block the attention's
     # and the MoE block's input all_gathered, their outputs reduce_scattered (a shared expert's summed in first);
@@ -225,18 +230,22 @@ PUBLISHED = {
 }
 
 
-@pytest.mark.parametrize("name", [*PUBLISHED, "Mixtral-8x7B"])
-def test_published_configs_at_world_size_8(name):
+@pytest.mark.parametrize("name,impl", [(name, "grouped_mm") for name in (*PUBLISHED, "Mixtral-8x7B")]
+                         + [("Mixtral-8x7B", "batched_mm"), ("Qwen3-30B-A3B", "batched_mm")])
+def test_published_configs_at_world_size_8(name, impl):
     """On meta, ``num_hidden_layers`` cut to 2, static shapes: under expert parallelism each
     rank keeps at most 1/8 + 0.03 of the parameter bytes, the experts' 1/8 exactly; under
     tensor parallelism (the default) too (measured: gpt-oss-20b 12.52%, Qwen3-30B-A3B 12.55%,
-    DeepSeek-V2-Lite 13.04%, Mixtral-8x7B 12.50%)."""
+    DeepSeek-V2-Lite 13.04%, Mixtral-8x7B 12.50%; on ``batched_mm`` experts, NOTE: [gathered
+    experts] in passes/propagate.py, the same), with one forward all_reduce per attention and
+    per MoE block, plus the vocab-parallel lookup's."""
     if name == "Mixtral-8x7B":
         model, inputs = examples.mixtral_8x7b(n_layers=2)
     else:
         builder, config = PUBLISHED[name]
         model, _ = getattr(examples, builder)(num_hidden_layers=2, device="meta", **config)
         inputs = (torch.zeros(1, 512, dtype=torch.long, device="meta"),)
+    model.set_experts_implementation(impl)  # transformers' public switch (modeling_utils.py)
     report = fxtp.analyze(model, 8, inputs, expert_parallel=True, dynamic=False, capture=CAPTURE)
     assert report.param_bytes_per_rank / report.param_bytes <= 1 / 8 + 0.03, report.param_bytes_per_rank / report.param_bytes
     rows = [row for row in report.layers if row.style == "expert"]
@@ -245,3 +254,6 @@ def test_published_configs_at_world_size_8(name):
     tensor = fxtp.analyze(model, 8, inputs, dynamic=False, capture=CAPTURE)
     assert tensor.param_bytes_per_rank / tensor.param_bytes <= 1 / 8 + 0.03, tensor.param_bytes_per_rank / tensor.param_bytes
     assert "all_to_all" not in {c.kind for c in tensor.collectives if c.count} and "expert" not in set(tensor.plan.values())
+    assert tensor.count("forward", "all_reduce") == 2 * 2 + 1
+    styles = {row.style for row in tensor.layers if ".experts." in row.name}
+    assert styles == {"colwise", "rowwise"}, styles

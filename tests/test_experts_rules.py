@@ -70,6 +70,44 @@ def test_grouped_mm_intermediate_not_divisible():
     assert not plan.params and not plan.reduces
 
 
+class _BatchedExperts(nn.Module):
+    """Hugging Face's batched_mm experts, reduced to the matmuls: each pair's matrices gathered by
+    its expert id, then ``bmm``; ``transposed``: gpt-oss's (E, H, 2I) and (E, I, H) weights on the
+    right of the ``bmm``."""
+
+    def __init__(self, transposed: bool = False) -> None:
+        super().__init__()
+        self.transposed = transposed
+        shapes = ((E, H, 2 * I), (E, I, H)) if transposed else ((E, 2 * I, H), (E, H, I))
+        self.gate_up_proj, self.down_proj = (nn.Parameter(torch.randn(*shape)) for shape in shapes)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(x.unsqueeze(1), w).squeeze(1) if self.transposed else torch.bmm(w, x.unsqueeze(-1)).squeeze(-1)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        gate, up = self._linear(x, self.gate_up_proj[ids]).chunk(2, dim=-1)
+        y = self._linear(F.silu(gate) * up, self.down_proj[ids])
+        return (y * weights.unsqueeze(-1)).view(S // 2, 2, H).sum(dim=1)
+
+
+def test_batched_mm_experts_are_the_same_layers():
+    """A ``bmm`` of gathered experts (NOTE: [gathered experts]) plans as the grouped matmul does:
+    gate_up colwise in segments (I, I), down rowwise, one all_reduce after the combine; on both
+    operand orders."""
+    ids = torch.arange(S) % E
+    for transposed, params in ((False, {"p_gate_up_proj": Shard(1, (I, I)), "p_down_proj": Shard(2, (I,))}),
+                               (True, {"p_gate_up_proj": Shard(2, (I, I)), "p_down_proj": Shard(1, (I,))})):
+        plan, layers, nodes = _plan(_BatchedExperts(transposed), torch.randn(S, H), ids, torch.rand(S))
+        gate_up, down = layers["gate_up_proj"], layers["down_proj"]
+        assert (gate_up.op, gate_up.style, down.style) == ("bmm", "colwise", "rowwise"), transposed
+        assert gate_up.weight_shape == tuple(nodes["p_gate_up_proj"].meta["val"].shape)  # the parameter, not the gathered rows
+        assert plan.params == params, transposed
+        (reduced,) = plan.reduces
+        assert nodes[reduced].target is aten.sum.dim_IntList, transposed
+    plan, layers, _ = _plan(_BatchedExperts(), torch.randn(S, H), ids, torch.rand(S), ws=3)  # I = 8 at ws 3
+    assert {layers[w].style for w in ("gate_up_proj", "down_proj")} == {"replicate"} and not plan.params
+
+
 class _Mlp(nn.Module):
     """A bias-free MLP whose output ``how`` uses: the reduction moves only past linear single uses."""
 

@@ -38,9 +38,10 @@ SEED = os.environ.get("FXTP_FUZZ_SEED")
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(spec=specs(exclude=frozenset(KNOWN_BROKEN)))
-# A MoE block under each plan on every run, whatever the draws: Qwen2-MoE's (a shared expert)
-# with tensor parallelism inside the experts, Mixtral's top-1 with 6 experts expert parallel
-@example(spec=Spec(hidden=16, blocks=(Moe(ffn=16, shared=True),), train=True))
+# A MoE block under each plan on every run, whatever the draws: Qwen2-MoE's (a shared expert) on
+# batched_mm experts with tensor parallelism inside the experts (grouped_mm's: tests/test_moe.py),
+# Mixtral's top-1 with 6 experts expert parallel
+@example(spec=Spec(hidden=16, blocks=(Moe(ffn=16, shared=True, impl="batched_mm"),), train=True))
 @example(spec=Spec(hidden=16, blocks=(Moe(ffn=32, experts=6, top_k=1),), batch=1, expert_parallel=True))
 @seed(int(SEED or 0))
 def test_fxtp_equals_single_device_or_rejects(pool, spec):

@@ -1,7 +1,10 @@
 """Mixture-of-experts models built from Hugging Face config classes (random weights, nothing
-downloaded): routed experts stored as 3-D parameters and run by ``grouped_mm`` are sharded
-inside each expert (``passes/rules/experts.py``), on real gloo process groups at world sizes 2
-and 4, against the single-device model (outputs, every gradient, 3 SGD steps).
+downloaded): routed experts stored as 3-D parameters and run by ``grouped_mm`` or by
+``batched_mm`` (each pair's experts gathered, then ``bmm``; NOTE: [gathered experts] in
+passes/propagate.py) are sharded inside each expert (``passes/rules/experts.py``), on real gloo
+process groups at world sizes 2 and 4, against the single-device model (outputs, every
+gradient, 3 SGD steps). Mixtral and Qwen2-MoE run both implementations in one ``pool.run``,
+``batched_mm`` on 1 layer (one MoE block shows every collective; the suite's time).
 
 Tiny configs (fxtp/explain/examples.py): 2 layers, hidden 64, 4 heads (2 kv heads), 4 experts of
 intermediate 128, top-2, vocab 128, seq 16.
@@ -32,14 +35,22 @@ def _train(name: str, **overrides):
     return result
 
 
+BLOCKS = {"grouped_mm": N_BLOCKS, "batched_mm": 1}  # layers per experts implementation
+
+
+def _train_each(name: str) -> dict[str, dict]:
+    """``_train`` of ``name`` on each of Hugging Face's experts implementations."""
+    return {impl: _train(name, experts_implementation=impl, num_hidden_layers=n) for impl, n in BLOCKS.items()}
+
+
 def _layers(result) -> dict[str, dict]:
     return {row["name"]: row for row in result["report"]["layers"]}
 
 
-def _check_experts(r, ws: int, prefix: str) -> None:
+def _check_experts(r, ws: int, prefix: str, blocks: int = N_BLOCKS) -> None:
     """Every expert colwise on its intermediate dim ([gate_r | up_r]), down rowwise; router whole."""
     layers = _layers(r)
-    for i in range(N_BLOCKS):
+    for i in range(blocks):
         p = f"model.layers.{i}.mlp."
         gate_up, down = layers[p + "experts.gate_up_proj"], layers[p + "experts.down_proj"]
         assert (gate_up["style"], down["style"]) == ("colwise", "rowwise")
@@ -56,37 +67,43 @@ def test_mixtral(pool):
     """Forward: per block the attention's all_reduce and one of the experts' combined output
     (after the routing weights and the top-k sum, NOTE: [deferred reduction]), plus the
     vocab-parallel lookup; backward: Megatron's 2 per block plus the routing weights' f."""
-    (r, *_) = pool.run(_train, "mixtral")
+    (runs, *_) = pool.run(_train_each, "mixtral")
     ws = pool.world_size
-    _check_experts(r, ws, "model.layers.")
     tokens = examples.TINY_BATCH * examples.TINY_SEQ
-    assert r["forward"] == {"all_reduce": 2 * N_BLOCKS + 1, "all_gather": 1}
-    # Every forward all_reduce holds tokens x hidden values: the experts' too, not (tokens x top_k, hidden).
-    assert [math.prod(shape) for shape in r["forward_shapes"]] == [tokens * HIDDEN] * (2 * N_BLOCKS + 1)
-    # 2 kv heads at ws 4: each held by the 2 ranks whose query heads read it, their gradients summed in one
-    # all_reduce per attention (NOTE: [grouped shards])
-    kv_slices = 0 if ws == 2 else N_BLOCKS
-    assert r["backward"] == {"all_reduce": 3 * N_BLOCKS + 1 + kv_slices}
-    assert not [n for n in r["report"]["notes"] if n["code"] == "not-a-layer"]
+    for impl, r in runs.items():
+        n = BLOCKS[impl]
+        _check_experts(r, ws, "model.layers.", n)
+        assert _layers(r)["model.layers.0.mlp.experts.gate_up_proj"]["op"] == {"grouped_mm": "grouped_mm_fallback",
+                                                                               "batched_mm": "bmm"}[impl]
+        assert r["forward"] == {"all_reduce": 2 * n + 1, "all_gather": 1}, impl
+        # Every forward all_reduce holds tokens x hidden values: the experts' too, not (tokens x top_k, hidden).
+        assert [math.prod(shape) for shape in r["forward_shapes"]] == [tokens * HIDDEN] * (2 * n + 1), impl
+        # 2 kv heads at ws 4: each held by the 2 ranks whose query heads read it, their gradients summed in one
+        # all_reduce per attention (NOTE: [grouped shards])
+        kv_slices = 0 if ws == 2 else n
+        assert r["backward"] == {"all_reduce": 3 * n + 1 + kv_slices}, impl
+        assert not [note for note in r["report"]["notes"] if note["code"] == "not-a-layer"], impl
 
 
 def test_qwen2_moe(pool):
     """Routed experts as in Mixtral; the shared expert is a dense SwiGLU MLP (gate/up colwise,
     down rowwise); its 1-wide sigmoid gate stays replicated (``not-divisible``)."""
-    (r, *_) = pool.run(_train, "qwen2_moe")
+    (runs, *_) = pool.run(_train_each, "qwen2_moe")
     ws = pool.world_size
-    _check_experts(r, ws, "model.layers.")
-    layers = _layers(r)
-    for i in range(N_BLOCKS):
-        p = f"model.layers.{i}.mlp."
-        styles = [layers[p + f"shared_expert.{m}_proj"]["style"] for m in ("gate", "up", "down")]
-        assert styles == ["colwise", "colwise", "rowwise"]
-        assert layers[p + "shared_expert_gate"]["code"] == "not-divisible"
-    # Per block: attention, and the sum of the routed and shared experts' partial outputs, reduced once.
-    assert r["forward"] == {"all_reduce": 2 * N_BLOCKS + 1, "all_gather": 1}
-    kv_slices = 0 if ws == 2 else N_BLOCKS  # as in Mixtral
-    # Backward per block: attention, routed and shared experts' inputs, routing weights, shared gate.
-    assert r["backward"] == {"all_reduce": 5 * N_BLOCKS + 1 + kv_slices}
+    for impl, r in runs.items():
+        n = BLOCKS[impl]
+        _check_experts(r, ws, "model.layers.", n)
+        layers = _layers(r)
+        for i in range(n):
+            p = f"model.layers.{i}.mlp."
+            styles = [layers[p + f"shared_expert.{m}_proj"]["style"] for m in ("gate", "up", "down")]
+            assert styles == ["colwise", "colwise", "rowwise"], impl
+            assert layers[p + "shared_expert_gate"]["code"] == "not-divisible", impl
+        # Per block: attention, and the sum of the routed and shared experts' partial outputs, reduced once.
+        assert r["forward"] == {"all_reduce": 2 * n + 1, "all_gather": 1}, impl
+        kv_slices = 0 if ws == 2 else n  # as in Mixtral
+        # Backward per block: attention, routed and shared experts' inputs, routing weights, shared gate.
+        assert r["backward"] == {"all_reduce": 5 * n + 1 + kv_slices}, impl
 
 
 def test_mixtral_8x7b_at_world_size_8():
@@ -136,3 +153,26 @@ def test_mixtral_bf16(pool):
     gate_up = layers["model.layers.0.mlp.experts.gate_up_proj"]
     assert (gate_up["op"], gate_up["style"]) == ("_grouped_mm", "colwise")
     assert r["forward"] == {"all_reduce": 2 * N_BLOCKS + 1, "all_gather": 1}
+
+
+def test_eager_experts_are_refused_with_the_line_that_switches_them():
+    """Hugging Face's ``eager`` experts loop over the experts the routing hit (data-dependent):
+    refused before any frontend runs (NOTE: [eager experts] in fxtp/capture/hf_experts.py), the
+    message naming the experts module and transformers' public switch; running that line makes
+    the analysis succeed. A standalone MoE block (no ``PreTrainedModel``) gets its config's
+    line. 1 layer: the check reads modules, not the layer count."""
+    import transformers
+
+    model, inputs = examples.mixtral(num_hidden_layers=1, experts_implementation="eager")
+    fix = 'model.set_experts_implementation("grouped_mm")'
+    with pytest.raises(fxtp.FxtpCaptureError, match="model.layers.0.mlp.experts") as info:
+        fxtp.analyze(model, 2, inputs, dynamic=False)
+    assert fix in str(info.value) and "(MixtralExperts)" in str(info.value) and "frontends tried" not in str(info.value)
+    eval(fix, {"model": model})
+    report = fxtp.analyze(model, 2, inputs, dynamic=False, capture="export")
+    assert {row.name: row.style for row in report.layers if ".experts." in row.name} == {
+        "model.layers.0.mlp.experts.gate_up_proj": "colwise", "model.layers.0.mlp.experts.down_proj": "rowwise"}
+    block = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock(
+        examples.mixtral_config(experts_implementation="eager"))
+    with pytest.raises(fxtp.FxtpCaptureError, match=r'model.get_submodule\("experts"\).config._experts_implementation = "grouped_mm"'):
+        fxtp.analyze(block, 2, (torch.randn(2, 4, HIDDEN),), dynamic=False)

@@ -40,6 +40,7 @@ from torch.export import Dim, ShapesCollection
 from torch.export.graph_signature import InputKind
 from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
 
+from fxtp.capture.hf_experts import check_experts_implementation
 from fxtp.capture.index_lists import cpu_index_lists
 from fxtp.capture.regions import recording_checkpoints
 from fxtp.core.errors import FxtpCaptureError, FxtpInputError
@@ -160,8 +161,11 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, how: str = "auto", *, d
     Raises:
         FxtpInputError: the example inputs do not fit the model (names the module and the
             shape it expected).
-        FxtpCaptureError: every frontend tried failed; lists each with its reason.
+        FxtpCaptureError: every frontend tried failed; lists each with its reason. Or, before
+            any is tried, Hugging Face experts on the eager loop (NOTE: [eager experts] in
+            fxtp/capture/hf_experts.py).
     """
+    check_experts_implementation(model)
     order = FRONTENDS if how == "auto" else (how,)
     attempts: list[tuple[str, str]] = []
     for name in order:

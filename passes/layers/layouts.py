@@ -19,15 +19,21 @@ from torch.fx import Node
 from passes.propagate import PlannerState
 from passes.registry import shape_of
 
-__all__ = ["MAX_SEGMENTS", "layer_segments", "refine_layout", "refine_uneven", "next_segments"]
+__all__ = ["MAX_SEGMENTS", "layer_segments", "out_features", "refine_layout", "refine_uneven", "next_segments"]
 
 MAX_SEGMENTS = 8  # fused projections have few parts (Q|K|V, gate|up, K|V)
 
 
-def layer_segments(layer: Node, hint: Optional[tuple[int, ...]]) -> Optional[tuple[int, ...]]:
+def out_features(layer: Node, state: PlannerState) -> int:
+    """The size of ``layer``'s output features: its last dim, or where a batched experts matmul
+    holds them elsewhere (``(S, 2I, 1)``, ``rules/experts.py``) the planner's record of it."""
+    return state.features.get(layer.name) or shape_of(layer)[-1]
+
+
+def layer_segments(layer: Node, hint: Optional[tuple[int, ...]], state: PlannerState) -> Optional[tuple[int, ...]]:
     """``hint`` if it is a segmentation of ``layer``'s output features (a rule's refinement is in
     the coordinates of the value it saw, which are the layer's only when the shard flowed 1:1)."""
-    return hint if hint is not None and sum(hint) == shape_of(layer)[-1] else None
+    return hint if hint is not None and sum(hint) == out_features(layer, state) else None
 
 
 def refine_layout(demotable: list[Node], hint: Optional[tuple[int, ...]], state: PlannerState, ws: int, refined_now: set[Node]) -> bool:
@@ -73,8 +79,8 @@ def refine_uneven(
     for n in demotable:
         if n.name not in state.units:
             continue
-        have = state.segments.get(n.name, (shape_of(n)[-1],))
-        finer = layer_segments(n, hint)
+        have = state.segments.get(n.name, (out_features(n, state),))
+        finer = layer_segments(n, hint, state)
         segments = finer if finer is not None and _cuts(have) < _cuts(finer) else have
         new_unit = unit if unit is not None and unit > state.units[n.name] and unit % state.units[n.name] == 0 else state.units[n.name]
         if (segments, new_unit) == (have, state.units[n.name]) or any(s % new_unit or s // new_unit < ws for s in segments):
@@ -88,7 +94,7 @@ def refine_uneven(
 def next_segments(layer: Node, state: PlannerState, hint: Optional[tuple[int, ...]], ws: int) -> Optional[tuple[int, ...]]:
     """The next untried segment layout for ``layer``'s output: the rule's hint, then k equal
     segments for k = 2..8; ``None`` when all are tried."""
-    out = shape_of(layer)[-1]
+    out = out_features(layer, state)
     tried = state.tried.setdefault(layer.name, {state.segments.get(layer.name, (out,))})
     candidates = [hint] if hint is not None and sum(hint) == out and all(s % ws == 0 for s in hint) else []
     candidates += [(out // k,) * k for k in range(2, MAX_SEGMENTS + 1) if out % k == 0 and (out // k) % ws == 0]

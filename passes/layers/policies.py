@@ -159,7 +159,7 @@ def is_output_head(layer: Node, param_names: frozenset[str]) -> bool:
     if ops is None:
         return False
     shape = shape_of(ops.weight)
-    return shape[ops.out_dim] > shape[1 - ops.out_dim]
+    return len(shape) == 2 and shape[ops.out_dim] > shape[1 - ops.out_dim]  # MoE experts (3-D) are no heads
 
 
 def weight_numel(layer: Node, param_names: frozenset[str]) -> int:
@@ -197,8 +197,8 @@ def layer_decision(node: Node, name: str, res: Propagation, state: PlannerState,
         note = dataclasses.replace(note, reason=f"input sharded by {partners}; " + note.reason)
     weight = weight_of(node, param_names)
     piece = param_root(weight, param_names) if isinstance(weight, Node) else None
-    if piece is not None and piece.transposed:
-        weight = piece.placeholder  # show the parameter as stored, not its transpose
+    if piece is not None and (piece.transposed or piece.gathered):
+        weight = piece.placeholder  # show the parameter as stored, not its transpose or gathered rows
     wshape = shape_of(weight)
     local = list(wshape)
     wp = res.placements.get(weight)

@@ -17,8 +17,21 @@ from typing import Any, Optional
 import torch
 from torch.fx import Node
 
-from fxtp.core.placement import REPLICATE, Shard, local_ranges
-from passes.registry import GATHER_INSTEAD, WHOLE_KV_HEADS, Conflict, Decision, LocalSize, RuleContext, overlap_ok, register_rule, shape_of, source_line, uneven_ok
+from fxtp.core.placement import REPLICATE, Replicate, Shard, local_ranges
+from passes.registry import (
+    GATHER_INSTEAD,
+    WHOLE_KV_HEADS,
+    Conflict,
+    Decision,
+    LocalSize,
+    RuleContext,
+    is_tensor_node,
+    overlap_ok,
+    register_rule,
+    shape_of,
+    source_line,
+    uneven_ok,
+)
 from passes.rules._common import local_size, ndim, norm_dim
 from passes.rules.dtensor_fallback import dtensor_rule
 
@@ -215,9 +228,16 @@ def select_rule(ctx: RuleContext) -> Decision:
 @register_rule(aten.index.Tensor)
 def index_rule(ctx: RuleContext) -> Decision:
     """``x[..., idx, ...]`` with a tensor of positions: refused on the sharded dim (the positions
-    are global, and may fall on other ranks); elsewhere DTensor's rule (NOTE: [DTensor fallback])."""
+    are global, and may fall on other ranks). Positions of the leading dims only, before the
+    sharded one (``W[expert_ids]``, NOTE: [gathered experts] in passes/propagate.py), keep the
+    shard, segments included, on the dim it lands on; elsewhere DTensor's rule (NOTE: [DTensor
+    fallback])."""
     x, indices = ctx.node.args[:2]
     p = ctx.placement(x)
+    leading = isinstance(p, Shard) and 0 < len(indices) <= p.dim and all(is_tensor_node(i) for i in indices)
+    if leading and all(isinstance(ctx.placement(i), Replicate) for i in indices):
+        # the positions broadcast to one shape, which replaces the indexed dims
+        return Decision(p.with_dim(p.dim + len(ctx.out_shape) - ndim(x)), {x: p})
     if isinstance(p, Shard) and p.dim < len(indices) and indices[p.dim] is not None:
         where = source_line(ctx.node)
         raise Conflict(

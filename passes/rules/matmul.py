@@ -39,7 +39,7 @@ from passes.registry import (
     uneven_ok,
 )
 from passes.rules._common import activation_placement, ndim
-from passes.rules.experts import grouped_operands
+from passes.rules.experts import batched_operands, experts_layer, grouped_operands
 
 __all__ = ["LayerOperands", "layer_operands", "layer_weight"]
 
@@ -59,7 +59,8 @@ class LayerOperands:
     ``weight`` is the operand as the op sees it: ``(out, in)`` for ``linear`` (``out_dim=0``),
     ``(in, out)`` for ``x @ W`` / ``addmm(b, x, W)`` (``out_dim=1``; GPT-2's ``Conv1D``, or a
     parameter's ``.T``), ``(experts, in, out)`` for a grouped matmul of MoE experts
-    (``out_dim=2``, ``rules/experts.py``). ``bias`` has shape ``(out,)``.
+    (``out_dim=2``, ``rules/experts.py``), ``(pairs, out, in)`` or ``(pairs, in, out)`` for a
+    batched one (``out_dim`` 1 or 2). ``bias`` has shape ``(out,)``.
     """
 
     x: Node
@@ -71,7 +72,7 @@ class LayerOperands:
 def layer_operands(node: Node, is_param: Callable[[Node], bool]) -> Optional[LayerOperands]:
     """The layer operands of ``node`` if it is a matmul-like layer with a 2-D parameter weight
     (``linear``; ``addmm``/``mm``/``matmul`` whose right operand is a parameter or its
-    transpose) or a grouped matmul with a 3-D expert weight, else ``None``. Embeddings are layers too, see :func:`layer_weight`."""
+    transpose) or a grouped or batched matmul with a 3-D expert weight, else ``None``. Embeddings are layers too, see :func:`layer_weight`."""
     if node.op != "call_function":
         return None
     if node.target is aten.linear.default:
@@ -89,6 +90,9 @@ def layer_operands(node: Node, is_param: Callable[[Node], bool]) -> Optional[Lay
     grouped = grouped_operands(node, is_param)
     if grouped is not None:
         return LayerOperands(grouped.x, grouped.weight, None, 2)
+    batched = batched_operands(node, is_param)
+    if batched is not None:
+        return LayerOperands(batched.x, batched.weight, None, batched.dims.n)
     return None
 
 
@@ -263,7 +267,11 @@ def _by_columns(ctx: RuleContext, weight: Node, dim: int) -> Decision:
 @uneven_ok
 def matmul_rule(ctx: RuleContext) -> Decision:
     """``a @ b`` between activations: a shard on batch dims, rows of ``a`` or columns of ``b``
-    flows to the output; a sharded contraction dim is refused (``contracts-sharded-dim``)."""
+    flows to the output; a sharded contraction dim is refused (``contracts-sharded-dim``). A
+    ``bmm`` with a 3-D parameter is a layer of MoE experts (``rules/experts.py``)."""
+    batched = batched_operands(ctx.node, ctx.is_param)
+    if batched is not None:
+        return experts_layer(ctx, batched.x, batched.weight, batched.dims)
     ops = layer_operands(ctx.node, ctx.is_param)
     if ops is not None:  # x @ W with a parameter W (or W.T): a layer
         return _layer_rule(ctx, ops)
