@@ -7,9 +7,10 @@ Published configs (:data:`fxtp.explain.families.FAMILIES`, the sizes of each mod
 identical (BERT-large at its 24 layers: the same fraction). The README's memory table is that
 measurement. Tiny versions of the kinds no other test covers (Falcon's multi-query fused
 ``query_key_value``, a Phi-3 whose fused ``qkv_proj`` holds kv heads that do not divide
-world_size) train exactly on real gloo ranks at world sizes 2 and 4 (outputs, every gradient, 3
-SGD steps), one ``pool.run`` per world size. World size 3 is left out: its pool and two compiles
-cost about 40 s more, for splits ``test_gqa.py`` and ``test_fused_slices.py`` run at 3 already.
+world_size) train exactly on real gloo ranks at world sizes 2, 3 and 4 (outputs, every gradient,
+3 SGD steps), and at 2 and 4 decode greedily token for token as ``model.generate`` does (at 3
+the splits are of no new kind: 3/2/2 query heads beside 2/2/2/1 at 4), one ``pool.run`` per
+world size (the ws-3 pool is the one ``test_gqa.py`` and ``test_fused_slices.py`` start).
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from _helpers import compare_training, megatron_floor
+
+import fxtp
 
 from fxtp.core.placement import Shard, kv_unit_range, local_ranges
 from fxtp.explain.families import FAMILIES, measure, memory_table
@@ -74,10 +78,11 @@ def test_readme_memory_table_is_the_measurement(measured):
 
 
 def _tiny(kind: str):
-    """Tiny random-weight Hugging Face models, 1 layer, seq 8: ``falcon``, Falcon-7B's layout
-    (multi-query fused ``query_key_value``, parallel attention) with 7 heads of 8 (4/3 at ws 2,
-    2/2/2/1 at ws 4); ``phi3``, Phi-3-medium's (fused ``qkv_proj`` sliced by index) with 6 query
-    and 3 kv heads of 16, which divide neither 2 nor 4."""
+    """Tiny random-weight Hugging Face models, 1 layer, seq 8, 16 positions: ``falcon``,
+    Falcon-7B's layout (multi-query fused ``query_key_value``, parallel attention) with 7 heads
+    of 8 (4/3 at ws 2, 3/2/2 at ws 3, 2/2/2/1 at ws 4); ``phi3``, Phi-3-medium's (fused
+    ``qkv_proj`` sliced by index) with 6 query and 3 kv heads of 16, which divide neither 2 nor
+    4 (at 3, one kv head per rank)."""
     import transformers
 
     torch.manual_seed(0)
@@ -85,7 +90,7 @@ def _tiny(kind: str):
     if kind == "falcon":
         cfg = transformers.FalconConfig(vocab_size=128, hidden_size=56, num_attention_heads=7, num_hidden_layers=1, multi_query=True,
                                         new_decoder_architecture=False, parallel_attn=True, alibi=False, bias=False, use_cache=False,
-                                        attention_dropout=0.0, hidden_dropout=0.0)
+                                        max_position_embeddings=16, attention_dropout=0.0, hidden_dropout=0.0)
         return transformers.FalconForCausalLM(cfg).eval(), (ids,)
     cfg = transformers.Phi3Config(vocab_size=128, hidden_size=96, intermediate_size=64, num_hidden_layers=1, num_attention_heads=6,
                                   num_key_value_heads=3, max_position_embeddings=16, original_max_position_embeddings=16,
@@ -98,22 +103,45 @@ def _tiny(kind: str):
 TINY = {"falcon": ("transformer.h.0.self_attention.query_key_value", 7, 1, 8), "phi3": ("model.layers.0.self_attn.qkv_proj", 6, 3, 16)}
 
 
-def _train_tiny() -> dict:
+def _check_tiny(generate: bool) -> dict:
+    """Per kind: :func:`compare_training`'s checks, then (with ``generate``) greedy ``generate``
+    of a fresh compile against ``model.generate``, and the shapes of the decoder's kv cache on
+    this rank."""
     keep = ("plan", "forward", "backward", "local_shapes", "report")
-    return {kind: {k: v for k, v in compare_training(*_tiny(kind)).items() if k in keep} for kind in TINY}
+    out = {}
+    for kind in TINY:
+        out[kind] = {k: v for k, v in compare_training(*_tiny(kind)).items() if k in keep}
+        if not generate:
+            continue
+        model, (ids,) = _tiny(kind)
+        pm = fxtp.compile(model, dist.get_world_size(), (ids,), dynamic=False)  # only its decoder runs
+        want = model.generate(ids[:, :5], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        got = pm.generate(ids[:, :5], max_new_tokens=6)
+        (decoder,) = pm._generation.decoders.values()
+        caches = {tuple(decoder.get_buffer(k).shape) for k in decoder.written_state if decoder.get_buffer(k).dim() == 4}
+        out[kind]["generate"] = (torch.equal(got, want), got.tolist(), want.tolist(), sorted(caches))
+    return out
 
 
-def test_tiny_fused_grouped_kv_trains_exactly(pool):
+@pytest.mark.parametrize("ws", [2, 3, 4])
+def test_tiny_fused_grouped_kv_trains_and_generates_exactly(rank_pools, ws):
     """Each rank's fused weight holds its query heads and the kv heads they read; outputs, every
     gradient (the kv rows summed over their holders) and 3 SGD steps equal the single device's;
-    the forward at Megatron's floor."""
-    ws = pool.world_size
-    results = pool.run(_train_tiny)
+    the forward at Megatron's floor. Greedy decoding (ws 2 and 4) is token-identical to ``model.generate``,
+    each rank's static cache holding the kv heads its query heads read, not the config's
+    ``num_attention_heads`` (Falcon names no ``num_key_value_heads``, NOTE: [cache shapes from
+    the writes])."""
+    results = rank_pools(ws).run(_check_tiny, ws != 3)
     for kind, (layer, heads, kv_heads, hd) in TINY.items():
         r = results[0][kind]
-        assert all(style != "replicate" for name, style in r["plan"].items() if "layers.0" in name), (kind, r["plan"])
+        assert all(style != "replicate" for name, style in r["plan"].items() if "layers.0" in name or ".h.0." in name), (kind, r["plan"])
         assert r["forward"] == megatron_floor(r["report"], 1)[0], (kind, r["forward"])
         for rank, rank_result in enumerate(results):
             ((q0, nq),) = local_ranges(Shard(0, (heads,)), rank, ws)
             nkv = kv_unit_range(q0, nq, heads // kv_heads)[1]
             assert rank_result[kind]["local_shapes"][layer + ".weight"][0] == (nq + 2 * nkv) * hd, (kind, rank)
+            if ws == 3:
+                continue
+            equal, got, want, caches = rank_result[kind]["generate"]
+            assert equal, (kind, rank, got, want)
+            assert caches == [(2, nkv, 16, hd)], (kind, rank, caches)

@@ -7,7 +7,8 @@ NOTE: [generation]
 * The cache is transformers' ``StaticCache`` inside its own export recipe,
   ``transformers.integrations.executorch.TorchExportableModuleWithStaticCache``: per layer a key
   and a value tensor of shape (batch, kv_heads, max_cache_len, head_dim), written in place by
-  ``index_copy_`` at ``cache_position``. fxtp compiles that wrapper once per (batch,
+  ``index_copy_`` at ``cache_position``, its kv heads those the attentions write, not the
+  config's (NOTE: [cache shapes from the writes] in fxtp/runtime/static_cache.py). fxtp compiles that wrapper once per (batch,
   max_cache_len) with a dynamic sequence length in [1, max_cache_len], so the prompt (prefill)
   and every new token (decode) run one graph: no capture per token or per prompt length.
 * The planner stores each cache tensor in the layout its k/v projection writes (NOTE: [sharded
@@ -48,6 +49,7 @@ from torch import nn
 from torch.export import Dim
 
 from fxtp.core.errors import FxtpInputError, FxtpPlanError
+from fxtp.runtime import static_cache
 from fxtp.runtime.layout import tp_group
 
 __all__ = ["Generation", "generation_for", "CACHE_ROUNDING"]
@@ -298,6 +300,7 @@ def _compile_decoder(pm: nn.Module, gen: Generation, batch: int, max_cache_len: 
     model.generation_config.cache_implementation = "static"
     cls = _with_mask(TorchExportableModuleWithStaticCache) if padded else TorchExportableModuleWithStaticCache
     wrapper = cls(model, batch_size=batch, max_cache_len=max_cache_len, device="meta")
+    static_cache.fit_cache_to_writes(wrapper.static_cache, model, batch)  # NOTE: [cache shapes from the writes]
     # The graph reads and writes the cache through the StaticCache object, which export lifts as
     # constants (those fxtp stores sharded); the wrapper's registrations of the same tensors would
     # be extra graph inputs no op uses, each a whole cache to allocate.
