@@ -7,7 +7,7 @@ Published configs (:data:`fxtp.explain.families.FAMILIES`, the sizes of each mod
 identical (BERT-large at its 24 layers: the same fraction). The README's memory table is that
 measurement. Tiny versions of the kinds no other test covers (Falcon's multi-query fused
 ``query_key_value``, a Phi-3 whose fused ``qkv_proj`` holds kv heads that do not divide
-world_size) train exactly on real gloo ranks at world sizes 2, 3 and 4 (outputs, every gradient,
+world_size; Falcon-40B's grouped ``query_key_value`` at 2) train exactly on real gloo ranks at world sizes 2, 3 and 4 (outputs, every gradient,
 3 SGD steps), and at 2 and 4 decode greedily token for token as ``model.generate`` does (at 3
 the splits are of no new kind: 3/2/2 query heads beside 2/2/2/1 at 4), one ``pool.run`` per
 world size (the ws-3 pool is the one ``test_gqa.py`` and ``test_fused_slices.py`` start).
@@ -82,7 +82,10 @@ def _tiny(kind: str):
     Falcon-7B's layout (multi-query fused ``query_key_value``, parallel attention) with 7 heads
     of 8 (4/3 at ws 2, 3/2/2 at ws 3, 2/2/2/1 at ws 4); ``phi3``, Phi-3-medium's (fused
     ``qkv_proj`` sliced by index) with 6 query and 3 kv heads of 16, which divide neither 2 nor
-    4 (at 3, one kv head per rank)."""
+    4 (at 3, one kv head per rank); ``falcon-40b``, Falcon-40B's (``new_decoder_architecture``:
+    ``query_key_value`` viewed as (kv groups, 3 query heads + k + v, 8), k and v broadcast over
+    their group's query heads before the cache) with 2 groups, whole on each rank at ws 2 (at 3
+    and 4 the groups do not divide and the attention stays replicated)."""
     import transformers
 
     torch.manual_seed(0)
@@ -92,6 +95,11 @@ def _tiny(kind: str):
                                         new_decoder_architecture=False, parallel_attn=True, alibi=False, bias=False, use_cache=False,
                                         max_position_embeddings=16, attention_dropout=0.0, hidden_dropout=0.0)
         return transformers.FalconForCausalLM(cfg).eval(), (ids,)
+    if kind == "falcon-40b":
+        cfg = transformers.FalconConfig(vocab_size=128, hidden_size=48, num_attention_heads=6, num_kv_heads=2, num_hidden_layers=1,
+                                        new_decoder_architecture=True, alibi=False, bias=False, use_cache=False,
+                                        max_position_embeddings=16, attention_dropout=0.0, hidden_dropout=0.0)
+        return transformers.FalconForCausalLM(cfg).eval(), (ids,)
     cfg = transformers.Phi3Config(vocab_size=128, hidden_size=96, intermediate_size=64, num_hidden_layers=1, num_attention_heads=6,
                                   num_key_value_heads=3, max_position_embeddings=16, original_max_position_embeddings=16,
                                   use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0, attention_dropout=0.0,
@@ -99,8 +107,10 @@ def _tiny(kind: str):
     return transformers.Phi3ForCausalLM(cfg).eval(), (ids,)
 
 
-# kind -> (fused layer, query heads, kv heads, head_dim)
-TINY = {"falcon": ("transformer.h.0.self_attention.query_key_value", 7, 1, 8), "phi3": ("model.layers.0.self_attn.qkv_proj", 6, 3, 16)}
+# kind -> (fused layer, query heads, kv heads, head_dim, the world sizes it is checked at)
+TINY = {"falcon": ("transformer.h.0.self_attention.query_key_value", 7, 1, 8, (2, 3, 4)),
+        "phi3": ("model.layers.0.self_attn.qkv_proj", 6, 3, 16, (2, 3, 4)),
+        "falcon-40b": ("transformer.h.0.self_attention.query_key_value", 6, 2, 8, (2,))}
 
 
 def _check_tiny(generate: bool) -> dict:
@@ -109,7 +119,7 @@ def _check_tiny(generate: bool) -> dict:
     this rank."""
     keep = ("plan", "forward", "backward", "local_shapes", "report")
     out = {}
-    for kind in TINY:
+    for kind in [kind for kind, (*_, sizes) in TINY.items() if dist.get_world_size() in sizes]:
         out[kind] = {k: v for k, v in compare_training(*_tiny(kind)).items() if k in keep}
         if not generate:
             continue
@@ -130,9 +140,11 @@ def test_tiny_fused_grouped_kv_trains_and_generates_exactly(rank_pools, ws):
     the forward at Megatron's floor. Greedy decoding (ws 2 and 4) is token-identical to ``model.generate``,
     each rank's static cache holding the kv heads its query heads read, not the config's
     ``num_attention_heads`` (Falcon names no ``num_key_value_heads``, NOTE: [cache shapes from
-    the writes])."""
+    the writes]). Falcon-40B's k and v reach the attention by ``broadcast_to`` (a local size)."""
     results = rank_pools(ws).run(_check_tiny, ws != 3)
-    for kind, (layer, heads, kv_heads, hd) in TINY.items():
+    for kind, (layer, heads, kv_heads, hd, sizes) in TINY.items():
+        if ws not in sizes:
+            continue
         r = results[0][kind]
         assert all(style != "replicate" for name, style in r["plan"].items() if "layers.0" in name or ".h.0." in name), (kind, r["plan"])
         assert r["forward"] == megatron_floor(r["report"], 1)[0], (kind, r["forward"])
@@ -144,4 +156,5 @@ def test_tiny_fused_grouped_kv_trains_and_generates_exactly(rank_pools, ws):
                 continue
             equal, got, want, caches = rank_result[kind]["generate"]
             assert equal, (kind, rank, got, want)
-            assert caches == [(2, nkv, 16, hd)], (kind, rank, caches)
+            cached = nq if kind == "falcon-40b" else nkv  # Falcon-40B caches the broadcast k and v
+            assert caches == [(2, cached, 16, hd)], (kind, rank, caches)

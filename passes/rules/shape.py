@@ -319,11 +319,12 @@ def permute_rule(ctx: RuleContext) -> Decision:
     return Decision(p.with_dim([norm_dim(d, nd) for d in dims].index(p.dim)))
 
 
-@register_rule(aten.expand.default)
+@register_rule(aten.expand.default, aten.broadcast_to.default)
 @overlap_ok
 @uneven_ok
 def expand_rule(ctx: RuleContext) -> Decision:
-    """``expand(x, sizes)``: the sharded dim keeps its local size."""
+    """``expand(x, sizes)``, ``broadcast_to(x, sizes)`` (Falcon-40B's k and v over their query
+    heads): the sharded dim keeps its local size."""
     x = ctx.node.args[0]
     p = ctx.placement(x)
     if not isinstance(p, Shard):
