@@ -15,6 +15,7 @@ world size (the ws-3 pool is the one ``test_gqa.py`` and ``test_fused_slices.py`
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,27 @@ def test_tiny_fused_grouped_kv_trains_and_generates_exactly(rank_pools, ws):
             assert equal, (kind, rank, got, want)
             cached = nq if kind == "falcon-40b" else nkv  # Falcon-40B caches the broadcast k and v
             assert caches == [(2, cached, 16, hd)], (kind, rank, caches)
+
+
+# (kind, world_size) -> the fused projection a view of it leaves replicated there
+REFUSED = {("falcon", 8): "transformer.h.0.self_attention.query_key_value", ("phi3", 8): "model.layers.0.self_attn.qkv_proj",
+           ("falcon-40b", 4): "transformer.h.0.self_attention.query_key_value"}
+
+
+def test_refused_fused_projections_name_a_world_size_that_shards_them():
+    """Issue 23's item 5 on the tiny fused layouts (analyzed, no ranks): every rejection's fix
+    names a world size, a ``plan=`` entry or a source line; where a view of the fused projection
+    leaves it replicated (fewer heads or kv groups than ranks), the smallest world size its fix
+    names shards it. Falcon-40B's fix counts its 2 kv groups, not the 5 rows of a group (3 query
+    heads, k, v) the rank boundary falls in, whose divisors do not help."""
+    for (kind, ws), layer in REFUSED.items():
+        model, (ids,) = _tiny(kind)
+        report = fxtp.analyze(model, ws, (ids,), dynamic=False)
+        for row in report.rejections:
+            assert re.search(r"world_size|plan=|\.py:\d+", row.fix or ""), (kind, ws, row.name, row.fix)
+        (row,) = [row for row in report.layers if row.name == layer]
+        assert (row.style, row.code) == ("replicate", "not-divisible"), (kind, ws, row)
+        n = int(re.fullmatch(r"use a world_size that divides (\d+)", row.fix).group(1))
+        smallest = min(d for d in range(2, n + 1) if n % d == 0)
+        (row,) = [row for row in fxtp.analyze(model, smallest, (ids,), dynamic=False).layers if row.name == layer]
+        assert row.style == "colwise", (kind, smallest, row)
