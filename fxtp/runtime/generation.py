@@ -8,9 +8,10 @@ NOTE: [generation]
   ``transformers.integrations.executorch.TorchExportableModuleWithStaticCache``: per layer a key
   and a value tensor of shape (batch, kv_heads, max_cache_len, head_dim), written in place by
   ``index_copy_`` at ``cache_position``, its kv heads those the attentions write, not the
-  config's (NOTE: [cache shapes from the writes] in fxtp/runtime/static_cache.py). fxtp compiles that wrapper once per (batch,
-  max_cache_len) with a dynamic sequence length in [1, max_cache_len], so the prompt (prefill)
-  and every new token (decode) run one graph: no capture per token or per prompt length.
+  config's (NOTE: [cache shapes from the writes] in fxtp/runtime/static_cache.py). fxtp
+  compiles that wrapper once per (batch, max_cache_len) with a dynamic sequence length in [1,
+  max_cache_len], so the prompt (prefill) and every new token (decode) run one graph: no
+  capture per token or per prompt length.
 * The planner stores each cache tensor in the layout its k/v projection writes (NOTE: [sharded
   state] in passes/rules/variants.py): a rank keeps its kv heads' part of the cache (1/ws of it
   when the kv heads divide world_size). Where the kv projections stay whole (2 kv heads on 4
