@@ -15,6 +15,7 @@ world size (the ws-3 pool is the one ``test_gqa.py`` and ``test_fused_slices.py`
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -86,7 +87,8 @@ def _tiny(kind: str):
     4 (at 3, one kv head per rank); ``falcon-40b``, Falcon-40B's (``new_decoder_architecture``:
     ``query_key_value`` viewed as (kv groups, 3 query heads + k + v, 8), k and v broadcast over
     their group's query heads before the cache) with 2 groups, whole on each rank at ws 2 (at 3
-    and 4 the groups do not divide and the attention stays replicated)."""
+    and 4 the groups do not divide and the attention stays replicated); ``falcon-40b-3g``, the
+    same with 3 groups."""
     import transformers
 
     torch.manual_seed(0)
@@ -96,8 +98,10 @@ def _tiny(kind: str):
                                         new_decoder_architecture=False, parallel_attn=True, alibi=False, bias=False, use_cache=False,
                                         max_position_embeddings=16, attention_dropout=0.0, hidden_dropout=0.0)
         return transformers.FalconForCausalLM(cfg).eval(), (ids,)
-    if kind == "falcon-40b":
-        cfg = transformers.FalconConfig(vocab_size=128, hidden_size=48, num_attention_heads=6, num_kv_heads=2, num_hidden_layers=1,
+    if kind.startswith("falcon-40b"):
+        groups = 3 if kind == "falcon-40b-3g" else 2
+        cfg = transformers.FalconConfig(vocab_size=128, hidden_size=24 * groups, num_attention_heads=3 * groups, num_kv_heads=groups,
+                                        num_hidden_layers=1,
                                         new_decoder_architecture=True, alibi=False, bias=False, use_cache=False,
                                         max_position_embeddings=16, attention_dropout=0.0, hidden_dropout=0.0)
         return transformers.FalconForCausalLM(cfg).eval(), (ids,)
@@ -131,7 +135,27 @@ def _check_tiny(generate: bool) -> dict:
         (decoder,) = pm._generation.decoders.values()
         caches = {tuple(decoder.get_buffer(k).shape) for k in decoder.written_state if decoder.get_buffer(k).dim() == 4}
         out[kind]["generate"] = (torch.equal(got, want), got.tolist(), want.tolist(), sorted(caches))
+    if dist.get_world_size() == 2:
+        out["falcon-40b-3g"] = _uneven_groups_generate()
     return out
+
+
+def _uneven_groups_generate() -> tuple[str, bool]:
+    """Falcon-40B's layout with 3 kv groups at ws 2: training holds 2 | 1 whole groups (exact,
+    :func:`compare_training`), but the decoder's planner (a dynamic sequence) keeps the fused
+    layer whole, so ``generate`` refuses with the ``plan=`` entry that makes both agree; with
+    it, decoding is token-identical. Returns the message and whether following its plan decodes
+    as ``model.generate``."""
+    model, (ids,) = _tiny("falcon-40b-3g")
+    compare_training(model, (ids,))
+    try:
+        fxtp.compile(model, 2, (ids,), dynamic=False).generate(ids[:, :5], max_new_tokens=6)
+        return "", False
+    except fxtp.FxtpPlanError as e:
+        message = str(e)
+    plan = ast.literal_eval(re.search(r"plan=(\{.*?\})", message).group(1))
+    got = fxtp.compile(model, 2, (ids,), dynamic=False, plan=plan).generate(ids[:, :5], max_new_tokens=6)
+    return message, torch.equal(got, model.generate(ids[:, :5], max_new_tokens=6, do_sample=False, pad_token_id=0))
 
 
 @pytest.mark.parametrize("ws", [2, 3, 4])
@@ -143,6 +167,10 @@ def test_tiny_fused_grouped_kv_trains_and_generates_exactly(rank_pools, ws):
     ``num_attention_heads`` (Falcon names no ``num_key_value_heads``, NOTE: [cache shapes from
     the writes]). Falcon-40B's k and v reach the attention by ``broadcast_to`` (a local size)."""
     results = rank_pools(ws).run(_check_tiny, ws != 3)
+    if ws == 2:  # the decoder keeps Falcon-40B's uneven groups whole: generate names the plan= entry
+        message, decodes = results[0]["falcon-40b-3g"]
+        assert "plan={'transformer.h.0.self_attention.query_key_value': 'replicate'}" in message, message
+        assert decodes
     for kind, (layer, heads, kv_heads, hd, sizes) in TINY.items():
         if ws not in sizes:
             continue

@@ -354,10 +354,13 @@ def _share_weights(pm: nn.Module, decoder: nn.Module) -> None:
     for fqn, placement in decoder.placements.items():
         source = fqn.removeprefix("model.")
         if pm.placements.get(source) != placement:
+            layer = source.rpartition(".")[0]
+            style = decoder.report.plan.get(f"model.{layer}")
+            force = f"plan={{{layer!r}: {style!r}}}" if style else "the plan= entry that forces the layer's style"
             raise FxtpPlanError(
                 f"generate: the decoder's plan shards {source} as {placement}, the compiled module as "
-                f"{pm.placements.get(source)}; they must share one set of shards. fix: pass the same plan= to "
-                "fxtp.compile that forces the layer's style, or please report this model"
+                f"{pm.placements.get(source)}; they must share one set of shards. fix: pass {force} to "
+                "fxtp.compile (the decoder's layout for the compiled module too), or please report this model"
             )
         decoder._register(fqn, pm.get_parameter(source))
     for fqn, buffer in list(decoder.named_buffers()):
