@@ -7,18 +7,24 @@ Published configs (:data:`fxtp.explain.families.FAMILIES`, the sizes of each mod
 identical (BERT-large at its 24 layers: the same fraction). The README's memory table is that
 measurement. Tiny versions of the kinds no other test covers (Falcon's multi-query fused
 ``query_key_value``, a Phi-3 whose fused ``qkv_proj`` holds kv heads that do not divide
-world_size) train exactly on real gloo ranks at world sizes 2 and 4 (outputs, every gradient, 3
-SGD steps), one ``pool.run`` per world size. World size 3 is left out: its pool and two compiles
-cost about 40 s more, for splits ``test_gqa.py`` and ``test_fused_slices.py`` run at 3 already.
+world_size; Falcon-40B's grouped ``query_key_value`` at 2) train exactly on real gloo ranks at world sizes 2, 3 and 4 (outputs, every gradient,
+3 SGD steps), and at 2 and 4 decode greedily token for token as ``model.generate`` does (at 3
+the splits are of no new kind: 3/2/2 query heads beside 2/2/2/1 at 4), one ``pool.run`` per
+world size (the ws-3 pool is the one ``test_gqa.py`` and ``test_fused_slices.py`` start).
 """
 
 from __future__ import annotations
 
+import ast
+import re
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from _helpers import compare_training, megatron_floor
+
+import fxtp
 
 from fxtp.core.placement import Shard, kv_unit_range, local_ranges
 from fxtp.explain.families import FAMILIES, measure, memory_table
@@ -74,10 +80,15 @@ def test_readme_memory_table_is_the_measurement(measured):
 
 
 def _tiny(kind: str):
-    """Tiny random-weight Hugging Face models, 1 layer, seq 8: ``falcon``, Falcon-7B's layout
-    (multi-query fused ``query_key_value``, parallel attention) with 7 heads of 8 (4/3 at ws 2,
-    2/2/2/1 at ws 4); ``phi3``, Phi-3-medium's (fused ``qkv_proj`` sliced by index) with 6 query
-    and 3 kv heads of 16, which divide neither 2 nor 4."""
+    """Tiny random-weight Hugging Face models, 1 layer, seq 8, 16 positions: ``falcon``,
+    Falcon-7B's layout (multi-query fused ``query_key_value``, parallel attention) with 7 heads
+    of 8 (4/3 at ws 2, 3/2/2 at ws 3, 2/2/2/1 at ws 4); ``phi3``, Phi-3-medium's (fused
+    ``qkv_proj`` sliced by index) with 6 query and 3 kv heads of 16, which divide neither 2 nor
+    4 (at 3, one kv head per rank); ``falcon-40b``, Falcon-40B's (``new_decoder_architecture``:
+    ``query_key_value`` viewed as (kv groups, 3 query heads + k + v, 8), k and v broadcast over
+    their group's query heads before the cache) with 2 groups, whole on each rank at ws 2 (at 3
+    and 4 the groups do not divide and the attention stays replicated); ``falcon-40b-3g``, the
+    same with 3 groups."""
     import transformers
 
     torch.manual_seed(0)
@@ -85,7 +96,14 @@ def _tiny(kind: str):
     if kind == "falcon":
         cfg = transformers.FalconConfig(vocab_size=128, hidden_size=56, num_attention_heads=7, num_hidden_layers=1, multi_query=True,
                                         new_decoder_architecture=False, parallel_attn=True, alibi=False, bias=False, use_cache=False,
-                                        attention_dropout=0.0, hidden_dropout=0.0)
+                                        max_position_embeddings=16, attention_dropout=0.0, hidden_dropout=0.0)
+        return transformers.FalconForCausalLM(cfg).eval(), (ids,)
+    if kind.startswith("falcon-40b"):
+        groups = 3 if kind == "falcon-40b-3g" else 2
+        cfg = transformers.FalconConfig(vocab_size=128, hidden_size=24 * groups, num_attention_heads=3 * groups, num_kv_heads=groups,
+                                        num_hidden_layers=1,
+                                        new_decoder_architecture=True, alibi=False, bias=False, use_cache=False,
+                                        max_position_embeddings=16, attention_dropout=0.0, hidden_dropout=0.0)
         return transformers.FalconForCausalLM(cfg).eval(), (ids,)
     cfg = transformers.Phi3Config(vocab_size=128, hidden_size=96, intermediate_size=64, num_hidden_layers=1, num_attention_heads=6,
                                   num_key_value_heads=3, max_position_embeddings=16, original_max_position_embeddings=16,
@@ -94,26 +112,102 @@ def _tiny(kind: str):
     return transformers.Phi3ForCausalLM(cfg).eval(), (ids,)
 
 
-# kind -> (fused layer, query heads, kv heads, head_dim)
-TINY = {"falcon": ("transformer.h.0.self_attention.query_key_value", 7, 1, 8), "phi3": ("model.layers.0.self_attn.qkv_proj", 6, 3, 16)}
+# kind -> (fused layer, query heads, kv heads, head_dim, the world sizes it is checked at)
+TINY = {"falcon": ("transformer.h.0.self_attention.query_key_value", 7, 1, 8, (2, 3, 4)),
+        "phi3": ("model.layers.0.self_attn.qkv_proj", 6, 3, 16, (2, 3, 4)),
+        "falcon-40b": ("transformer.h.0.self_attention.query_key_value", 6, 2, 8, (2,))}
 
 
-def _train_tiny() -> dict:
+def _check_tiny(generate: bool) -> dict:
+    """Per kind: :func:`compare_training`'s checks, then (with ``generate``) greedy ``generate``
+    of a fresh compile against ``model.generate``, and the shapes of the decoder's kv cache on
+    this rank."""
     keep = ("plan", "forward", "backward", "local_shapes", "report")
-    return {kind: {k: v for k, v in compare_training(*_tiny(kind)).items() if k in keep} for kind in TINY}
+    out = {}
+    for kind in [kind for kind, (*_, sizes) in TINY.items() if dist.get_world_size() in sizes]:
+        out[kind] = {k: v for k, v in compare_training(*_tiny(kind)).items() if k in keep}
+        if not generate:
+            continue
+        model, (ids,) = _tiny(kind)
+        pm = fxtp.compile(model, dist.get_world_size(), (ids,), dynamic=False)  # only its decoder runs
+        want = model.generate(ids[:, :5], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        got = pm.generate(ids[:, :5], max_new_tokens=6)
+        (decoder,) = pm._generation.decoders.values()
+        caches = {tuple(decoder.get_buffer(k).shape) for k in decoder.written_state if decoder.get_buffer(k).dim() == 4}
+        out[kind]["generate"] = (torch.equal(got, want), got.tolist(), want.tolist(), sorted(caches))
+    if dist.get_world_size() == 2:
+        out["falcon-40b-3g"] = _uneven_groups_generate()
+    return out
 
 
-def test_tiny_fused_grouped_kv_trains_exactly(pool):
+def _uneven_groups_generate() -> tuple[str, bool]:
+    """Falcon-40B's layout with 3 kv groups at ws 2: training holds 2 | 1 whole groups (exact,
+    :func:`compare_training`), but the decoder's planner (a dynamic sequence) keeps the fused
+    layer whole, so ``generate`` refuses with the ``plan=`` entry that makes both agree; with
+    it, decoding is token-identical. Returns the message and whether following its plan decodes
+    as ``model.generate``."""
+    model, (ids,) = _tiny("falcon-40b-3g")
+    compare_training(model, (ids,))
+    try:
+        fxtp.compile(model, 2, (ids,), dynamic=False).generate(ids[:, :5], max_new_tokens=6)
+        return "", False
+    except fxtp.FxtpPlanError as e:
+        message = str(e)
+    plan = ast.literal_eval(re.search(r"plan=(\{.*?\})", message).group(1))
+    got = fxtp.compile(model, 2, (ids,), dynamic=False, plan=plan).generate(ids[:, :5], max_new_tokens=6)
+    return message, torch.equal(got, model.generate(ids[:, :5], max_new_tokens=6, do_sample=False, pad_token_id=0))
+
+
+@pytest.mark.parametrize("ws", [2, 3, 4])
+def test_tiny_fused_grouped_kv_trains_and_generates_exactly(rank_pools, ws):
     """Each rank's fused weight holds its query heads and the kv heads they read; outputs, every
     gradient (the kv rows summed over their holders) and 3 SGD steps equal the single device's;
-    the forward at Megatron's floor."""
-    ws = pool.world_size
-    results = pool.run(_train_tiny)
-    for kind, (layer, heads, kv_heads, hd) in TINY.items():
+    the forward at Megatron's floor. Greedy decoding (ws 2 and 4) is token-identical to ``model.generate``,
+    each rank's static cache holding the kv heads its query heads read, not the config's
+    ``num_attention_heads`` (Falcon names no ``num_key_value_heads``, NOTE: [cache shapes from
+    the writes]). Falcon-40B's k and v reach the attention by ``broadcast_to`` (a local size)."""
+    results = rank_pools(ws).run(_check_tiny, ws != 3)
+    if ws == 2:  # the decoder keeps Falcon-40B's uneven groups whole: generate names the plan= entry
+        message, decodes = results[0]["falcon-40b-3g"]
+        assert "plan={'transformer.h.0.self_attention.query_key_value': 'replicate'}" in message, message
+        assert decodes
+    for kind, (layer, heads, kv_heads, hd, sizes) in TINY.items():
+        if ws not in sizes:
+            continue
         r = results[0][kind]
-        assert all(style != "replicate" for name, style in r["plan"].items() if "layers.0" in name), (kind, r["plan"])
+        assert all(style != "replicate" for name, style in r["plan"].items() if "layers.0" in name or ".h.0." in name), (kind, r["plan"])
         assert r["forward"] == megatron_floor(r["report"], 1)[0], (kind, r["forward"])
         for rank, rank_result in enumerate(results):
             ((q0, nq),) = local_ranges(Shard(0, (heads,)), rank, ws)
             nkv = kv_unit_range(q0, nq, heads // kv_heads)[1]
             assert rank_result[kind]["local_shapes"][layer + ".weight"][0] == (nq + 2 * nkv) * hd, (kind, rank)
+            if ws == 3:
+                continue
+            equal, got, want, caches = rank_result[kind]["generate"]
+            assert equal, (kind, rank, got, want)
+            cached = nq if kind == "falcon-40b" else nkv  # Falcon-40B caches the broadcast k and v
+            assert caches == [(2, cached, 16, hd)], (kind, rank, caches)
+
+
+# (kind, world_size) -> the fused projection a view of it leaves replicated there
+REFUSED = {("falcon", 8): "transformer.h.0.self_attention.query_key_value", ("phi3", 8): "model.layers.0.self_attn.qkv_proj",
+           ("falcon-40b", 4): "transformer.h.0.self_attention.query_key_value"}
+
+
+def test_refused_fused_projections_name_a_world_size_that_shards_them():
+    """Issue 23's item 5 on the tiny fused layouts (analyzed, no ranks): every rejection's fix
+    names a world size, a ``plan=`` entry or a source line; where a view of the fused projection
+    leaves it replicated (fewer heads or kv groups than ranks), the smallest world size its fix
+    names shards it. Falcon-40B's fix counts its 2 kv groups, not the 5 rows of a group (3 query
+    heads, k, v) the rank boundary falls in, whose divisors do not help."""
+    for (kind, ws), layer in REFUSED.items():
+        model, (ids,) = _tiny(kind)
+        report = fxtp.analyze(model, ws, (ids,), dynamic=False)
+        for row in report.rejections:
+            assert re.search(r"world_size|plan=|\.py:\d+", row.fix or ""), (kind, ws, row.name, row.fix)
+        (row,) = [row for row in report.layers if row.name == layer]
+        assert (row.style, row.code) == ("replicate", "not-divisible"), (kind, ws, row)
+        n = int(re.fullmatch(r"use a world_size that divides (\d+)", row.fix).group(1))
+        smallest = min(d for d in range(2, n + 1) if n % d == 0)
+        (row,) = [row for row in fxtp.analyze(model, smallest, (ids,), dynamic=False).layers if row.name == layer]
+        assert row.style == "colwise", (kind, smallest, row)

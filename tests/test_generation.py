@@ -314,3 +314,33 @@ def test_left_padded_prompts_of_different_lengths(rank_pools, ws, name):
         for key, (equal, got, want) in r.items():
             assert equal, f"{name} ws{ws} {key}: {got} != {want}"
         assert decoders == ([(3, 16)], [(2, 16), (3, 16)]), decoders
+
+
+def test_static_cache_takes_the_kv_heads_the_attentions_write():
+    """NOTE: [cache shapes from the writes]: transformers' export recipe sizes the cache from
+    ``config.num_key_value_heads``, else ``num_attention_heads``: 6 kv heads for a multi-query
+    Falcon of 6 heads, whose attention writes 1. fxtp re-allocates those layers from one forward
+    on ``meta``; a cache right already is left as it was: Falcon-40B's (2 kv groups, its k and v
+    written broadcast to the 6 query heads, as the fallback guesses) and a Llama's."""
+    from transformers import FalconConfig, FalconForCausalLM, LlamaConfig, LlamaForCausalLM, StaticCache
+    from transformers.configuration_utils import get_head_shapes
+
+    from fxtp.runtime import static_cache
+
+    falcon = dict(vocab_size=128, hidden_size=48, num_attention_heads=6, num_hidden_layers=2, alibi=False, use_cache=True)
+    cases = [  # (model, config, kv heads written, head_dim, layers re-allocated)
+        (FalconForCausalLM, FalconConfig(multi_query=True, new_decoder_architecture=False, **falcon), 1, 8, [0, 1]),
+        (FalconForCausalLM, FalconConfig(num_kv_heads=2, new_decoder_architecture=True, **falcon), 6, 8, []),
+        (LlamaForCausalLM, LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, use_cache=True), 2, 16, []),
+    ]
+    for cls, cfg, written, head_dim, fitted in cases:
+        with torch.device("meta"):
+            model = cls(cfg).eval()
+        heads = get_head_shapes(cfg)[0]
+        cache = StaticCache(config=cfg, max_cache_len=16)
+        cache.early_initialization(2, heads, head_dim, torch.float32, torch.device("meta"))
+        changed = static_cache.fit_cache_to_writes(cache, model, 2)
+        assert changed == fitted, (cls.__name__, heads, changed)
+        assert [tuple(layer.keys.shape) for layer in cache.layers] == [(2, written, 16, head_dim)] * 2
+        assert [tuple(layer.values.shape) for layer in cache.layers] == [(2, written, 16, head_dim)] * 2

@@ -349,6 +349,30 @@ def test_fallback_refuses_a_number_computed_from_a_shard():
     assert info.value.code == "unsupported-op" and "bool" in info.value.message
 
 
+def test_broadcast_to_makes_the_sharded_size_local():
+    """``broadcast_to`` (Falcon-40B's k and v over their group's query heads) runs with the
+    shard's size where the global one was: DTensor answers it only by its decomposition into
+    ``expand``, whose sizes it would make local itself, so fxtp has the rule."""
+    node, full = _node(aten.broadcast_to.default, (_t(4, 5, 1, 20), [4, 5, 3, 20]), {})
+    heads = Shard(1, (5,))
+    placements = {next(iter(full)): heads}
+    dec = _decide(node, placements)
+    assert dec.out == heads and dec.local_args[1] == [4, 1, 3, 20]
+    _simulate(node, full, placements, dec)
+
+
+def test_fallback_refuses_sizes_dtensor_makes_local_only_in_a_decomposition():
+    """An op with a size list that DTensor answers only by decomposing it (``_reshape_alias``:
+    ``S(1)`` in, ``S(1)`` out) would run on the shard with the global sizes: refused, naming
+    the op, so its producer stays replicated."""
+    node, full = _node(aten._reshape_alias.default, (_t(4, 5, 6), [4, 5, 6], [30, 6, 1]), {})
+    assert get_rule(node.target) is None
+    with pytest.raises(Conflict) as info:
+        _decide(node, {next(iter(full)): Shard(1, (5,))})
+    assert info.value.code == "unsupported-op" and "aten._reshape_alias.default" in info.value.message
+    assert "size arguments" in info.value.message
+
+
 def test_fallback_keeps_segments_only_on_a_dim_that_maps_one_to_one():
     node, full = _node(aten.cumsum.default, (_X, 1), {})
     x = next(iter(full))

@@ -7,9 +7,11 @@ NOTE: [generation]
 * The cache is transformers' ``StaticCache`` inside its own export recipe,
   ``transformers.integrations.executorch.TorchExportableModuleWithStaticCache``: per layer a key
   and a value tensor of shape (batch, kv_heads, max_cache_len, head_dim), written in place by
-  ``index_copy_`` at ``cache_position``. fxtp compiles that wrapper once per (batch,
-  max_cache_len) with a dynamic sequence length in [1, max_cache_len], so the prompt (prefill)
-  and every new token (decode) run one graph: no capture per token or per prompt length.
+  ``index_copy_`` at ``cache_position``, its kv heads those the attentions write, not the
+  config's (NOTE: [cache shapes from the writes] in fxtp/runtime/static_cache.py). fxtp
+  compiles that wrapper once per (batch, max_cache_len) with a dynamic sequence length in [1,
+  max_cache_len], so the prompt (prefill) and every new token (decode) run one graph: no
+  capture per token or per prompt length.
 * The planner stores each cache tensor in the layout its k/v projection writes (NOTE: [sharded
   state] in passes/rules/variants.py): a rank keeps its kv heads' part of the cache (1/ws of it
   when the kv heads divide world_size). Where the kv projections stay whole (2 kv heads on 4
@@ -48,6 +50,7 @@ from torch import nn
 from torch.export import Dim
 
 from fxtp.core.errors import FxtpInputError, FxtpPlanError
+from fxtp.runtime import static_cache
 from fxtp.runtime.layout import tp_group
 
 __all__ = ["Generation", "generation_for", "CACHE_ROUNDING"]
@@ -298,6 +301,7 @@ def _compile_decoder(pm: nn.Module, gen: Generation, batch: int, max_cache_len: 
     model.generation_config.cache_implementation = "static"
     cls = _with_mask(TorchExportableModuleWithStaticCache) if padded else TorchExportableModuleWithStaticCache
     wrapper = cls(model, batch_size=batch, max_cache_len=max_cache_len, device="meta")
+    static_cache.fit_cache_to_writes(wrapper.static_cache, model, batch)  # NOTE: [cache shapes from the writes]
     # The graph reads and writes the cache through the StaticCache object, which export lifts as
     # constants (those fxtp stores sharded); the wrapper's registrations of the same tensors would
     # be extra graph inputs no op uses, each a whole cache to allocate.
@@ -350,10 +354,13 @@ def _share_weights(pm: nn.Module, decoder: nn.Module) -> None:
     for fqn, placement in decoder.placements.items():
         source = fqn.removeprefix("model.")
         if pm.placements.get(source) != placement:
+            layer = source.rpartition(".")[0]
+            style = decoder.report.plan.get(f"model.{layer}")
+            force = f"plan={{{layer!r}: {style!r}}}" if style else "the plan= entry that forces the layer's style"
             raise FxtpPlanError(
                 f"generate: the decoder's plan shards {source} as {placement}, the compiled module as "
-                f"{pm.placements.get(source)}; they must share one set of shards. fix: pass the same plan= to "
-                "fxtp.compile that forces the layer's style, or please report this model"
+                f"{pm.placements.get(source)}; they must share one set of shards. fix: pass {force} to "
+                "fxtp.compile (the decoder's layout for the compiled module too), or please report this model"
             )
         decoder._register(fqn, pm.get_parameter(source))
     for fqn, buffer in list(decoder.named_buffers()):

@@ -11,7 +11,10 @@ mesh of ``world_size`` devices and maps its answer back:
 * a sharded input DTensor would redistribute, an output fxtp cannot hold (``Partial`` other than
   a sum, a strided shard, a shard of a size the world size does not divide) or an op whose
   shape arguments DTensor would rewrite to local sizes (``view``-like ops; those need fxtp's own
-  rules) is a :class:`Conflict` naming the op, so the producer stays replicated.
+  rules) is a :class:`Conflict` naming the op, so the producer stays replicated. So is an op
+  with a size list (``SymInt[]``) that DTensor answers by its decomposition into other ops
+  (``broadcast_to`` before fxtp had a rule for it): DTensor runs the decomposed ops, each
+  rewriting its own sizes, where fxtp would run the op itself with the global sizes.
 
 NOTE: [DTensor fallback]
 This is the one place fxtp uses DTensor's private sharding propagation
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -91,6 +95,9 @@ def dtensor_rule(op: OpOverload, ctx: RuleContext, skip: frozenset[str] = frozen
     flat, spec = pytree.tree_flatten((args, kwargs))
     tensors = [a for a in flat if is_tensor_node(a)]
     given = {a: activation_placement(ctx, a) for a in tensors}
+    if any(isinstance(p, Shard) for p in given.values()) and _decomposed_with_sizes(op, args, kwargs):
+        raise _unsupported(op, "has size arguments that only the ops DTensor decomposes it into would make local "
+                               "(no fxtp rule rewrites them)")
     segments = _common_segments(op, given)
     try:
         answer = _ask(op, ctx.world_size, tuple(_arg_key(a, given) for a in flat), spec)
@@ -119,6 +126,21 @@ def dtensor_rule(op: OpOverload, ctx: RuleContext, skip: frozenset[str] = frozen
     if any(isinstance(p, Partial) for p in placements) and len(placements) > 1:
         raise _unsupported(op, "returns partial sums among several outputs")
     return Decision(placements if isinstance(node.meta["val"], (tuple, list)) else placements[0], wants)
+
+
+def _decomposed_with_sizes(op: OpOverload, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether DTensor answers ``op`` only by its decomposition (no strategy of its own) and the
+    call gives a size list (a ``SymInt[]`` argument, not ``None``): DTensor's decomposed ops
+    would each make their sizes local, fxtp's call of ``op`` would pass the global ones."""
+    sp = _propagator()
+    if op in sp.op_strategy_funcs or op in sp.op_single_dim_strategy_funcs or op in sp.op_to_rules:
+        return False
+    names = set(re.findall(r"SymInt\[\d*\]\??\s+(\w+)", str(op._schema).partition(") ->")[0]))
+    for i, a in enumerate(op._schema.arguments):
+        value = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        if a.name in names and value is not None:
+            return True
+    return False
 
 
 _DIM_ARGS = frozenset({"dim", "dims", "dim0", "dim1", "dim2"})

@@ -110,7 +110,7 @@ def view_placement(shard: Shard, in_shape: tuple[int, ...], out_shape: tuple[int
         code,
         f"view {list(in_shape)} -> {list(out_shape)} would split output dim {o} of size {n} "
         f"(e.g. a head count) across world_size {ws} inside its elements",
-        f"use a world_size that divides {n}",
+        f"use a world_size that divides {_outer_count(shard, out_shape, big_in, big_out) or n}",
         refine=_refine_for_view(shard, in_shape, out_shape, group, ws),
         unit=_head_unit(shard, out_shape, big_in, big_out, ws),
     )
@@ -128,6 +128,17 @@ def view_placement(shard: Shard, in_shape: tuple[int, ...], out_shape: tuple[int
 # conflicts: a split whose inner span is a multiple of the unit asks the producing layer for
 # whole heads (``Conflict.unit``), else one that counts whole outer elements asks for one segment
 # per element (``Conflict.unit_segments``: a gate/up pair ``(B, T, 2F) -> (B, T, 2, F)`` wants (F, F)).
+
+
+def _outer_count(shard: Shard, out_shape, big_in: list[int], big_out: list[int]) -> Optional[int]:
+    """The size of the outermost output dim of a view that splits a one-segment sharded dim
+    alone into several (Falcon-40B's ``(B, T, G * (g + 2) * E) -> (B, T, G, g + 2, E)``: the
+    ``G`` kv groups), else ``None``. A world_size dividing it gives each rank whole elements of
+    it, so the view is local: the fix to name where the view conflicts, rather than the inner dim
+    the rank boundary falls in (``g + 2``, whose divisors do not help)."""
+    if big_in != [shard.dim] or len(big_out) < 2 or len(shard.segments) != 1:
+        return None
+    return out_shape[big_out[0]]
 
 
 def _segment_dims(shard: Shard, out_shape, big_in: list[int], big_out: list[int]) -> Optional[list[int]]:
@@ -177,7 +188,7 @@ def _uneven_view(shard: Shard, in_shape, out_shape, ins: list[int], big_out: lis
         "not-divisible",
         f"view {list(in_shape)} -> {list(out_shape)} regroups a dim sharded unevenly ({shard}, size {shard.size}) "
         f"at world_size {ws}",
-        f"use a world_size that divides {shard.size}",
+        f"use a world_size that divides {_outer_count(shard, out_shape, big_in, big_out) or shard.size}",
         unit=unit if outer is None else shard.unit,
         unit_segments=outer,
     )
@@ -319,11 +330,12 @@ def permute_rule(ctx: RuleContext) -> Decision:
     return Decision(p.with_dim([norm_dim(d, nd) for d in dims].index(p.dim)))
 
 
-@register_rule(aten.expand.default)
+@register_rule(aten.expand.default, aten.broadcast_to.default)
 @overlap_ok
 @uneven_ok
 def expand_rule(ctx: RuleContext) -> Decision:
-    """``expand(x, sizes)``: the sharded dim keeps its local size."""
+    """``expand(x, sizes)``, ``broadcast_to(x, sizes)`` (Falcon-40B's k and v over their query
+    heads): the sharded dim keeps its local size."""
     x = ctx.node.args[0]
     p = ctx.placement(x)
     if not isinstance(p, Shard):
