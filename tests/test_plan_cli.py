@@ -75,6 +75,8 @@ def test_plan_tp_pins_the_degree(capsys, tmp_path):
     assert main(argv + ["--tp", "3"]) != 0
     err = capsys.readouterr().err
     assert "tp=3 does not divide the 4 devices. fix: pin one of 1, 2, 4" in err and "Traceback" not in err
+    assert main(argv + ["--tp", "8"]) != 0
+    assert "tp=8 is more than the 4 devices" in capsys.readouterr().err
 
 
 def test_plan_progress_on_a_terminal_only(capsys, tmp_path, monkeypatch):

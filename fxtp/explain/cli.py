@@ -191,6 +191,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         help="run a tiny GPT over local gloo ranks and check it against the single-device model",
+        description="Compile a tiny GPT with fxtp over N local gloo ranks, print rank 0's plan and report, and\n"
+        "check every rank's outputs against the single-device model.",
         epilog="example: fxtp demo --world-size 4",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -286,6 +288,10 @@ def _plan(args: argparse.Namespace) -> int:
     from fxtp.explain.inspection import load_model
     from fxtp.explain.progress import Progress
 
+    if args.tp is not None:  # before the model is built: seconds for a large config
+        from fxtp.planner.search import check_pinned_tp
+
+        check_pinned_tp(args.tp, args.devices, None if args.inference else args.batch)
     progress = Progress(quiet=args.quiet)
     progress.stage("load model")
     loaded = load_model(args.model)

@@ -244,7 +244,7 @@ class ParallelPlan:
 
     def _styles_line(self) -> str:
         counts = {style: list(self.layer_styles.values()).count(style) for style in ("colwise", "rowwise", "replicate", "expert")}
-        return (f"layer styles at tp {self.tp}: " + ", ".join(f"{n} {style}" for style, n in counts.items() if n)
+        return (f"layer styles at tp {self.tp} (plan= patterns, a block's layers once for all blocks): " + ", ".join(f"{n} {style}" for style, n in counts.items() if n)
                 + " (plan.layer_styles; fxtp.compile(model, plan.tp, ..., strategy=plan, group=mesh['tp']) applies them)")
 
     def _rows(self) -> list[list[Any]]:

@@ -27,7 +27,7 @@ from fxtp.planner.model import AC_POLICIES, TransformerShape
 from fxtp.planner.parallel_plan import Alternative, ParallelPlan, fmt_size, fmt_time
 from fxtp.planner.params import ParamShapes, parameter_shapes, repeated_blocks
 
-__all__ = ["plan"]
+__all__ = ["plan", "check_pinned_tp"]
 
 
 def plan(
@@ -101,7 +101,7 @@ def plan(
     work = Workload(batch, seq, training, optimizer, per_node)
     inside = [t for t in range(1, per_node + 1) if per_node % t == 0 and devices % t == 0]
     across = [t for t in range(per_node + 1, devices + 1) if devices % t == 0][:1]
-    pin = None if tp is None else _pinned(tp, devices, batch if training else None)
+    pin = None if tp is None else check_pinned_tp(tp, devices, batch if training else None)
     across += [] if pin is None or pin in inside + across else [pin]
     say("analyze")
     moe = MoeShape.of(model)
@@ -201,9 +201,17 @@ def _best_micro_batch(tp, dp, sp, ac, shape, params, hw, work: Workload, budget:
     return min(fitting, key=lambda e: (round(e.step["total"], 9), e.choice.accumulation)) if fitting else found[0]
 
 
-def _pinned(tp: Any, devices: int, batch: Optional[int]) -> int:
-    """A pinned ``tp`` checked: it divides the devices, and its ``dp`` the global batch (training)."""
+def check_pinned_tp(tp: Any, devices: int, batch: Optional[int]) -> int:
+    """A pinned ``tp`` (``fxtp.plan(..., tp=)``) checked against ``devices`` and, in training,
+    the global ``batch`` (``None``: not checked); returns it.
+
+    Raises:
+        FxtpConfigError: ``tp`` is not an int >= 1, is more than ``devices`` or does not divide
+            them, or leaves a ``dp`` that does not divide ``batch``.
+    """
     tp = _positive("tp", tp)
+    if tp > devices:
+        raise FxtpConfigError(f"tp={tp} is more than the {devices} devices. fix: pin at most {devices}, or plan more devices")
     if devices % tp:
         divisors = ", ".join(str(t) for t in range(1, devices + 1) if devices % t == 0)
         raise FxtpConfigError(f"tp={tp} does not divide the {devices} devices. fix: pin one of {divisors}")
