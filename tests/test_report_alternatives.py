@@ -32,12 +32,7 @@ def test_alternatives_price_the_chosen_style_as_the_report_does():
     model = _Mlp()
     x = torch.randn(2, 4, 16, requires_grad=True)
     report = fxtp.analyze(model, 2, (x,), dynamic=False)
-    layers = {row["name"]: row for row in report.to_dict()["layers"]}
-    chosen = {}
-    for name, row in layers.items():
-        picked = [a for a in row["alternatives"] if a["chosen"]]
-        assert len(picked) == 1, row
-        chosen[name] = picked[0]
+    layers, chosen, _ = _chosen_and_stats(report)
     assert {n: c["style"] for n, c in chosen.items()} == {"up": "colwise (paired)", "down": "rowwise (paired)",
                                                           "head": "replicate"}
     stats = {(c["phase"], c["kind"]): c["bytes"] for c in report.to_dict()["collectives"]}
