@@ -24,6 +24,7 @@ from fxtp.runtime.sharded import local_tensor
 
 __all__ = [
     "CollectiveCounter",
+    "Fsdp2Collectives",
     "loss_of",
     "compare_training",
     "compare_shapes",
@@ -58,6 +59,31 @@ class CollectiveCounter(TorchDispatchMode):
                 self.counts[kind] += 1
                 self.shapes[kind].append(tuple(args[0].shape))
         return func(*args, **(kwargs or {}))
+
+
+_FSDP2_OPS = {"_allgather_base_": 0, "_reduce_scatter_base_": 1}  # which argument is the whole tensor
+
+
+class Fsdp2Collectives(TorchDispatchMode):
+    """FSDP2's ring collectives dispatched while active, by c10d op (``c10d._allgather_base_``
+    from ``dist.all_gather_single``, ``c10d._reduce_scatter_base_`` from
+    ``dist.reduce_scatter_single``): ``calls[op]``, and ``sent[op]``, the bytes a rank sends,
+    ``(n-1)/n`` of an all_gather's output (argument 0) or a reduce_scatter's input (argument 1)
+    over its ``n`` ranks (``n`` read from the shapes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d" and func._opname in _FSDP2_OPS:
+            whole = args[_FSDP2_OPS[func._opname]]
+            n = whole.numel() // args[1 - _FSDP2_OPS[func._opname]].numel()
+            self.sent[func._opname] += (n - 1) * whole.numel() * whole.element_size() // n
+            self.calls[func._opname] += 1
+        return out
 
 
 def loss_of(out: Any) -> torch.Tensor:

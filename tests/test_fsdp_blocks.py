@@ -6,15 +6,14 @@ device; the FSDP2 collectives of a step counted on the c10d ops FSDP2 issues (a
 
 from __future__ import annotations
 
-import collections
 import copy
 
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxtp
+from _helpers import Fsdp2Collectives
 
 X = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(1))
 
@@ -39,19 +38,6 @@ class _Net(nn.Module):
         return self.head(x)
 
 
-class _Fsdp2Calls(TorchDispatchMode):
-    """FSDP2's c10d collectives dispatched while active, by op name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d" and func._opname in ("_allgather_base_", "_reduce_scatter_base_"):
-            self.calls[func._opname] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _run() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -73,7 +59,7 @@ def _run() -> dict:
     opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
     calls, sharded = [], []
     for _ in range(3):
-        with _Fsdp2Calls() as counted:
+        with Fsdp2Collectives() as counted:
             out = pm(local)
             (out**2).mean().backward()  # FSDP2 averages over dp: the global batch's mean
         calls.append(dict(counted.calls))

@@ -10,42 +10,18 @@ the graph and held through backward (NOTE: [FSDP2 units inside a ParallelModule]
 fxtp/runtime/fsdp.py), not the bytes priced here; the run wraps the root alone with ``reshard_after_forward=True`` (FSDP2 otherwise keeps the root gathered
 after forward), which gathers and scatters each parameter as often as the per-block units do.
 
-The run's FSDP2 collectives are counted by ``_Fsdp2Bytes``, a ``TorchDispatchMode`` on the c10d
-ops FSDP2 issues (``c10d._allgather_base_`` from ``dist.all_gather_single``,
-``c10d._reduce_scatter_base_`` from ``dist.reduce_scatter_single``), whose call counts are
-checked against torch's own ``CommDebugMode`` (which counts c10d collectives, not their bytes).
+The run's FSDP2 collectives are counted by ``Fsdp2Collectives`` (tests/_helpers.py), a
+``TorchDispatchMode`` on the c10d ops FSDP2 issues, whose call counts are checked against torch's own ``CommDebugMode`` (which counts c10d collectives, not their bytes).
 The planner prices bf16 gathers and fp32 scatters (NOTE: [mixed precision]); this CPU run has no
 ``MixedPrecisionPolicy`` (fp32 gathers), so the prediction is asked with ``gather_bytes=4``.
 """
 
 from __future__ import annotations
 
-import collections
-
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
-_FSDP2_OPS = {"_allgather_base_": 0, "_reduce_scatter_base_": 1}  # which argument is the whole tensor
-
-
-class _Fsdp2Bytes(TorchDispatchMode):
-    """Bytes a rank sends in FSDP2's ring collectives, by c10d op: ``(n-1)/n`` of an all_gather's
-    output (argument 0) or a reduce_scatter's input (argument 1) over its ``n`` ranks."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sent: collections.Counter[str] = collections.Counter()
-        self.calls: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.namespace == "c10d" and func._opname in _FSDP2_OPS:
-            whole = args[_FSDP2_OPS[func._opname]]
-            n = whole.numel() // args[1 - _FSDP2_OPS[func._opname]].numel()
-            self.sent[func._opname] += (n - 1) * whole.numel() * whole.element_size() // n
-            self.calls[func._opname] += 1
-        return out
+from _helpers import Fsdp2Collectives
 
 
 def _run() -> dict:
@@ -76,7 +52,7 @@ def _run() -> dict:
     pm = fxtp.compile(model, 2, (local,), example_kwargs={"labels": local}, group=mesh["tp"], dynamic=False)
     fully_shard(pm, mesh=mesh["dp"], reshard_after_forward=True)
     pm(local, labels=local).loss.backward()
-    with CommDebugMode() as comm, _Fsdp2Bytes() as counted:
+    with CommDebugMode() as comm, Fsdp2Collectives() as counted:
         pm(local, labels=local).loss.backward()
     debug = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items() if str(op).startswith("c10d.")}
     return {"predicted": predicted, "sent": dict(counted.sent), "calls": dict(counted.calls), "debug": debug,
