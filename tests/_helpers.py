@@ -9,7 +9,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 from unittest import mock
 
 import torch
@@ -25,6 +25,7 @@ from fxtp.runtime.sharded import local_tensor
 __all__ = [
     "CollectiveCounter",
     "Fsdp2Collectives",
+    "FunctionalSentBytes",
     "loss_of",
     "compare_training",
     "compare_shapes",
@@ -61,29 +62,57 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-_FSDP2_OPS = {"_allgather_base_": 0, "_reduce_scatter_base_": 1}  # which argument is the whole tensor
-
-
-class Fsdp2Collectives(TorchDispatchMode):
-    """FSDP2's ring collectives dispatched while active, by c10d op (``c10d._allgather_base_``
-    from ``dist.all_gather_single``, ``c10d._reduce_scatter_base_`` from
-    ``dist.reduce_scatter_single``): ``calls[op]``, and ``sent[op]``, the bytes a rank sends,
-    ``(n-1)/n`` of an all_gather's output (argument 0) or a reduce_scatter's input (argument 1)
-    over its ``n`` ranks (``n`` read from the shapes)."""
+class _SentBytes(TorchDispatchMode):
+    """Bytes a rank sends in the ring collectives dispatched while active, and their calls, by
+    op name: ``sent[op]``, ``calls[op]``. A subclass says which ops count and what each sends."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sent: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()
 
+    def _bytes(self, func, args, out) -> Optional[float]:
+        raise NotImplementedError
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.namespace == "c10d" and func._opname in _FSDP2_OPS:
-            whole = args[_FSDP2_OPS[func._opname]]
-            n = whole.numel() // args[1 - _FSDP2_OPS[func._opname]].numel()
-            self.sent[func._opname] += (n - 1) * whole.numel() * whole.element_size() // n
+        sent = self._bytes(func, args, out)
+        if sent is not None:
+            self.sent[func._opname] += sent
             self.calls[func._opname] += 1
         return out
+
+
+_RING = {"all_reduce": 2, "all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
+
+
+class FunctionalSentBytes(_SentBytes):
+    """torch's functional collectives over the default group of ``t`` ranks: ``2 (t-1)/t`` of an
+    all_reduce's tensor, ``(t-1)/t`` of an all_gather's output or a reduce_scatter's input."""
+
+    def _bytes(self, func, args, out) -> Optional[float]:
+        if func.namespace != "_c10d_functional" or func._opname not in _RING:
+            return None
+        t = dist.get_world_size()
+        full = out if func._opname == "all_gather_into_tensor" else args[0]
+        return _RING[func._opname] * (t - 1) * full.numel() * full.element_size() / t
+
+
+_FSDP2_OPS = {"_allgather_base_": 0, "_reduce_scatter_base_": 1}  # which argument is the whole tensor
+
+
+class Fsdp2Collectives(_SentBytes):
+    """FSDP2's ring collectives (``c10d._allgather_base_`` from ``dist.all_gather_single``,
+    ``c10d._reduce_scatter_base_`` from ``dist.reduce_scatter_single``): ``(n-1)/n`` of an
+    all_gather's output (argument 0) or a reduce_scatter's input (argument 1) over its ``n``
+    ranks (``n`` read from the shapes), in whole bytes."""
+
+    def _bytes(self, func, args, out) -> Optional[int]:
+        if func.namespace != "c10d" or func._opname not in _FSDP2_OPS:
+            return None
+        whole = args[_FSDP2_OPS[func._opname]]
+        n = whole.numel() // args[1 - _FSDP2_OPS[func._opname]].numel()
+        return (n - 1) * whole.numel() * whole.element_size() // n
 
 
 def loss_of(out: Any) -> torch.Tensor:

@@ -11,36 +11,13 @@ weight-gradient all_reduce the planner counts once per analyzed block, not per b
 
 from __future__ import annotations
 
-import collections
 import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
-
-_RING = {"all_reduce": 2, "all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
-
-
-class _SentBytes(TorchDispatchMode):
-    """Bytes a rank sends in ring collectives (``2 (t-1)/t`` of an all_reduce's tensor,
-    ``(t-1)/t`` of an all_gather's output or a reduce_scatter's input), by op name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sent: collections.Counter[str] = collections.Counter()
-        self.calls: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func._opname
-        if func.namespace == "_c10d_functional" and name in _RING:
-            t = dist.get_world_size()
-            full = out if name == "all_gather_into_tensor" else args[0]
-            self.sent[name] += _RING[name] * (t - 1) * full.numel() * full.element_size() / t
-            self.calls[name] += 1
-        return out
+from _helpers import FunctionalSentBytes
 
 
 def _model(layers: int = 3):
@@ -74,7 +51,7 @@ def _predicted_and_counted(batch: int, seq: int) -> dict:
         e = estimate(Choice(ws, 1, sp, None, batch, 1), shape, params, HARDWARE["h100"], work)
         pm = fxtp.compile(model, ws, (ids,), sequence_parallel=sp, dynamic=False)
         pm(ids).logits.float().pow(2).mean().backward()  # lazily made state exists from here on
-        with CommDebugMode() as comm, _SentBytes() as sent:
+        with CommDebugMode() as comm, FunctionalSentBytes() as sent:
             pm(ids).logits.float().pow(2).mean().backward()
         m = allocated_after_forward(lambda: pm(ids), repeat=7)  # least of 7: NOTE [allocator bytes on the calling thread]
         m.result.logits.float().pow(2).mean().backward()
