@@ -20,9 +20,16 @@ starts one :class:`RankPool` and runs many checks on it::
 
 Sent functions may live in test modules: the parent ships its ``sys.path`` and the file of
 ``fn``'s module to the workers, which import that module before unpickling the task.
+
+Every task runs under ``_helpers.CollectiveLog`` on each rank, and :meth:`RankPool.run` fails
+when the ranks issued different collectives (NOTE: [same collectives on every rank] in
+tests/_helpers.py), with the first differing collective per rank: also when the divergence made
+gloo abort a later call, where the ranks' tracebacks alone point far from the cause.
 """
 from __future__ import annotations
 
+import ast
+import contextlib
 import datetime
 import importlib
 import importlib.util
@@ -30,8 +37,10 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -68,7 +77,7 @@ def _ensure_module(name: str, path: str | None) -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, pg_timeout_s: float, sys_path: list[str],
-            parent_pid: int, tasks: Any, results: Any) -> None:
+            parent_pid: int, tasks: Any, results: Any, log_dir: str | None) -> None:
     """Worker main loop: init gloo, then execute ``(seq, module, file, payload)`` tasks until None."""
     sys.path[:] = sys_path
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -83,6 +92,8 @@ def _worker(rank: int, world_size: int, port: int, pg_timeout_s: float, sys_path
     except BaseException:
         results.put((rank, -1, False, traceback.format_exc()))
         return
+    if log_dir is not None:
+        from _helpers import CollectiveLog  # NOTE: [same collectives on every rank]
     try:
         while True:
             try:
@@ -94,12 +105,20 @@ def _worker(rank: int, world_size: int, port: int, pg_timeout_s: float, sys_path
             if task is None:
                 return
             seq, mod_name, mod_file, payload = task
+            sink = open(os.path.join(log_dir, f"rank{rank}"), "w") if log_dir is not None else None
+            if sink is not None:
+                sink.write(f"{seq}\n")
             try:
                 _ensure_module(mod_name, mod_file)
                 fn, args, kwargs = pickle.loads(payload)
-                out = (rank, seq, True, pickle.dumps(fn(*args, **kwargs)))
+                with CollectiveLog(sink) if sink is not None else contextlib.nullcontext():
+                    value = fn(*args, **kwargs)
+                out = (rank, seq, True, pickle.dumps(value))
             except BaseException:
                 out = (rank, seq, False, traceback.format_exc())
+            finally:
+                if sink is not None:
+                    sink.close()
             results.put(out)
     finally:
         if dist.is_initialized():
@@ -120,15 +139,17 @@ class RankPool:
 
     ``timeout_s`` bounds each :meth:`run` (startup gets at least 60 s); the process groups get
     ``pg_timeout_s`` (default ``timeout_s / 2``) so a stuck collective fails with a traceback
-    before the parent gives up on the rank.
+    before the parent gives up on the rank. ``check_collectives``: fail a task whose ranks issued
+    different collectives (NOTE: [same collectives on every rank] in tests/_helpers.py).
     """
 
     def __init__(self, world_size: int, *, timeout_s: float = 120.0,
-                 pg_timeout_s: float | None = None) -> None:
+                 pg_timeout_s: float | None = None, check_collectives: bool = True) -> None:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self._seq = 0
         self._closed = False
+        self._log_dir = tempfile.mkdtemp(prefix="rankpool-") if check_collectives else None
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
@@ -136,7 +157,7 @@ class RankPool:
         self._procs = [
             ctx.Process(target=_worker, name=f"rank{r}", daemon=True,
                         args=(r, world_size, port, pg_timeout, list(sys.path), os.getpid(),
-                              self._tasks[r], self._results))
+                              self._tasks[r], self._results, self._log_dir))
             for r in range(world_size)
         ]
         for p in self._procs:
@@ -179,16 +200,40 @@ class RankPool:
             missing = [r for r in range(self.world_size) if r not in got]
             dead = [r for r in missing if self._procs[r].exitcode is not None]
             if dead or time.monotonic() > deadline:
+                diverged = self._divergence() if seq >= 0 else None
                 self._shutdown(grace_s=0.0)
                 why = (f"ranks {dead} died (exit codes {[self._procs[r].exitcode for r in dead]})"
                        if dead else f"ranks {missing} did not answer within {timeout_s}s")
                 errors = "".join(f"\n--- rank {r} ---\n{p}" for r, (ok, p) in got.items() if not ok)
-                raise RankError(f"{what}: {why}; pool torn down{errors}")
+                first = f"\n{diverged}" if diverged else ""
+                raise RankError(f"{what}: {why}; pool torn down{first}{errors}")
+        diverged = self._divergence() if seq >= 0 else None
         failed = {r: p for r, (ok, p) in sorted(got.items()) if not ok}
         if failed:
             text = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in failed.items())
-            raise RankError(f"{what} failed on rank(s) {sorted(failed)}:{text}")
+            first = f"\n{diverged}" if diverged else ""
+            raise RankError(f"{what} failed on rank(s) {sorted(failed)}:{first}{text}")
+        if diverged:
+            raise RankError(f"{what}: {diverged}")
         return [pickle.loads(got[r][1]) for r in range(self.world_size)]
+
+    def _divergence(self) -> str | None:
+        """The first collective the ranks disagree on in the last task (NOTE: [same collectives
+        on every rank] in tests/_helpers.py), read from the files the ranks wrote as they went."""
+        if self._log_dir is None:
+            return None
+        logs = []
+        for r in range(self.world_size):
+            path = os.path.join(self._log_dir, f"rank{r}")
+            lines = open(path).read().splitlines() if os.path.exists(path) else []
+            if lines[:1] != [str(self._seq)]:  # not started on this task yet
+                lines = []
+            logs.append([ast.literal_eval(line) for line in lines[1:] if line.endswith(")")])  # a torn last line: dropped
+        if not any(logs):
+            return None
+        from _helpers import collective_divergence
+
+        return collective_divergence(logs)
 
     def close(self) -> None:
         """Destroy the process groups, join the workers (terminating stragglers); idempotent."""
@@ -217,6 +262,8 @@ class RankPool:
         for q in [*self._tasks, self._results]:
             q.cancel_join_thread()
             q.close()
+        if self._log_dir is not None:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
 
     def __enter__(self) -> RankPool:
         return self

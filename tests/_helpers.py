@@ -23,6 +23,8 @@ from fxtp.core.placement import shard_tensor
 from fxtp.runtime.sharded import local_tensor
 
 __all__ = [
+    "CollectiveLog",
+    "collective_divergence",
     "CollectiveCounter",
     "Fsdp2Collectives",
     "FunctionalSentBytes",
@@ -60,6 +62,76 @@ class CollectiveCounter(TorchDispatchMode):
                 self.counts[kind] += 1
                 self.shapes[kind].append(tuple(args[0].shape))
         return func(*args, **(kwargs or {}))
+
+
+# NOTE: [same collectives on every rank]
+# A rank that issues a collective its peers do not (or another shape of it) hangs a GPU job and,
+# on gloo, aborts a later call with a size mismatch far from the cause. CollectiveLog records,
+# per rank, every collective dispatched while active: torch.distributed's calls (``c10d`` ops:
+# FSDP2, DDP, ``all_gather_object``, fxtp's found-inf and norms) and the functional ones (fxtp's
+# graphs, DTensor), as ``(op, group ranks, shapes)``. collective_divergence compares the logs of
+# every rank: each group's members must issue the same sequence on it (cross-group order is not
+# compared). RankPool checks every task this way, and the fuzzer every example.
+_P2P = {"send", "recv_", "recv_any_source_"}
+
+
+def _group_ranks(func, args, kwargs) -> Optional[tuple[int, ...]]:
+    """The ranks of the process group a collective op runs on (``None``: not found)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group  # private: the tests' one use
+
+    if func.namespace == "_c10d_functional":
+        names = [a.name for a in func._schema.arguments]
+        values = dict(zip(names, args)) | dict(kwargs or {})
+        name = values.get("group_name") or values.get("tag")
+        return tuple(dist.get_process_group_ranks(_resolve_process_group(name))) if isinstance(name, str) else None
+    for a in [*args, *(kwargs or {}).values()]:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return tuple(dist.get_process_group_ranks(dist.ProcessGroup.unbox(a)))
+            except RuntimeError:  # a ReduceOp, not the group
+                continue
+    return None
+
+
+class CollectiveLog(TorchDispatchMode):
+    """Every collective dispatched while active, in order: ``calls`` of ``(op, group ranks,
+    shapes of its tensor arguments)`` (NOTE: [same collectives on every rank]). An all_to_all's
+    shapes are left out (its split sizes differ by rank on purpose)."""
+
+    def __init__(self, sink: Optional[Any] = None) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, Optional[tuple[int, ...]], tuple]] = []
+        self._sink = sink  # a text file each call is also written to (one repr a line) before it runs
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional") and func._opname not in _P2P and func._opname != "wait_tensor":
+            shapes = () if "all_to_all" in func._opname or "alltoall" in func._opname else tuple(
+                tuple(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+            self.calls.append((func._opname, _group_ranks(func, args, kwargs), shapes))
+            if self._sink is not None:  # kept if gloo aborts the process inside the call
+                self._sink.write(f"{self.calls[-1]!r}\n")
+                self._sink.flush()
+        return func(*args, **(kwargs or {}))
+
+
+def collective_divergence(logs: list[list[tuple]]) -> Optional[str]:
+    """``None`` when every group's members issued the same collectives on it (``logs[r]``: rank
+    ``r``'s ``CollectiveLog.calls``), else a message naming the group, the position and each
+    member's collective there (NOTE: [same collectives on every rank])."""
+    groups = sorted({g for log in logs for _, g, _ in log if g is not None})
+    for group in groups:
+        members = [r for r in group if r < len(logs)]
+        seqs = {r: [(op, shapes) for op, g, shapes in logs[r] if g == group] for r in members}
+        longest = max(len(s) for s in seqs.values())
+        for i in range(longest):
+            at = {r: (seqs[r][i] if i < len(seqs[r]) else None) for r in members}
+            if len(set(at.values())) > 1:
+                lines = [f"ranks issued different collectives on group {list(group)}: collective #{i} on it is"]
+                for r, c in at.items():
+                    what = f"{c[0]} of {list(c[1])}" if c else f"nothing (rank {r} issued {len(seqs[r])} on it)"
+                    lines.append(f"  rank {r}: {what}")
+                return "\n".join(lines)
+    return None
 
 
 class _SentBytes(TorchDispatchMode):

@@ -84,3 +84,39 @@ def test_hung_rank_raises_and_tears_down() -> None:
     with pytest.raises(RankError, match="closed"):
         p.run(_whoami)
     p.close()  # idempotent
+
+
+def _extra_collective_on_rank_0() -> float:
+    # Rank 0 issues one collective the others never do (issue 35, item 7's kind): its peers'
+    # next call meets it, and gloo aborts with a size mismatch far from the cause.
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.zeros(2))
+    t = torch.ones(192)
+    dist.all_reduce(t)
+    return t.sum().item()
+
+
+def test_ranks_issuing_different_collectives_fail_with_the_first_difference() -> None:
+    with RankPool(2, timeout_s=30.0, pg_timeout_s=5.0) as p:
+        with pytest.raises(RankError) as info:
+            p.run(_extra_collective_on_rank_0)
+    msg = str(info.value)
+    assert "ranks issued different collectives on group [0, 1]: collective #0 on it is" in msg, msg
+    assert "rank 0: allreduce_ of [(2,)]" in msg and "rank 1: allreduce_ of [(192,)]" in msg, msg
+
+
+def test_collective_divergence_compares_each_group_in_order() -> None:
+    from _helpers import collective_divergence
+
+    same = [[("all_reduce", (0, 1), ((4,),)), ("allreduce_", (0, 1, 2, 3), ((1,),))],
+            [("all_reduce", (0, 1), ((4,),)), ("allreduce_", (0, 1, 2, 3), ((1,),))],
+            [("all_reduce", (2, 3), ((4,),)), ("allreduce_", (0, 1, 2, 3), ((1,),))],
+            [("allreduce_", (0, 1, 2, 3), ((1,),)), ("all_reduce", (2, 3), ((4,),))]]  # order across groups: free
+    assert collective_divergence(same) is None
+    shape = [list(log) for log in same]
+    shape[3][1] = ("all_reduce", (2, 3), ((8,),))
+    assert collective_divergence(shape) == ("ranks issued different collectives on group [2, 3]: collective #0 on it is\n"
+                                           "  rank 2: all_reduce of [(4,)]\n  rank 3: all_reduce of [(8,)]")
+    missing = [list(log) for log in same]
+    del missing[1][0]
+    assert collective_divergence(missing).endswith("rank 1: nothing (rank 1 issued 0 on it)")

@@ -7,6 +7,7 @@ must only address the tensor-parallel group of the rank.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import copy
 
 import pytest
@@ -149,3 +150,90 @@ def _accumulation_in_low_precision():
 
 def test_accumulation_in_bf16_autocast_with_ddp_and_fsdp2_matches_one_device(pool):
     assert all(pool.run(_accumulation_in_low_precision))
+
+
+# --- GradScaler: found-inf over every dim (issue 35 item 6, NOTE: [found-inf over dp x tp]) ---------------
+
+_SCALER_SETUPS = ("tp2", "tp4", "ddp", "fsdp2", "fsdp2_dtensor")
+_INF_AT = {"colwise": "0.weight", "rowwise": "2.weight", "replicated": "3.weight"}
+
+
+def _scaler_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.LayerNorm(16))
+
+
+def _scaled_steps(module, params, batch, inject, steps: int = 3) -> list[float]:
+    """``steps`` GradScaler steps of SGD on ``mean(module(batch)**2)``; ``inject(params)`` puts an
+    inf into a gradient after the second backward. Returns the scale after each step."""
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    scales = []
+    for step in range(steps):
+        scaler.scale((module(batch) ** 2).mean()).backward()
+        if step == 1:
+            with torch.no_grad():
+                inject(params)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def _poison(grad: torch.Tensor) -> None:
+    local = grad.to_local() if isinstance(grad, torch.distributed.tensor.DTensor) else local_tensor(grad)
+    local.view(-1)[-1] = float("inf")
+
+
+def _grad_scaler(where: str) -> dict[str, list[float]]:
+    """GradScaler steps with an inf in one rank's part of parameter ``_INF_AT[where]`` (its
+    gradient), in every setup, against the single device: the scales after each step, and
+    any parameter that ends off."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fxtp.runtime.dtensor_params import to_dtensor_parameters
+
+    fqn = _INF_AT[where]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank, tp_rank, rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank(), dist.get_rank()
+    batch = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))  # the global batch
+    ref = _scaler_model()
+    want = _scaled_steps(ref, list(ref.parameters()), batch, lambda ps: _poison(ref.get_parameter(fqn).grad))
+    scales = {"single device": want}
+    for setup in _SCALER_SETUPS:
+        model = _scaler_model()
+        if setup in ("tp2", "tp4"):  # fxtp alone: tp 2 on each mesh["tp"] pair, tp 4 on the 4 ranks
+            group, local, poisoned = (mesh["tp"], batch, tp_rank == 1) if setup == "tp2" else (None, batch, rank == 3)
+            pm = fxtp.compile(model, 2 if setup == "tp2" else 4, (local,), group=group, dynamic=False)
+            module = pm
+        else:
+            local = batch.chunk(2)[dp_rank]
+            pm = fxtp.compile(model, 2, (local,), group=mesh["tp"], dynamic=False)
+            if setup == "ddp":  # DDP averages the gradients: an inf in tp rank 1's shard is on both replicas
+                module, poisoned = DDP(pm, process_group=mesh["dp"].get_group()), tp_rank == 1
+            else:  # FSDP2's gradient blocks: an inf in the last rank's block only
+                if setup == "fsdp2_dtensor":
+                    to_dtensor_parameters(pm, mesh["tp"])
+                module, poisoned = fully_shard(pm, mesh=mesh["dp"]), rank == 3
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # FSDP2's clipping warning: this loop does not clip
+            scales[setup] = _scaled_steps(module, list(module.parameters()), local,
+                                          lambda ps: _poison(pm.get_parameter(fqn).grad) if poisoned else None)
+        # the full parameters: fxtp's gather (FSDP2 over dp: its 1-D layout), or the 2-D DTensors' own
+        full = ({n: p.full_tensor() for n, p in pm.named_parameters()} if setup == "fsdp2_dtensor"
+                else pm.full_state_dict())
+        for name, value in ref.state_dict().items():  # a mismatch is reported beside the scales
+            if not torch.allclose(full[name], value, rtol=1.3e-6, atol=1e-5):
+                scales[f"{setup}: max error of {name}"] = (full[name] - value).abs().max().item()
+        dist.barrier()
+    return scales
+
+
+@pytest.mark.parametrize("where", sorted(_INF_AT))
+def test_grad_scaler_skips_on_every_rank_as_one_device(pool, where):
+    for rank, scales in enumerate(pool.run(_grad_scaler, where)):
+        want = scales.pop("single device")
+        assert want == [1024.0, 512.0, 512.0]
+        assert scales == {setup: want for setup in _SCALER_SETUPS}, f"rank {rank}, inf in {where}: {scales}"

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from fxtp.core.errors import FxtpConfigError
-from fxtp.runtime import clipping
+from fxtp.runtime import amp, clipping
 
 __all__ = ["fsdp_units", "gathered_units", "resharded_without_grad"]
 
@@ -68,6 +68,8 @@ def gathered_units(pm: nn.Module) -> list[nn.Module]:
     """
     if not pm._fsdp_warned:
         pm._fsdp_warned = clipping.warn_under_fsdp(pm)
+        if pm._fsdp_warned:  # NOTE: [found-inf over dp x tp] in fxtp/runtime/amp.py
+            amp.combine_found_inf_over_tp(pm)
     units = fsdp_units(pm)
     if not units:
         return []

@@ -23,7 +23,8 @@ are :class:`ShardedTensor` s with the same knowledge. On them:
   then all_reduce over the group: every rank gets the single device's value. They are
   collectives: every rank of the group must make the same calls (as with DTensor).
 * GradScaler's ``_amp_foreach_non_finite_check_and_unscale_`` all_reduces the found-inf flag
-  (max) over the group, so every rank steps or skips together (Megatron-LM does the same).
+  (max) over the group, so every rank steps or skips together (Megatron-LM does the same; under
+  FSDP2, NOTE: [found-inf over dp x tp] in fxtp/runtime/amp.py).
 * matrix transforms (``@``, ``mm``, ``torch.linalg.*``, ``svd``: Muon's Newton-Schulz, Shampoo),
   reductions along a dim, and ops on a subset or an order of the elements (indexing, ``split``,
   ``sort``, ``cumsum``, ``cat`` with replicated tensors) raise :class:`FxtpRuntimeError`: on a
