@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from _helpers import CollectiveCounter, loss_of
+from _helpers import CollectiveCounter, CollectiveLog, collective_divergence, loss_of
 from fuzz_models import Spec, build
 
 import fxtp
@@ -51,6 +51,7 @@ class Outcome:
     problems: list[tuple[str, str, float]] = field(default_factory=list)
     plan: dict[str, str] = field(default_factory=dict)
     uneven: bool = False  # some parameter sharded unevenly (NOTE: [uneven shards])
+    collectives: list = field(default_factory=list)  # CollectiveLog.calls (NOTE: [same collectives on every rank])
 
 
 def _max_err(a: Any, b: Any) -> float:
@@ -119,7 +120,15 @@ def _step(modules: tuple[torch.nn.Module, ...], inputs: tuple[tuple, ...], seed:
 
 def differential(spec: Spec, steps: int = 2, lr: float = 0.1) -> Outcome:
     """Run the property for ``spec`` on this rank of the default process group: fxtp against
-    the same model in float32 (the reference) and in float64 (the judge of rounding)."""
+    the same model in float32 (the reference) and in float64 (the judge of rounding); the
+    collectives the rank issued are kept for :func:`check_outcomes` to compare across ranks."""
+    with CollectiveLog() as log:
+        outcome = _differential(spec, steps, lr)
+    outcome.collectives = log.calls
+    return outcome
+
+
+def _differential(spec: Spec, steps: int, lr: float) -> Outcome:
     ws, rank = dist.get_world_size(), dist.get_rank()
     model, inputs = build(spec)
     ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
@@ -177,7 +186,11 @@ def differential(spec: Spec, steps: int = 2, lr: float = 0.1) -> Outcome:
 
 
 def check_outcomes(spec: Spec, outcomes: list[Outcome]) -> str:
-    """Assert the property over every rank's outcome; return ``"ok"`` or ``"rejected"``."""
+    """Assert the property over every rank's outcome (each rank issued the same collectives,
+    NOTE: [same collectives on every rank] in tests/_helpers.py); return ``"ok"`` or ``"rejected"``."""
+    diverged = collective_divergence([o.collectives for o in outcomes])
+    if diverged:
+        raise AssertionError(f"fxtp's ranks diverged at world_size {len(outcomes)} for\n    {spec!r}\n{diverged}")
     bad = [(r, o) for r, o in enumerate(outcomes) if o.status == "raw-error" or o.problems]
     if bad:
         lines = [f"fxtp broke the differential property at world_size {len(outcomes)} for\n    {spec!r}"]
