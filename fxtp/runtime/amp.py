@@ -19,14 +19,14 @@ drift apart. Where the flag is combined:
   FSDP2]): 2-D DTensors; DTensor's handler reads the placements of the *first* gradient only, so
   a list led by a tensor-parallel-replicated gradient (a norm's weight) skipped tp as well.
 
-So fxtp wraps DTensor's handler once (:func:`combine_found_inf_over_tp`, the first forward of a
+So fxtp wraps DTensor's handler once (:func:`combine_found_inf_over_tp`: the first forward of a
 ``ParallelModule`` under FSDP2 installs it and registers the module): after DTensor's own
-reduction, the flag is combined (max) over every mesh dim on which *any* gradient of the list is
-not replicated, and, where the list holds the gradient of a registered module's parameter (FSDP2
-reshards after backward, so its parameters then are its DTensors and their ``.grad`` the very
-tensors GradScaler passes), over that module's tensor-parallel group. A max over ranks whose flags already agree changes nothing, so the rule
-is exact whatever the placements, and every rank of a group makes the same calls (the same
-parameters, so the same lists). DTensor keeps its handlers in a private table
+reduction, where the list holds the gradient of a registered module's parameter (FSDP2 reshards
+after backward, so its parameters then are its DTensors and their ``.grad`` the very tensors
+GradScaler passes), the flag is combined (max) over that module's tensor-parallel group too. A
+max over ranks whose flags already agree changes nothing, so this is exact whatever the
+placements, and every rank of a group makes the same calls (the same parameters, so the same
+lists). Lists of other DTensors (not fxtp's) get DTensor's handler unchanged. DTensor keeps its handlers in a private table
 (``DTensor._op_dispatcher._custom_op_handlers``, which torch's own ``loss_parallel`` edits the
 same way); this module is its one user in fxtp.
 """
@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from fxtp.runtime.sharded import resolve_group
 
@@ -60,21 +60,15 @@ def combine_found_inf_over_tp(pm: nn.Module) -> None:
     handlers = DTensor._op_dispatcher._custom_op_handlers
     if not _TORCH_HANDLER:
         _TORCH_HANDLER.append(handlers[_OP])
-        handlers[_OP] = _found_inf_over_every_dim
+        handlers[_OP] = _found_inf_over_tp_too
 
 
-def _found_inf_over_every_dim(op_call: Any, args: tuple, kwargs: dict) -> Any:
-    """DTensor's handler of the found-inf op, then the flag's max over the dims it missed."""
+def _found_inf_over_tp_too(op_call: Any, args: tuple, kwargs: dict) -> Any:
+    """DTensor's handler of the found-inf op, then the flag's max over the tensor-parallel group
+    of each registered module whose gradients the list holds."""
     out = _TORCH_HANDLER[0](op_call, args, kwargs)
     grads, found_inf = list(args[0]), args[1]
-    dtensors = [g for g in grads if isinstance(g, DTensor)]
-    if not dtensors:
-        return out
-    mesh, first = dtensors[0].device_mesh, dtensors[0].placements
-    for dim in range(mesh.ndim):  # the dims DTensor's handler skipped: replicated in the first gradient only
-        if isinstance(first[dim], Replicate) and any(not isinstance(g.placements[dim], Replicate) for g in dtensors):
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
-    ids = {id(g) for g in dtensors}
+    ids = {id(g) for g in grads}
     names = {pm._group_name for pm in list(_MODULES) if any(id(p.grad) in ids for p in pm.parameters() if p.grad is not None)}
     for name in sorted(names):
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=resolve_group(name))
