@@ -173,3 +173,52 @@ def test_sequence_parallel_must_be_a_bool():
     with pytest.raises(fxtp.FxtpConfigError, match="sequence_parallel"):
         fxtp.analyze(model, 2, inputs, sequence_parallel="yes")
 
+
+
+def _llama_accumulation_after_a_load():
+    """Issue 35 item 7's loop: a tiny HF Llama under sequence parallelism, 3 SGD steps at T=8,
+    ``load_full_state_dict``, two accumulated micro-batches at T=8 and T=4 (1 token per rank at
+    world size 4), a step, then T=12; against the single device at every call and gradient."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, use_cache=False)
+    model = LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 128, (1, t), generator=g) for t in (8, 8, 8, 8, 8, 4, 12)]
+    pm = fxtp.compile(model, ws, (ids[0],), example_kwargs={"labels": ids[0].clone()}, sequence_parallel=True)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def call(x):
+        loss, ref_loss = pm(x, labels=x).loss, ref(x, labels=x).loss
+        torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"T={x.shape[1]}: {m}")
+        loss.backward()
+        ref_loss.backward()
+
+    def step():
+        for fqn, p in pm.named_parameters():
+            want = shard_tensor(ref.get_parameter(fqn).grad, pm.placements[fqn], rank, ws)
+            torch.testing.assert_close(local_tensor(p.grad), want, msg=lambda m: f"gradient of {fqn}: {m}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+
+    for x in ids[:3]:
+        call(x)
+        step()
+    pm.load_full_state_dict(model.state_dict())
+    ref.load_state_dict(model.state_dict())
+    for x in ids[4:6]:  # accumulated: T=8, then T=4
+        call(x)
+    step()
+    call(ids[6])
+    return pm.report.shape_notes
+
+
+def test_accumulation_after_a_load_at_one_token_per_rank(rank_pools):
+    """Every rank issues the same collectives (the pool checks it: NOTE: [same collectives on
+    every rank] in tests/_helpers.py) and each call equals the single device's."""
+    assert rank_pools(4).run(_llama_accumulation_after_a_load) == [()] * 4
