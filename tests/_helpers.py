@@ -73,6 +73,9 @@ class CollectiveCounter(TorchDispatchMode):
 # every rank: each group's members must issue the same sequence on it (cross-group order is not
 # compared). RankPool checks every task this way, and the fuzzer every example.
 _P2P = {"send", "recv_", "recv_any_source_"}
+# Rooted ops pass tensor lists on the root only (gather_object, scatter_object_list: DCP's
+# planning): the part every rank passes is compared.
+_EVERY_RANKS_PART = {"gather_": lambda args: args[1], "scatter_": lambda args: args[0]}
 
 
 def _group_ranks(func, args, kwargs) -> Optional[tuple[int, ...]]:
@@ -96,7 +99,8 @@ def _group_ranks(func, args, kwargs) -> Optional[tuple[int, ...]]:
 class CollectiveLog(TorchDispatchMode):
     """Every collective dispatched while active, in order: ``calls`` of ``(op, group ranks,
     shapes of its tensor arguments)`` (NOTE: [same collectives on every rank]). An all_to_all's
-    shapes are left out (its split sizes differ by rank on purpose)."""
+    shapes are left out (its split sizes differ by rank on purpose); of a gather or scatter, the
+    tensors the root alone passes."""
 
     def __init__(self, sink: Optional[Any] = None) -> None:
         super().__init__()
@@ -105,8 +109,9 @@ class CollectiveLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace in ("c10d", "_c10d_functional") and func._opname not in _P2P and func._opname != "wait_tensor":
+            part = _EVERY_RANKS_PART[func._opname](args) if func._opname in _EVERY_RANKS_PART else (args, kwargs)
             shapes = () if "all_to_all" in func._opname or "alltoall" in func._opname else tuple(
-                tuple(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+                tuple(t.shape) for t in pytree.tree_leaves(part) if isinstance(t, torch.Tensor))
             self.calls.append((func._opname, _group_ranks(func, args, kwargs), shapes))
             if self._sink is not None:  # kept if gloo aborts the process inside the call
                 self._sink.write(f"{self.calls[-1]!r}\n")
