@@ -108,6 +108,7 @@ def _worker(rank: int, world_size: int, port: int, pg_timeout_s: float, sys_path
             sink = open(os.path.join(log_dir, f"rank{rank}"), "w") if log_dir is not None else None
             if sink is not None:
                 sink.write(f"{seq}\n")
+                sink.flush()
             try:
                 _ensure_module(mod_name, mod_file)
                 fn, args, kwargs = pickle.loads(payload)
