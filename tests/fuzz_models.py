@@ -137,10 +137,7 @@ class Spec:
     checkpointing: str = "none"
     dynamic: bool = False  # compile with dynamic=True (symbolic batch/sequence); static: a third of its capture time
     expert_parallel: bool = False  # compile with expert_parallel=True: Moe blocks hold whole experts per rank
-    # issue 35: compile with example inputs that are one tensor (``(ids, ids)``; needs embed and loss),
-    # accumulate a micro-batch whose targets are all ignore_index (needs loss) before the first step,
-    # run every forward under bf16 autocast (outputs in the single device's dtypes)
-    aliased: bool = False
+    aliased: bool = False  # issue 35: compile on (ids, ids); a prompt-only micro-batch first; bf16 autocast
     ignored: bool = False
     autocast: bool = False
 
