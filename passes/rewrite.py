@@ -23,7 +23,8 @@ For each node, in order:
   becomes
       linear = aten.linear.default(reshape, p_wo_weight)
       reduce_from_tp = fxtp.core.collectives.reduce_from_tp(linear, '0')
-      add = aten.add.Tensor(reduce_from_tp, p_wo_bias)
+      type_as = aten.type_as.default(p_wo_bias, reduce_from_tp)  # autocast: the linear's dtype
+      add = aten.add.Tensor(reduce_from_tp, type_as)
 """
 
 from __future__ import annotations
@@ -190,7 +191,12 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
                 # on a token shard the bias meets this rank's tokens only: its gradient is summed (f)
                 bias_node = nodes[bias] if scatter is None else enter(nodes[bias])
                 with graph.inserting_after(reduced):
-                    final = graph.call_function(aten.add.Tensor, (reduced, bias_node))
+                    # NOTE: [autocast policy of replaced ops]: the linear's dtype (under autocast its
+                    # lower precision, as one device's linear casts its bias), not bias-promoted fp32
+                    cast = graph.call_function(aten.type_as.default, (bias_node, reduced))
+                cast.meta["fxtp_placement"] = "R"
+                with graph.inserting_after(cast):
+                    final = graph.call_function(aten.add.Tensor, (reduced, cast))
             node.replace_all_uses_with(final, delete_user_cb=lambda user: user is not reduced)
             old_name[final] = name  # consumers' edges (an f into a colwise layer) name the original
             reduced.meta["fxtp_placement"] = final.meta["fxtp_placement"] = "R" if scatter is None else str(scatter)

@@ -25,6 +25,8 @@ from fxtp.runtime.sharded import local_tensor
 __all__ = [
     "CollectiveLog",
     "collective_divergence",
+    "model_state",
+    "assert_model_unchanged",
     "CollectiveCounter",
     "Fsdp2Collectives",
     "FunctionalSentBytes",
@@ -213,9 +215,47 @@ def assert_report_counts(report: "fxtp.Report", forward: Any, backward: Any) -> 
         assert reported == dict(measured), f"report says {phase} {reported}, the run did {dict(measured)}"
 
 
+_PLAIN = (int, float, str, bool, type(None))
+
+
+def model_state(model: torch.nn.Module) -> dict[str, Any]:
+    """Everything ``fxtp`` must leave as it was on the user's ``model`` (issue 35, item 2):
+    per module (``fqn:attribute``), its parameters, buffers and plain tensor attributes as
+    ``(type, dtype, shape, clone)`` (no clone of a ``meta`` tensor, which has no values), its
+    submodules' names, and its other attributes by value (ints, strings, flags) or by identity."""
+    state: dict[str, Any] = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        items = [(k, v) for k, v in vars(module).items() if k not in ("_parameters", "_buffers", "_modules")]
+        items += [(f"param {k}", v) for k, v in module._parameters.items()]
+        items += [(f"buffer {k}", v) for k, v in module._buffers.items()]
+        items.append(("submodules", tuple(module._modules)))
+        for key, value in items:
+            if isinstance(value, torch.Tensor):
+                plain = type(value) in (torch.Tensor, torch.nn.Parameter) and not value.is_meta
+                value = (type(value).__name__, value.dtype, tuple(value.shape), value.detach().clone() if plain else None)
+            elif not (isinstance(value, _PLAIN) or isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value)):
+                value = ("object", id(value))
+            state[f"{fqn}:{key}"] = value
+    return state
+
+
+def assert_model_unchanged(model: torch.nn.Module, before: dict[str, Any], what: str = "fxtp.compile") -> None:
+    """``model``'s :func:`model_state` is ``before``'s, tensors bitwise (NaNs included)."""
+    after = model_state(model)
+    assert after.keys() == before.keys(), f"{what} changed the model's attributes: added {sorted(after.keys() - before.keys())}, removed {sorted(before.keys() - after.keys())}"
+    for key, old in before.items():
+        new = after[key]
+        if isinstance(old, tuple) and len(old) == 4 and isinstance(old[3], torch.Tensor):
+            assert new[:3] == old[:3] and new[3] is not None, f"{what} changed the model's {key}: {old[:3]} -> {new[:3]}"
+            same = torch.equal(new[3].contiguous().view(torch.uint8), old[3].contiguous().view(torch.uint8)) if old[3].numel() else True
+            assert same, f"{what} wrote to the model's {key}"
+        else:
+            assert new == old, f"{what} changed the model's {key}: {old} -> {new}"
+
+
 def compare_training(
     model, inputs, *, steps: int = 3, lr: float = 0.1, rtol: float | None = None, atol: float | None = None,
-    dynamic: bool = False, **compile_kwargs
+    dynamic: bool = False, compile_inputs: Optional[tuple] = None, **compile_kwargs
 ) -> dict[str, Any]:
     """Compile ``model`` over the default process group and check it against ``model`` itself:
     outputs, every gradient (shard against the matching slice), and outputs after ``steps`` SGD
@@ -225,14 +265,14 @@ def compare_training(
     ``rtol``/``atol``: tolerances (default: ``assert_close``'s for the dtype). ``dynamic``:
     passed to ``fxtp.compile``; static by default, since only the example's shapes run here and
     a static capture costs a third to a half of a dynamic one (dynamic shapes are checked by
-    :func:`compare_shapes` and the tests that call another shape)."""
+    :func:`compare_shapes` and the tests that call another shape). ``compile_inputs``: the
+    example inputs to compile with, when they are not ``inputs`` (aliased examples)."""
     tol = {"rtol": rtol, "atol": atol} if rtol is not None else {}
     ws, rank = dist.get_world_size(), dist.get_rank()
     ref = copy.deepcopy(model)
-    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    pm = fxtp.compile(model, ws, inputs, dynamic=dynamic, **compile_kwargs)
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, before[k]), f"fxtp.compile mutated the user's {k}"
+    before = model_state(model)
+    pm = fxtp.compile(model, ws, inputs if compile_inputs is None else compile_inputs, dynamic=dynamic, **compile_kwargs)
+    assert_model_unchanged(model, before)
 
     with CollectiveCounter() as fwd:
         out = pm(*inputs)

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from _helpers import CollectiveCounter, CollectiveLog, collective_divergence, loss_of
+from _helpers import CollectiveCounter, CollectiveLog, assert_model_unchanged, collective_divergence, loss_of, model_state
 from fuzz_models import Spec, build
 
 import fxtp
@@ -34,6 +34,7 @@ __all__ = ["Outcome", "differential", "check_outcomes"]
 
 _NOISE = 10.0
 _CHAOTIC = 1e-3
+_BF16_EPS = 2.0**-8
 _PHASES = tuple((phase, kind) for phase in ("forward", "backward") for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"))
 
 
@@ -42,7 +43,7 @@ class Outcome:
     """One rank's result. ``status``: ``"ok"`` (ran and compared), ``"rejected"`` (an
     ``FxtpError``; ``where`` says at compile or at run) or ``"raw-error"`` (any other exception).
     ``problems``: ``(kind, what, max_abs_error)`` for each violated clause, kinds ``"mismatch"``,
-    ``"no-code"``, ``"report-count"``, ``"mutated"``. A mismatch's error is fxtp's distance to the
+    ``"no-code"``, ``"report-count"``, ``"mutated"``, ``"dtype"``. A mismatch's error is fxtp's distance to the
     float64 model; ``ref_err`` in its text is the float32 model's own distance to it."""
 
     status: str
@@ -69,13 +70,15 @@ def _max_err(a: Any, b: Any) -> float:
     return worst
 
 
-def _mismatch(got: Any, want: Any, want64: Any) -> Optional[tuple[float, float]]:
+def _mismatch(got: Any, want: Any, want64: Any, floor: float = 0.0) -> Optional[tuple[float, float]]:
     """``None`` if fxtp's ``got`` equals the float32 model's ``want`` (``assert_close``'s float32
     tolerances), or differs from it no more than float32 rounding explains: its error against
     the float64 model ``want64`` is within ``_NOISE`` times the float32 model's own (summation
     order differs across ranks, and SGD steps amplify it), or the float32 model itself has lost
     the float64 one (error above ``_CHAOTIC`` of the values' scale: a diverging training run, no
-    verdict). Else ``(fxtp's error, the float32 model's error)``, both against float64."""
+    verdict). ``floor``: a relative rounding error that is always noise (bf16's under autocast,
+    where a reference that lost a tenth of the scale gives no verdict). Else ``(fxtp's error,
+    the float32 model's error)``, both against float64."""
     try:
         torch.testing.assert_close(got, want)
         return None
@@ -84,7 +87,8 @@ def _mismatch(got: Any, want: Any, want64: Any) -> Optional[tuple[float, float]]
     err, ref_err = _max_err(got, want64), _max_err(want, want64)
     tensors = [t for t in pytree.tree_leaves(want64) if isinstance(t, torch.Tensor) and t.numel()]
     scale = max((t.abs().max().item() for t in tensors), default=0.0)
-    if err <= _NOISE * ref_err or ref_err > _CHAOTIC * (1.0 + scale):
+    chaotic = 0.1 if floor else _CHAOTIC
+    if err <= _NOISE * max(ref_err, floor * (1.0 + scale)) or ref_err > chaotic * (1.0 + scale):
         return None
     return err, ref_err
 
@@ -103,19 +107,45 @@ def _grads(pm: fxtp.ParallelModule, refs: tuple[torch.nn.Module, ...], rank: int
     return out
 
 
-def _forward(module: torch.nn.Module, inputs: tuple, seed: int) -> Any:
+def _forward(module: torch.nn.Module, inputs: tuple, seed: int, autocast: bool = False) -> Any:
     """``module(*inputs)`` from generator seed ``seed``: fxtp and the references draw the same
-    dropout masks (one device's mask, sliced where fxtp holds a shard)."""
+    dropout masks (one device's mask, sliced where fxtp holds a shard); under bf16 autocast
+    with ``autocast`` (float64 is not autocast: the judge stays float64)."""
     torch.manual_seed(seed)
-    return module(*inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        return module(*inputs)
 
 
-def _step(modules: tuple[torch.nn.Module, ...], inputs: tuple[tuple, ...], seed: int) -> tuple:
+def _step(modules: tuple[torch.nn.Module, ...], inputs: tuple[tuple, ...], seed: int, autocast: bool = False) -> tuple:
     """Forward every module on its inputs and backward ``loss_of`` of each; return the outputs."""
-    outs = tuple(_forward(m, x, seed) for m, x in zip(modules, inputs))
+    outs = tuple(_forward(m, x, seed, autocast) for m, x in zip(modules, inputs))
     for out in outs:
         loss_of(out).backward()
     return outs
+
+
+def _prompt_only(modules: tuple[torch.nn.Module, ...], inputs: tuple[tuple, ...], autocast: bool) -> list[tuple[str, str, float]]:
+    """A micro-batch whose targets are all ``ignore_index`` (a prompt-only sample), its loss's
+    backward accumulated into every module's gradients before the first step: its mean is NaN
+    on one device and its gradient exact zeros (NOTE: [ignored rows get exact zeros]); fxtp's
+    must be NaN too. The gradients are compared after the next micro-batch adds to them."""
+    losses = []
+    for module, (ids, targets) in zip(modules, inputs):
+        out = _forward(module, (ids, torch.full_like(targets, -100)), 100, autocast)
+        losses.append(pytree.tree_leaves(out)[0])
+        losses[-1].backward()
+    got, want = losses[0], losses[1]
+    if got.dtype != want.dtype or bool(got.isnan()) != bool(want.isnan()):
+        return [("mismatch", f"loss of an all-ignored micro-batch: {got} against the single device's {want}", float("inf"))]
+    return []
+
+
+def _dtypes(got: Any, want: Any) -> list[tuple[str, str, float]]:
+    """A ``"dtype"`` problem where an output's dtype is not the single device's (under autocast:
+    NOTE: [autocast policy of replaced ops])."""
+    a = [t.dtype for t in pytree.tree_leaves(got) if isinstance(t, torch.Tensor)]
+    b = [t.dtype for t in pytree.tree_leaves(want) if isinstance(t, torch.Tensor)]
+    return [] if a == b else [("dtype", f"output dtypes {a}, the single device's {b}", float("nan"))]
 
 
 def differential(spec: Spec, steps: int = 2, lr: float = 0.1) -> Outcome:
@@ -133,9 +163,10 @@ def _differential(spec: Spec, steps: int, lr: float) -> Outcome:
     model, inputs = build(spec)
     ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
     inputs64 = tuple(t.double() if t.is_floating_point() else t for t in inputs)
-    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    before = model_state(model)
+    examples = (inputs[0], inputs[0]) if spec.aliased else inputs  # NOTE: [independent example inputs]
     try:
-        pm = fxtp.compile(model, ws, inputs, sequence_parallel=spec.sequence_parallel, dynamic=spec.dynamic,
+        pm = fxtp.compile(model, ws, examples, sequence_parallel=spec.sequence_parallel, dynamic=spec.dynamic,
                           expert_parallel=spec.expert_parallel,
                           activation_checkpointing=spec.checkpointing if spec.checkpointing in ("blocks", "selective") else None)
     except fxtp.FxtpError as e:
@@ -145,16 +176,23 @@ def _differential(spec: Spec, steps: int, lr: float) -> Outcome:
     uneven = any(isinstance(p, Shard) and not p.divisible(ws) for p in pm.placements.values())
     outcome = Outcome("ok", plan=dict(pm.plan), uneven=uneven)
     problems = outcome.problems
-    problems += [("mutated", k, float("nan")) for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    try:
+        assert_model_unchanged(model, before)
+    except AssertionError as e:
+        problems.append(("mutated", str(e), float("nan")))
     problems += [("no-code", row.name, float("nan")) for row in pm.report.layers if row.style == "replicate" and row.code is None]
     modules, all_inputs = (pm, ref, ref64), (inputs, inputs, inputs64)
     try:
         pairs: list[tuple[str, tuple]] = []
+        if spec.ignored:
+            problems += _prompt_only(modules, all_inputs, spec.autocast)
         with CollectiveCounter() as fwd:
-            out = _forward(pm, inputs, 0)
+            out = _forward(pm, inputs, 0, spec.autocast)
         with CollectiveCounter() as bwd:
             loss_of(out).backward()
-        pairs.append(("output", (out, *_step(modules[1:], all_inputs[1:], 0))))
+        refs = _step(modules[1:], all_inputs[1:], 0, spec.autocast)
+        problems += _dtypes(out, refs[0])
+        pairs.append(("output", (out, *refs)))
         pairs += [(f"gradient of {fqn}", grads) for fqn, grads in _grads(pm, modules[1:], rank, ws)]
         opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in modules]
         for step in range(steps):
@@ -164,13 +202,15 @@ def _differential(spec: Spec, steps: int, lr: float) -> Outcome:
             for opt in opts:
                 opt.step()
                 opt.zero_grad()
-            pairs.append((f"output after SGD step {step + 1}", _step(modules, all_inputs, step + 1)))
+            pairs.append((f"output after SGD step {step + 1}", _step(modules, all_inputs, step + 1, spec.autocast)))
     except fxtp.FxtpError as e:
         return Outcome("rejected", "run", f"{type(e).__name__}: {e}", problems, outcome.plan)
     except Exception:  # noqa: BLE001
         return Outcome("raw-error", "run", traceback.format_exc(), problems, outcome.plan)
     for what, (got, want, want64) in pairs:
-        errs = _mismatch(got, want, want64)
+        # under bf16 autocast each rank rounds its partial sums to bf16 before they are reduced (as
+        # Megatron does): one bf16 rounding of the values' scale is the noise floor, not the reference's luck
+        errs = _mismatch(got, want, want64, _BF16_EPS if spec.autocast else 0.0)
         if errs is not None:
             problems.append(("mismatch", f"{what} (float32 model's own error {errs[1]:.2g})", errs[0]))
     measured = {"forward": fwd.counts, "backward": bwd.counts}

@@ -137,6 +137,9 @@ class Spec:
     checkpointing: str = "none"
     dynamic: bool = False  # compile with dynamic=True (symbolic batch/sequence); static: a third of its capture time
     expert_parallel: bool = False  # compile with expert_parallel=True: Moe blocks hold whole experts per rank
+    aliased: bool = False  # issue 35: compile on (ids, ids); a prompt-only micro-batch first; bf16 autocast
+    ignored: bool = False
+    autocast: bool = False
 
 
 def features(spec: Spec) -> set[str]:
@@ -160,7 +163,8 @@ def features(spec: Spec) -> set[str]:
         out |= {f"embed.{f.name}" for f in dataclasses.fields(spec.embed) if getattr(spec.embed, f.name) not in (None, False)}
     if spec.head != "none":
         out.add(f"head:{spec.head}")
-    for flag in ("loss", "train", "also_hidden", "sequence_parallel", "clip", "dynamic", "expert_parallel"):
+    for flag in ("loss", "train", "also_hidden", "sequence_parallel", "clip", "dynamic", "expert_parallel", "aliased",
+                 "ignored", "autocast"):
         if getattr(spec, flag):
             out.add(flag)
     if spec.checkpointing != "none":

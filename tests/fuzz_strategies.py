@@ -139,6 +139,7 @@ def specs(draw: st.DrawFn, exclude: frozenset[str] = frozenset()) -> Spec:
     embed = draw(st.none() | embeds(vocab, exclude)) if "embed" not in exclude else None
     heads = ("none", "linear", "linear_bias", *(("tied",) if embed is not None else ()))
     head = draw(_pick("head", heads, exclude))
+    loss = draw(_flag("loss", exclude)) if head != "none" else False
     return Spec(
         hidden=hidden,
         blocks=blocks,
@@ -146,7 +147,7 @@ def specs(draw: st.DrawFn, exclude: frozenset[str] = frozenset()) -> Spec:
         vocab=vocab,
         final_norm=draw(_pick("final_norm", NORMS, exclude)),
         head=head,
-        loss=draw(_flag("loss", exclude)) if head != "none" else False,
+        loss=loss,
         train=draw(_flag("train", exclude)),
         also_hidden=draw(_flag("also_hidden", exclude)),
         batch=draw(st.sampled_from((2, 1))),
@@ -157,4 +158,7 @@ def specs(draw: st.DrawFn, exclude: frozenset[str] = frozenset()) -> Spec:
         checkpointing=draw(_pick("checkpointing", ("none", "user", "blocks", "selective"), exclude)),
         dynamic=draw(_flag("dynamic", exclude)),
         expert_parallel=draw(_flag("expert_parallel", exclude)) if any(isinstance(b, Moe) for b in blocks) else False,
+        aliased=draw(_flag("aliased", exclude)) if loss and embed is not None else False,
+        ignored=draw(_flag("ignored", exclude)) if loss else False,
+        autocast=draw(_flag("autocast", exclude)),
     )

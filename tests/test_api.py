@@ -422,3 +422,4 @@ def test_an_input_of_the_wrong_dtype_is_refused_at_compile():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
     with pytest.raises(fxtp.FxtpInputError, match=r"in module '0' multiplies operands of dtypes float32, int64.*x.float\(\)"):
         fxtp.compile(model, 2, (torch.zeros(2, 4, dtype=torch.long),))
+

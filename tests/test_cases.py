@@ -126,7 +126,9 @@ def test_case05_fused_qkv(pool, name):
 def test_case06_rowwise_bias_added_once(pool):
     (r, *_) = pool.run(_train, "6-rowwise-bias")  # gradients of the bias are compared too
     assert _styles(r) == {"0": ("colwise", None), "2": ("rowwise", None)}
-    assert "add_tensor = torch.ops.aten.add.Tensor(reduce_from_tp, p_2_bias)" in r["code"]
+    # the bias in the reduced value's dtype (autocast's, as one device's linear casts it), added once after the all_reduce
+    assert "type_as_default = torch.ops.aten.type_as.default(p_2_bias, reduce_from_tp)" in r["code"]
+    assert "add_tensor = torch.ops.aten.add.Tensor(reduce_from_tp, type_as_default)" in r["code"]
 
 
 def _tied_one_weight():

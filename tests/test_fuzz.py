@@ -57,5 +57,8 @@ def test_fxtp_equals_single_device_or_rejects(pool, spec):
     if spec.checkpointing != "none":
         event(f"checkpointing={spec.checkpointing}")
     event("dynamic=True" if spec.dynamic else "dynamic=False")
+    for flag in ("aliased", "ignored", "autocast"):  # issue 35's draws
+        if getattr(spec, flag):
+            event(f"{flag}=True")
     if any(isinstance(b, Moe) for b in spec.blocks):
         event("MoE block, " + ("expert parallel" if spec.expert_parallel else "tensor parallel"))

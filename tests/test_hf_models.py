@@ -12,6 +12,7 @@ import pytest
 import torch
 from _helpers import compare_training, megatron_floor
 
+import fxtp
 from fxtp.explain import examples
 
 pytest.importorskip("transformers")
@@ -167,3 +168,115 @@ def test_llama_labels_keep_the_head_colwise(pool):
     assert head["style"] == "colwise" and "cross_entropy" in head["reason"]
     floor_fwd, _ = megatron_floor(r["report"], N_BLOCKS)
     assert r["forward"] == {"all_reduce": floor_fwd["all_reduce"] + 3}
+
+
+def _llama(**config):
+    import transformers
+
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=4, max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **(sizes | config), use_cache=False, pad_token_id=None, eos_token_id=None, bos_token_id=None)).eval()
+
+
+class _CrossAttention(torch.nn.Module):
+    """Queries from ``x``, keys and values from ``memory``: compiled with ``(x, x)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+        self.out = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return self.out(self.attn(x, memory, memory, need_weights=False)[0])
+
+
+def _aliased_examples() -> dict:
+    """Issue 35, item 1: example inputs that are one tensor (``labels=ids``; ``(x, x)``), a view
+    of another, or another view of one storage, compile to independent graph inputs: every
+    later call equals the model on the inputs it is given (outputs, every gradient, 2 SGD steps)."""
+    import copy
+
+    import torch.distributed as dist
+
+    ws = dist.get_world_size()
+    gen = torch.Generator().manual_seed(3)
+    ids, other, labels = (torch.randint(0, 128, (2, 8), generator=gen) for _ in range(3))
+    plans = {}
+    for frontend in ("export",):  # every frontend: tests/test_api.py
+        model = _llama()
+        pm = fxtp.compile(copy.deepcopy(model), ws, (ids,), example_kwargs={"labels": ids}, dynamic=False, capture=frontend)
+        got, want = pm(other, labels=labels), model(other, labels=labels)
+        torch.testing.assert_close(got.logits, want.logits)
+        torch.testing.assert_close(got.loss, want.loss)
+        plans[frontend] = pm.plan["lm_head"]
+    torch.manual_seed(0)
+    x, memory = torch.randn(2, 6, 32, generator=gen), torch.randn(2, 6, 32, generator=gen)
+    wide = torch.randn(2, 12, 32, generator=gen)
+    for name, example in {"same": (x, x), "view": (x, x.view(2, 6, 32)), "one storage": (wide[:, :6], wide[:, 6:])}.items():
+        result = compare_training(_CrossAttention(), (x, memory), steps=2, compile_inputs=example)
+        plans[name] = result["plan"]["attn.out_proj"]
+    return plans
+
+
+def test_aliased_example_inputs_stay_separate(pool):
+    (plans, *_) = pool.run(_aliased_examples)
+    assert plans == {"export": "colwise", "same": "rowwise", "view": "rowwise", "one storage": "rowwise"}
+
+
+def _longrope() -> dict:
+    """Issue 35, item 2: Phi-3's longrope rotary (its factors switch once the sequence passes
+    ``original_max_position_embeddings`` = 8), compiled at 6 tokens: exact at 12, 24 and 6
+    again, and the user's model bitwise as it was (buffers, plain tensor attributes such as
+    ``long_inv_freq``), fresh or after a run past 8 tokens. Llama's dynamic NTK rotary is
+    refused, and a refused compile leaves its model as it was too."""
+    import copy
+
+    import torch.distributed as dist
+    import transformers
+    from _helpers import assert_model_unchanged, model_state
+
+    ws = dist.get_world_size()
+    half = 8
+    config = transformers.Phi3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=32, original_max_position_embeddings=8, use_cache=False,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2,
+        rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                      "long_factor": [2.0 + 0.3 * i for i in range(half)]})
+    gen = torch.Generator().manual_seed(4)
+    errors = {}
+    for warm in (0, 12):  # a fresh model; one that ran past 8 tokens (its long_inv_freq set, inv_freq long)
+        torch.manual_seed(0)
+        model = transformers.Phi3ForCausalLM(config).eval()
+        if warm:
+            model(torch.randint(0, 128, (2, warm), generator=gen))
+        ref, before = copy.deepcopy(model), model_state(model)
+        pm = fxtp.compile(model, ws, (torch.randint(0, 128, (2, 6), generator=gen),))
+        assert_model_unchanged(model, before)
+        for seq in (12, 24, 6):
+            x = torch.randint(0, 128, (2, seq), generator=gen)
+            got, want = pm(x).logits, ref(x).logits
+            errors[(warm, seq)] = (got - want).abs().max().item()
+            torch.testing.assert_close(got, want, msg=lambda m, seq=seq: f"longrope at {seq} tokens: {m}")
+        assert_model_unchanged(model, before, "running pm")
+        for seq in (12, 6):  # the user's model still computes its own logits (its rotary may now write to itself)
+            x = torch.randint(0, 128, (2, seq), generator=gen)
+            torch.testing.assert_close(model(x).logits, ref(x).logits, rtol=0, atol=0)
+    ntk = _llama(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=8)
+    before = model_state(ntk)
+    try:
+        fxtp.compile(ntk, ws, (torch.randint(0, 128, (2, 6), generator=gen),))
+    except fxtp.FxtpError as exc:
+        refused = str(exc)
+    else:
+        raise AssertionError("dynamic NTK rotary compiled")
+    assert_model_unchanged(ntk, before, "a refused fxtp.compile")
+    return {"refused": refused, "worst": max(errors.values())}
+
+
+def test_longrope_is_exact_at_every_length_and_the_model_stays_as_it_was(pool):
+    (r, *_) = pool.run(_longrope)
+    assert r["worst"] < 1e-4
+    assert "modeling_rope_utils.py" in r["refused"] and "seq_len > max_seq_len_cached" in r["refused"], r["refused"]

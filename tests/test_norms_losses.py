@@ -211,3 +211,144 @@ def test_every_fix_names_something_to_do():
     (head,) = report.layers
     assert (head.style, head.code) == ("replicate", "reduces-sharded-dim")
     assert "flatten the logits" in head.fix and "test_norms_losses.py:" in head.fix, head.fix
+
+
+def _tiny_llama():
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+                                      use_cache=False, pad_token_id=None, eos_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _same_or_both_nan(got: torch.Tensor, want: torch.Tensor, what: str, **tol) -> None:
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype}, the single device's {want.dtype}"
+    torch.testing.assert_close(got, want, equal_nan=True, **tol, msg=lambda m: f"{what}: {m}")
+
+
+def _grads_match(pm, ref, what: str, **tol) -> None:
+    import torch.distributed as dist
+
+    from fxtp.core.placement import shard_tensor
+    from fxtp.runtime.sharded import local_tensor
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    for fqn, p in pm.named_parameters():
+        want = shard_tensor(ref.get_parameter(fqn).grad, pm.placements[fqn], rank, ws)
+        got = local_tensor(p.grad)
+        assert torch.isfinite(got).all(), f"{what}: NaN or inf in the gradient of {fqn}"
+        torch.testing.assert_close(got, want, **tol, msg=lambda m, fqn=fqn: f"{what}, gradient of {fqn}: {m}")
+
+
+def _all_ignored() -> dict:
+    """Issue 35, item 4: a micro-batch whose labels are all ``ignore_index``. (1) Every
+    ``cross_entropy`` variant of :data:`_LOSSES` (reductions, class weights, label smoothing):
+    the same loss (NaN for a mean over nothing) and the single device's exact-zero gradients.
+    (2) Hugging Face Llama ``labels=`` under gradient accumulation (a prompt-only micro-batch,
+    then a normal one), TP and TP+SP: the same NaN loss, the same finite gradients, the same
+    SGD step."""
+    import copy
+
+    import torch.distributed as dist
+
+    ws = dist.get_world_size()
+    model, (x, _) = _losses()
+    ref = copy.deepcopy(model)
+    pm = fxtp.compile(model, ws, (x, torch.randint(1, 11, (8,))), dynamic=False)
+    ignored = torch.zeros(8, dtype=torch.long)  # class 0 is every variant's ignore_index
+    outs, ref_outs = pm(x, ignored), ref(x, ignored)
+    for name, got, want in zip(_LOSSES, outs, ref_outs):
+        _same_or_both_nan(got, want, f"{name} on all-ignored labels")
+    sum(o.sum() for o in outs).backward()
+    sum(o.sum() for o in ref_outs).backward()
+    _grads_match(pm, ref, "all-ignored labels", atol=0.0, rtol=0.0)  # exact zeros, both
+    nan_losses = [name for name, want in zip(_LOSSES, ref_outs) if want.isnan().any()]
+    steps = {}
+    for sp in (False, True):
+        ref = _tiny_llama()
+        gen = torch.Generator().manual_seed(1)
+        ids = [torch.randint(0, 128, (2, 8), generator=gen) for _ in range(2)]
+        labels = [torch.full((2, 8), -100), ids[1].clone()]  # a prompt-only micro-batch, then a normal one
+        pm = fxtp.compile(copy.deepcopy(ref), ws, (ids[0],), example_kwargs={"labels": ids[1]}, dynamic=False,
+                          sequence_parallel=sp)
+        opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in range(2):
+            for i in range(2):  # gradient accumulation over the two micro-batches
+                got, want = pm(ids[i], labels=labels[i]).loss, ref(ids[i], labels=labels[i]).loss
+                _same_or_both_nan(got, want, f"sp={sp} step {step} micro-batch {i} loss", rtol=1e-4, atol=1e-5)
+                got.backward()
+                want.backward()
+            _grads_match(pm, ref, f"sp={sp} step {step}", rtol=1e-4, atol=1e-5)
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        steps[sp] = sum(1 for p in pm.parameters())
+    return {"nan_losses": nan_losses, "parameters": steps}
+
+
+@pytest.mark.parametrize("ws", [2, 4], ids=lambda ws: f"ws{ws}")
+def test_all_ignored_labels_give_torchs_nan_loss_and_zero_gradients(ws, rank_pools):
+    (result, *_) = rank_pools(ws).run(_all_ignored)
+    assert result["nan_losses"] == ["smoothing", "weighted", "weighted-smoothing-ignore"]  # the mean ones
+    assert result["parameters"] == {False: 21, True: 21}
+
+
+class _NanoGPTLoss(nn.Module):
+    """nanoGPT's shape: the loss inside ``forward`` (``F.cross_entropy`` of the flattened
+    logits), run under the user's autocast."""
+
+    def __init__(self, smoothing: float) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(96, 32)
+        self.fc, self.proj = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.lm_head = nn.Linear(32, 96, bias=False)
+        self.smoothing = smoothing
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.wte(idx)
+        h = h + self.proj(F.gelu(self.fc(h)))
+        logits = self.lm_head(h)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
+                               label_smoothing=self.smoothing)
+        return logits, loss
+
+
+def _autocast_losses() -> dict:
+    """Issue 35, item 5: cross entropy under bf16 autocast (fp32 on autocast's cast list) has
+    the single device's dtype and value; gradients and an SGD step within bf16 tolerance."""
+    import copy
+
+    import torch.distributed as dist
+
+    ws = dist.get_world_size()
+    dtypes = {}
+    for smoothing in (0.0, 0.1):
+        torch.manual_seed(0)
+        ref = _NanoGPTLoss(smoothing)
+        gen = torch.Generator().manual_seed(2)
+        idx, targets = torch.randint(0, 96, (2, 8), generator=gen), torch.randint(0, 96, (2, 8), generator=gen)
+        pm = fxtp.compile(copy.deepcopy(ref), ws, (idx, targets), dynamic=False)
+        assert pm.plan["lm_head"] == "colwise"  # the loss is vocab-parallel
+        for step in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                (logits, loss), (ref_logits, ref_loss) = pm(idx, targets), ref(idx, targets)
+            _same_or_both_nan(logits, ref_logits, f"smoothing {smoothing} logits", rtol=2e-2, atol=2e-2)
+            # both compute the loss in fp32 from the same bf16 logits (up to bf16 rounding of the matmuls)
+            _same_or_both_nan(loss, ref_loss, f"smoothing {smoothing} loss", rtol=1e-3, atol=1e-3)
+            dtypes[smoothing] = str(loss.dtype).replace("torch.", "")
+            loss.backward()
+            ref_loss.backward()
+            _grads_match(pm, ref, f"smoothing {smoothing} step {step}", rtol=2e-2, atol=2e-2)
+            for module in (pm, ref):
+                with torch.no_grad():
+                    for p in module.parameters():
+                        p -= 0.1 * p.grad
+                        p.grad = None
+    return dtypes
+
+
+@pytest.mark.parametrize("ws", [2, 4], ids=lambda ws: f"ws{ws}")
+def test_cross_entropy_under_autocast_keeps_the_single_devices_fp32(ws, rank_pools):
+    (dtypes, *_) = rank_pools(ws).run(_autocast_losses)
+    assert dtypes == {0.0: "float32", 0.1: "float32"}

@@ -42,6 +42,7 @@ from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fix
 
 from fxtp.capture.hf_experts import check_experts_implementation
 from fxtp.capture.index_lists import cpu_index_lists
+from fxtp.capture.isolation import capture_copy, independent_inputs
 from fxtp.capture.regions import recording_checkpoints
 from fxtp.core.errors import FxtpCaptureError, FxtpInputError
 
@@ -71,13 +72,15 @@ def auto_dynamic_shapes(args: tuple, kwargs: dict) -> ShapesCollection:
     return shapes
 
 
-def _export_with(model: nn.Module, args: tuple, kwargs: dict, shapes: Any, strict: bool) -> tuple[torch.export.ExportedProgram, list[str]]:
+def _export_with(make: Callable[[], nn.Module], args: tuple, kwargs: dict, shapes: Any, strict: bool) -> tuple[torch.export.ExportedProgram, list[str]]:
     """``torch.export.export`` with ``shapes``; where export refuses them, torch.export's
-    suggested fixes, then static shapes, each with a note (NOTE: [dynamic shapes])."""
+    suggested fixes, then static shapes, each with a note (NOTE: [dynamic shapes]). Each
+    attempt exports a fresh ``make()``: what one attempt wrote to its module is not the next
+    one's (NOTE: [capture on a copy] in fxtp/capture/isolation.py)."""
     notes: list[str] = []
     if shapes is not None and not isinstance(shapes, ShapesCollection):
         try:
-            return torch.export.export(model, args, kwargs, strict=strict, dynamic_shapes=shapes), notes
+            return torch.export.export(make(), args, kwargs, strict=strict, dynamic_shapes=shapes), notes
         except torch._dynamo.exc.UserError as exc:  # a constraint violation: torch suggests fixes
             if "Suggested fixes" not in str(exc):
                 raise
@@ -86,29 +89,44 @@ def _export_with(model: nn.Module, args: tuple, kwargs: dict, shapes: Any, stric
             notes.append(f"dynamic_shapes adjusted by torch.export's suggested fixes: {' '.join(fixes.split())}")
     if shapes is not None:
         try:
-            return torch.export.export(model, args, kwargs, strict=strict, dynamic_shapes=shapes), notes
+            return torch.export.export(make(), args, kwargs, strict=strict, dynamic_shapes=shapes), notes
         except Exception as exc:  # noqa: BLE001 - a dynamic capture that fails falls back to static shapes
             notes.append(f"dynamic capture failed ({_one_line(exc)}); every input dim specialized to the example")
-    return torch.export.export(model, args, kwargs, strict=strict), notes
+    return torch.export.export(make(), args, kwargs, strict=strict), notes
 
 
-def _fx(model: nn.Module, args: tuple, kwargs: dict, shapes: Any) -> tuple[torch.export.ExportedProgram, list[str]]:
+def _traced(model: nn.Module) -> torch.fx.GraphModule:
+    """``model`` (a capture copy) through ``torch.fx.symbolic_trace``.
+
+    Raises:
+        RuntimeError: ``forward`` wrote a buffer in place while tracing: symbolic tracing ran
+            that write eagerly (a buffer is a real tensor to it) and left it out of the graph.
+    """
+    versions = {name: b._version for name, b in model.named_buffers()}  # torch's in-place write counter
     with recording_checkpoints(symbolic=True):  # NOTE: [checkpoint regions at capture]
         tracer = torch.fx.Tracer()
         tracer.record_stack_traces = True  # the model's source lines reach the fixes (NOTE: [actionable fixes])
         graph = tracer.trace(model)
         traced = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
-    return _export_with(traced, args, kwargs, shapes, strict=False)
+    written = [name for name, b in model.named_buffers() if name in versions and b._version != versions[name]]
+    if written:
+        raise RuntimeError(f"forward writes buffer {written[0]} in place, which symbolic tracing runs eagerly and leaves out of the graph")
+    return traced
+
+
+def _fx(model: nn.Module, args: tuple, kwargs: dict, shapes: Any) -> tuple[torch.export.ExportedProgram, list[str]]:
+    first = [_traced(capture_copy(model))]  # a model fx cannot trace fails here, before any export
+    return _export_with(lambda: first.pop() if first else _traced(capture_copy(model)), args, kwargs, shapes, strict=False)
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, shapes: Any) -> tuple[torch.export.ExportedProgram, list[str]]:
     on_meta = any(p.is_meta for p in model.parameters())
     with cpu_index_lists() if on_meta else contextlib.nullcontext():  # NOTE: [index lists on meta]
-        return _export_with(model, args, kwargs, shapes, strict=False)
+        return _export_with(lambda: capture_copy(model), args, kwargs, shapes, strict=False)
 
 
 def _dynamo(model: nn.Module, args: tuple, kwargs: dict, shapes: Any) -> tuple[torch.export.ExportedProgram, list[str]]:
-    return _export_with(model, args, kwargs, shapes, strict=True)
+    return _export_with(lambda: capture_copy(model), args, kwargs, shapes, strict=True)
 
 
 _FRONTEND_FNS: dict[str, Callable[[nn.Module, tuple, dict, Any], tuple[torch.export.ExportedProgram, list[str]]]] = {
@@ -166,6 +184,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, how: str = "auto", *, d
             fxtp/capture/hf_experts.py).
     """
     check_experts_implementation(model)
+    args, kwargs, dynamic_shapes = independent_inputs(args, kwargs, dynamic_shapes)  # NOTE: [independent example inputs]
     order = FRONTENDS if how == "auto" else (how,)
     attempts: list[tuple[str, str]] = []
     for name in order:

@@ -20,6 +20,14 @@ gradient of this rank's logits is ``(1 - eps) w_t (p - onehot) + eps / C (W p - 
 incoming gradient, with ``p`` the softmax under the global normalizer and ``w`` this rank's
 slice of the class weights. Three all_reduce of ``(N,)`` (``(N, k)`` for the last) instead of
 an all_gather of the ``(N, C)`` logits.
+
+NOTE: [ignored rows get exact zeros]
+A micro-batch whose targets are all ``ignore_index`` (a prompt-only sample) has a ``mean`` of
+0 / 0: NaN, in torch as here. torch's ``nll_loss`` backward writes the gradient of the targets
+it counts and leaves the ignored rows' exact zeros, so gradient accumulation over such a
+micro-batch stays finite. Here the ignored rows are ``masked_fill``ed to 0, not multiplied by
+the mask: the backward of the fill is a fill, so the rows get 0 and not ``inf * 0 = NaN``
+(``1 / 0`` from the mean's division); a row's own loss (inf or NaN logits) is dropped alike.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from typing import Optional
 import torch
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
+from fxtp.core.autocast import fp32_policy_dtype
 from fxtp.core.collectives import all_reduce
 from fxtp.core.local_ops import EMITTED_COLLECTIVES, EmittedCollectives, check_ids
 
@@ -116,17 +125,23 @@ def vocab_parallel_cross_entropy(
         label_smoothing: as in ``cross_entropy``, in ``[0, 1]``.
 
     Returns:
-        ``(N,)`` per-target losses (reduction 0) or a scalar, in ``logits``' dtype.
+        ``(N,)`` per-target losses (reduction 0) or a scalar, in ``logits``' dtype (fp32 under
+        autocast, as ``cross_entropy``: NOTE: [autocast policy of replaced ops] in
+        fxtp/core/autocast.py). A mean over no target (all ``ignore_index``) is NaN, as torch's,
+        and its gradient exact zeros (NOTE: [ignored rows get exact zeros]).
     """
     check_ids(target, classes, "cross_entropy", where, ignore_index)
     valid = target != ignore_index
     loss, w_t = _VocabParallelCrossEntropy.apply(logits, target, start, group_name, weight, float(label_smoothing), classes)
-    loss = (loss * valid).to(logits.dtype)
+    # NOTE: [autocast policy of replaced ops]: cross_entropy is fp32 under autocast
+    dtype = fp32_policy_dtype("cross_entropy_loss", logits, logits.dtype)
+    # NOTE: [ignored rows get exact zeros]
+    loss = loss.masked_fill(~valid, 0.0).to(dtype)
     if reduction == 0:
         return loss
     if reduction == 2:
         return loss.sum()
-    return loss.sum() / (w_t * valid).sum() if weight is not None else loss.sum() / valid.sum()
+    return loss.sum() / (w_t.masked_fill(~valid, 0.0) if weight is not None else valid).sum()
 
 
 def _payload(args: tuple) -> tuple[int, int]:

@@ -35,6 +35,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
+from fxtp.core.autocast import fp32_policy_dtype
 from fxtp.core.collectives import sum_statistics
 from fxtp.core.local_ops import EMITTED_COLLECTIVES, EmittedCollectives
 
@@ -113,7 +114,9 @@ def distributed_layer_norm(
     ``bias`` being the local slice of the bias or ``None``.
 
     Returns:
-        ``x``'s shape and dtype. One all_reduce of fp32 ``x.shape[:-n] + (1,) * (n - 1) + (2,)``
+        ``x``'s shape and dtype (fp32 under a CUDA, XPU or MPS autocast, as ``layer_norm``:
+        NOTE: [autocast policy of replaced ops] in fxtp/core/autocast.py). One all_reduce of
+        fp32 ``x.shape[:-n] + (1,) * (n - 1) + (2,)``
         (the sum and the sum of squares) forward, one backward.
     """
     mean, mean_square = _statistics(x, len(normalized_shape), features, group_name, centred=True)
@@ -123,7 +126,7 @@ def distributed_layer_norm(
         out = out * weight
     if bias is not None:
         out = out + bias
-    return out.type_as(x)
+    return out.to(fp32_policy_dtype("layer_norm", x, x.dtype))  # NOTE: [autocast policy of replaced ops]
 
 
 def _norm_payload(stats: int) -> Any:
