@@ -33,6 +33,7 @@ from torch.export.graph_signature import InputKind
 
 import fxtp
 from fxtp.api import _analyze
+from fxtp.arguments import CompileOptions
 from fxtp.core.expert_dispatch import expert_ranges
 from fxtp.core.placement import shard_tensor
 from fxtp.explain import examples
@@ -198,7 +199,7 @@ def test_plan_names_one_block():
     parallelism inside its experts; ``report.plan`` round-trips; a plan key naming no experts
     module and fewer experts than ranks are refused."""
     model, inputs = examples.mixtral()
-    captured, plan, report = _analyze(model, 2, inputs, {}, "export", {"model.layers.1.mlp.experts": "expert"}, 0)
+    captured, plan, report = _analyze(model, inputs, {}, CompileOptions(2, capture="export", plan={"model.layers.1.mlp.experts": "expert"}))
     styles = {row.name: row.style for row in report.layers if ".experts." in row.name}
     assert styles == {"model.layers.0.mlp.experts.gate_up_proj": "colwise", "model.layers.0.mlp.experts.down_proj": "rowwise",
                       "model.layers.1.mlp.experts.gate_up_proj": "expert", "model.layers.1.mlp.experts.down_proj": "expert"}
