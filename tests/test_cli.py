@@ -1,4 +1,4 @@
-"""The ``fxtp`` command line, in process (``fxtp.explain.cli.main``) but for one ``python -m fxtp`` run.
+"""The ``fxtp`` command line, in process (``fxtp.cli.main.main``) but for one ``python -m fxtp`` run.
 
 Exit status: 0 ok, 1 fxtp error (message only unless --verbose), 2 bad usage.
 """
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from _helpers import shell_calls
-from fxtp.explain.cli import get_args_parser, main
-from fxtp.explain.examples import EXAMPLES
-from fxtp.explain.inspection import InputSpec
-from fxtp.explain.verify import VerifyResult
+from fxtp.cli.main import get_args_parser, main
+from fxtp.cli.examples import EXAMPLES
+from fxtp.cli.inspection import InputSpec
+from fxtp.cli.verify import VerifyResult
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).parent / "golden"
@@ -81,7 +81,7 @@ def test_help_shows_examples(capsys):
     assert code == 0
     for text in ("2x16:int64[0,128)", "llama-7b", "file.py:callable", "--format dot --out mlp.svg", "2 bad usage"):
         assert text in out, text
-    from fxtp.explain.examples import EXAMPLES
+    from fxtp.cli.examples import EXAMPLES
 
     model_section = out.split("MODEL:")[1].split("path/to/config.json")[0]
     listed = {word.strip(",;()") for word in model_section.split()}
@@ -275,9 +275,9 @@ def test_input_specs():
 
 
 def test_verify_over_tolerance_exits_1(capsys, monkeypatch):
-    import fxtp.explain.verify
+    import fxtp.cli.verify
 
-    monkeypatch.setattr(fxtp.explain.verify, "verify", lambda *a, **k: VerifyResult(2, 1e-7, 3e-2, 4, 1e-4))
+    monkeypatch.setattr(fxtp.cli.verify, "verify", lambda *a, **k: VerifyResult(2, 1e-7, 3e-2, 4, 1e-4))
     code, out, _ = run(capsys, "inspect", "mlp", "-n", "2", "--verify")
     assert code == 1 and "gradients: max abs error 3.00e-02" in out and "FAIL: over tolerance" in out
 
@@ -294,7 +294,7 @@ def test_verify_failure_on_the_ranks_is_one_line(capsys, user_file):
 
 
 def test_verify_failure_message():
-    from fxtp.explain.verify import _failure_message
+    from fxtp.cli.verify import _failure_message
 
     errors = [(1, "IndexError: index out of range", "Traceback 1"), (0, "IndexError: index out of range", "Traceback 0"), (2, "x", "T2")]
     assert _failure_message(errors, verbose=False) == "verify failed on rank(s) 0, 1: IndexError: index out of range\nverify failed on rank(s) 2: x"
@@ -323,7 +323,7 @@ def test_help_and_usage_errors_import_no_torch():
     torch-free modules. One subprocess runs them all, each to its exit status, and lists what of
     torch got loaded."""
     code = (
-        "import sys, contextlib, io; from fxtp.explain.cli import main\n"
+        "import sys, contextlib, io; from fxtp.cli.main import main\n"
         "cases = [(['--help'], 0, 'usage: fxtp'), (['inspect', '--help'], 0, 'usage: fxtp'),\n"
         "         (['plan', '--help'], 0, 'h200'), (['plan'], 2, 'usage: fxtp'),\n"
         "         (['inspect', 'no_such_model', '-n', '2'], 2, \"unknown model 'no_such_model': use a built-in example (mlp,\"),\n"
@@ -348,7 +348,7 @@ def test_help_and_usage_errors_import_no_torch():
 
 def test_example_names_are_the_examples():
     """The CLI's torch-free list of built-in names is ``EXAMPLES``'s, in its order."""
-    from fxtp.explain.cli import EXAMPLE_NAMES
-    from fxtp.explain.examples import EXAMPLES
+    from fxtp.cli.main import EXAMPLE_NAMES
+    from fxtp.cli.examples import EXAMPLES
 
     assert EXAMPLE_NAMES == tuple(EXAMPLES)

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from fxtp.explain.cli import main
-from fxtp.explain.hf_config import DEFAULT_SEQ, load_config_model
+from fxtp.cli.main import main
+from fxtp.capture.hf_config import DEFAULT_SEQ, load_config_model
 from fxtp.explain.counts import fmt_bytes
 from fxtp.explain.report import megatron_floor
 

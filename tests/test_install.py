@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fxtp.explain.examples import EXAMPLES, EXTRA, EXTRA_PACKAGES
+from fxtp.cli.examples import EXAMPLES, EXTRA, EXTRA_PACKAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,8 +24,8 @@ _WITHOUT_EXTRA = textwrap.dedent(
     import contextlib, io, json, sys
     for name in {packages!r}:
         sys.modules[name] = None  # `import name` raises ModuleNotFoundError, as if not installed
-    from fxtp.explain.cli import main
-    from fxtp.explain.examples import EXAMPLES
+    from fxtp.cli.main import main
+    from fxtp.cli.examples import EXAMPLES
     results = {{}}
     for example in EXAMPLES:
         err = io.StringIO()

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from fxtp.explain.cli import _memory, main
-from fxtp.explain.progress import Progress
+from fxtp.cli.main import _memory, main
+from fxtp.cli.progress import Progress
 
 pytest.importorskip("transformers")
 
@@ -124,7 +124,7 @@ def test_help_examples_parse(capsys):
     out = capsys.readouterr().out
     examples = [line.strip().split()[1:] for line in out.splitlines() if line.strip().startswith("fxtp plan ")]
     assert len(examples) >= 3 and "micro-batches" in out
-    from fxtp.explain.cli import get_args_parser
+    from fxtp.cli.main import get_args_parser
 
     for argv in examples:
         get_args_parser().parse_args(argv)  # exits 2 on bad usage

@@ -232,7 +232,7 @@ def _inputs(model: nn.Module, args: Any, kwargs: Any) -> tuple[tuple, dict]:
     ``use_cache=False`` when the config caches (a KV cache is not a tensor output: the
     analysis prices the training graph, the cache is priced by formula)."""
     if args is None and not kwargs:
-        from fxtp.explain.hf_config import example_inputs
+        from fxtp.capture.hf_config import example_inputs
 
         args, kwargs = example_inputs(model)
         device = next(model.parameters()).device  # the example's are on meta

@@ -122,7 +122,7 @@ def _deferred(module: str, name: str, what: str) -> Callable[[str], Any]:
     return convert
 
 
-# The built-in examples' names, in the order of fxtp.explain.examples.EXAMPLES, which imports
+# The built-in examples' names, in the order of fxtp.cli.examples.EXAMPLES, which imports
 # torch: MODEL is checked before torch loads (tests/test_cli.py keeps the two equal).
 EXAMPLE_NAMES = (
     "mlp", "tiny-gpt", "transformer", "gpt2", "llama", "bert", "gpt2-124m", "llama-7b", "llama-3-8b", "llama-3.1-70b",
@@ -131,7 +131,7 @@ EXAMPLE_NAMES = (
 
 
 def _names_config(text: str) -> bool:
-    """``fxtp.explain.hf_config.is_config_path`` without torch: a ``.json`` name, or a directory
+    """``fxtp.capture.hf_config.is_config_path`` without torch: a ``.json`` name, or a directory
     holding a ``config.json``."""
     from pathlib import Path
 
@@ -157,7 +157,7 @@ _model.__name__ = "MODEL"  # argparse names the converter in its "invalid MODEL 
 
 
 def _check_model_file(text: str) -> None:
-    """The missing-file errors ``fxtp.explain.inspection.load_model`` raises for MODEL, raised
+    """The missing-file errors ``fxtp.cli.inspection.load_model`` raises for MODEL, raised
     before torch loads (seconds): a ``config.json`` or a ``file.py`` that is not there.
 
     Raises:
@@ -210,7 +210,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--world-size", "-n", metavar="N", type=_world_size, required=True, help="tensor-parallel degree, >= 1")
     inspect.add_argument(
         "--input", "-i", dest="inputs", metavar="SPEC", action="append", default=[],
-        type=_deferred("fxtp.explain.inspection", "InputSpec.parse", "SPEC"), help="a positional input, repeatable (see SPEC below)",
+        type=_deferred("fxtp.cli.inspection", "InputSpec.parse", "SPEC"), help="a positional input, repeatable (see SPEC below)",
     )
     inspect.add_argument(
         "--format", "-f", choices=FORMATS, default="table",
@@ -285,8 +285,8 @@ def _plan(args: argparse.Namespace) -> int:
     import json
 
     import fxtp
-    from fxtp.explain.inspection import load_model
-    from fxtp.explain.progress import Progress
+    from fxtp.cli.inspection import load_model
+    from fxtp.cli.progress import Progress
 
     if args.tp is not None:  # before the model is built: seconds for a large config
         from fxtp.planner.search import check_pinned_tp
@@ -307,9 +307,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from fxtp.explain.examples import EXAMPLES
-    from fxtp.explain.progress import Progress
-    from fxtp.explain.inspection import (
+    from fxtp.cli.examples import EXAMPLES
+    from fxtp.cli.progress import Progress
+    from fxtp.cli.inspection import (
         RENDERED,
         UsageError,
         check_inputs,
@@ -341,7 +341,7 @@ def _inspect(args: argparse.Namespace) -> int:
     write_output(text, args.out, args.format)
     if not args.verify:
         return 0
-    from fxtp.explain.verify import verify
+    from fxtp.cli.verify import verify
 
     sys.stdout.flush()
     result = verify(args.model, loaded.model, inputs, args.world_size, tolerance=args.tolerance, verbose=args.verbose,
@@ -351,7 +351,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fxtp.explain.inspection import UsageError
+    from fxtp.cli.inspection import UsageError
 
     try:
         return _plan(args) if args.command == "plan" else _inspect(args)
@@ -365,7 +365,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = get_args_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from fxtp.explain.demo import run_demo
+        from fxtp.cli.demo import run_demo
 
         run_demo(args.world_size)
         return 0

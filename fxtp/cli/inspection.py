@@ -1,7 +1,7 @@
 """``fxtp inspect``: load a model, plan it, and show the report, the rank's graph or a picture.
 
-MODEL is a built-in example (:data:`fxtp.explain.examples.EXAMPLES`), a Hugging Face ``config.json``
-(:mod:`fxtp.explain.hf_config`: built on ``meta``), ``package.module:callable`` or
+MODEL is a built-in example (:data:`fxtp.cli.examples.EXAMPLES`), a Hugging Face ``config.json``
+(:mod:`fxtp.capture.hf_config`: built on ``meta``), ``package.module:callable`` or
 ``path/to/file.py:callable``. The callable takes no arguments and returns an ``nn.Module`` or
 ``(nn.Module, example_inputs)``; ``--input`` specs (:class:`InputSpec`) replace the inputs.
 The model runs once on the inputs (:func:`check_inputs`) before it is planned.
@@ -29,8 +29,8 @@ from torch import nn
 import fxtp
 from fxtp.capture.frontends import diagnose_inputs
 from fxtp.core.errors import FxtpConfigError, FxtpError, FxtpInputError
-from fxtp.explain.examples import EXAMPLES, EXTRA, EXTRA_PACKAGES
-from fxtp.explain.hf_config import is_config_path, load_config_model
+from fxtp.cli.examples import EXAMPLES, EXTRA, EXTRA_PACKAGES
+from fxtp.capture.hf_config import is_config_path, load_config_model
 from fxtp.explain.render import graph_dot, graph_text
 
 __all__ = [
@@ -202,7 +202,7 @@ def load_model(text: str) -> Loaded:
         FxtpConfigError: a missing file or module, a missing callable, a callable that fails or
             does not return an ``nn.Module`` (or ``(nn.Module, example_inputs)``); a built-in or a
             ``config.json`` whose packages are not installed (naming the extra that installs them);
-            a ``config.json`` transformers cannot build (:func:`fxtp.explain.hf_config.load_config_model`).
+            a ``config.json`` transformers cannot build (:func:`fxtp.capture.hf_config.load_config_model`).
     """
     torch.manual_seed(0)
     name = example_name(text)
