@@ -103,6 +103,23 @@ def _memory(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2) or "b"])
 
 
+def _reserve(text: str) -> "int | float":
+    """``--reserve``: a share of --device-memory (``10%``, a float in [0, 1)) or a size as
+    ``--device-memory`` takes it (``4GiB``; ``0`` keeps nothing back)."""
+    if text.strip().endswith("%"):
+        try:
+            share = float(text.strip()[:-1]) / 100
+        except ValueError:
+            share = -1.0
+        if not 0 <= share < 1:
+            raise argparse.ArgumentTypeError(f"invalid reserve {text!r}: a share in [0%, 100%), e.g. 10%")
+        return share
+    return 0 if text.strip() in ("0", "0B", "0b") else _memory(text)
+
+
+_reserve.__name__ = "SIZE"
+
+
 def _deferred(module: str, name: str, what: str) -> Callable[[str], Any]:
     """An argparse ``type=`` that imports ``module`` and calls its ``name`` (dotted, e.g.
     ``InputSpec.parse``) when it converts a value, not when the parser is built, so
@@ -266,6 +283,9 @@ def _add_plan_parser(sub: Any) -> None:
     plan.add_argument("--devices", "-n", metavar="N", type=_world_size, required=True, help="devices in the job (tp x dp)")
     plan.add_argument("--device-memory", "-m", metavar="SIZE", type=_memory, required=True,
                       help="memory each device may use, e.g. 80GiB (GiB = 2**30 bytes, GB = 10**9)")
+    plan.add_argument("--reserve", metavar="SIZE", type=_reserve, default=None,
+                      help="memory kept for the runtime (CUDA context, NCCL buffers, fragmentation) out of --device-memory: "
+                      "a size (4GiB) or a share (10%%); a plan fits when it fits the rest (default: 10%%, docs/plan_command.md)")
     plan.add_argument("--devices-per-node", metavar="K", type=_world_size, default=None,
                       help="devices per node (NVLink domain); tp stays inside one (default: the hardware's, 8)")
     plan.add_argument("--hardware", choices=sorted(HARDWARE), default="h100", help="device and link figures (default: h100)")
@@ -299,7 +319,7 @@ def _plan(args: argparse.Namespace) -> int:
         loaded.model, args.devices, device_memory=args.device_memory, example_inputs=loaded.inputs,
         example_kwargs=loaded.kwargs, batch=args.batch, seq=args.seq, devices_per_node=args.devices_per_node,
         hardware=args.hardware, optimizer=args.optimizer, training=not args.inference, tp=args.tp,
-        progress=progress.stage,
+        reserve=args.reserve, progress=progress.stage,
     )
     progress.done()
     print(json.dumps(result.to_dict(), indent=2) if args.format == "json" else result)
