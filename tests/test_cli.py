@@ -53,6 +53,29 @@ USER_MODELS = textwrap.dedent(
         import torch.distributed as dist
 
         return nn.Linear(16, 32 if dist.is_initialized() else 16), (torch.randn(4, 16),)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x)))
+
+    class Deep(nn.Module):  # 32 identical blocks, a list of one more block, then a head
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Block() for _ in range(32))
+            self.last = nn.ModuleList([Block()])
+            self.head = nn.Linear(16, 8)
+
+        def forward(self, x):
+            for block in [*self.layers, *self.last]:
+                x = block(x)
+            return self.head(x)
+
+    def deep():
+        return Deep(), (torch.randn(4, 16),)
     """
 )
 
@@ -352,3 +375,35 @@ def test_example_names_are_the_examples():
     from fxtp.cli.examples import EXAMPLES
 
     assert EXAMPLE_NAMES == tuple(EXAMPLES)
+
+
+def test_inspect_shows_a_repeated_block_once(capsys, user_file):
+    """Issue 32: 32 identical blocks print block 0's rows and one count line; --all-layers keeps
+    every row; the JSON is the same either way."""
+    code, short, _ = run(capsys, "inspect", f"{user_file}:deep", "-n", "2")
+    assert code == 0
+    lines = short.splitlines()
+    assert "x32 identical blocks: layers.0-31" in lines
+    assert [line.split()[0] for line in lines if line.startswith("layers.")] == ["layers.0.up", "layers.0.down"]
+    assert any(line.startswith("last.0.up") for line in lines)  # a list of one block: shown as is
+    code, full, _ = run(capsys, "inspect", f"{user_file}:deep", "-n", "2", "--all-layers")
+    assert code == 0 and "identical blocks" not in full
+    assert [line.split()[0] for line in full.splitlines() if line.startswith("layers.")] == [
+        f"layers.{i}.{name}" for i in range(32) for name in ("up", "down")]
+    assert len(lines) <= 40 < 100 <= len(full.splitlines()), (len(lines), len(full.splitlines()))
+    assert short.split("\n\n", 2)[2] == full.split("\n\n", 2)[2]  # the notes and summary are the same
+    assert lines[2:4] == full.splitlines()[2:4]  # the count line does not widen the table's columns
+    _, as_json, _ = run(capsys, "inspect", f"{user_file}:deep", "-n", "2", "-f", "json")
+    _, all_json, _ = run(capsys, "inspect", f"{user_file}:deep", "-n", "2", "-f", "json", "--all-layers")
+    assert json.loads(as_json)["layers"] == json.loads(all_json)["layers"] and len(json.loads(as_json)["layers"]) == 67
+
+
+def test_collapse_keeps_blocks_that_differ():
+    from fxtp.explain.repeats import collapse_blocks
+
+    names = ["emb", "h.0.fc", "h.1.fc", "h.2.fc", "h.3.fc", "h.10.fc"]
+    rows = [(n, "colwise" if n != "h.2.fc" else "rowwise", f"until {n}") for n in names]
+    shown = collapse_blocks(rows, names)
+    assert [line or row[0] for line, row in shown] == [
+        "emb", "h.0.fc", "x2 identical blocks: h.0-1", "h.2.fc", "h.3.fc", "h.10.fc"]
+

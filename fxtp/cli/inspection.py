@@ -278,24 +278,28 @@ def check_inputs(loaded: Loaded, inputs: tuple[Any, ...], specs: list[InputSpec]
 
 def inspect_text(
     loaded: Loaded, inputs: tuple[Any, ...], *, world_size: int, rank: int, fmt: str, verbose: bool = False,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool = False, all_layers: bool = True,
 ) -> str:
     """What ``fxtp inspect`` prints in format ``fmt`` for rank ``rank`` of ``world_size``
-    (``verbose``: the table shows each failed capture frontend's error)."""
+    (``verbose``: the table shows each failed capture frontend's error; ``all_layers=False``:
+    the table shows a run of identical repeated blocks once, with its count)."""
     if fmt in ("table", "json"):
         report = fxtp.analyze(loaded.model, world_size, inputs, example_kwargs=loaded.kwargs, rank=rank,
                               sequence_parallel=sequence_parallel)
-        return render(report, fmt, verbose=verbose)
+        return render(report, fmt, verbose=verbose, all_layers=all_layers)
     pm = fxtp.compile(loaded.model, world_size, inputs, example_kwargs=loaded.kwargs, rank=rank, sequence_parallel=sequence_parallel)
     return render(pm, fmt, name=loaded.name)
 
 
-def render(what: "fxtp.ParallelModule | fxtp.Report", fmt: str, *, name: str = "", verbose: bool = False) -> str:
+def render(what: "fxtp.ParallelModule | fxtp.Report", fmt: str, *, name: str = "", verbose: bool = False,
+           all_layers: bool = True) -> str:
     """A report as ``table``/``json``, or a compiled rank as ``graph``/``dot`` (titled with
-    ``name``, the rank and the world size); also what the golden files hold."""
+    ``name``, the rank and the world size); also what the golden files hold (every layer's row)."""
     if fmt in ("table", "json"):
         report = what.report if isinstance(what, fxtp.ParallelModule) else what
-        return report.to_text(verbose=verbose) + "\n" if fmt == "table" else json.dumps(report.to_dict(), indent=2) + "\n"
+        if fmt == "json":
+            return json.dumps(report.to_dict(), indent=2) + "\n"
+        return report.to_text(verbose=verbose, all_layers=all_layers) + "\n"
     assert isinstance(what, fxtp.ParallelModule), "graph and dot need a compiled rank"
     title = f"{name}: rank {what.report.rank} of world_size {what.report.world_size}"
     return (graph_text if fmt == "graph" else graph_dot)(what.graph_module, title=title)

@@ -235,6 +235,9 @@ def get_args_parser() -> argparse.ArgumentParser:
         "with placements; dot: Graphviz DOT",
     )
     inspect.add_argument("--rank", "-r", metavar="R", type=int, default=0, help="the rank shown (default: 0)")
+    inspect.add_argument("--all-layers", action="store_true",
+                         help="the table lists every repeated block's layers (default: a run of identical blocks shows "
+                         "its first block's rows and a line 'x32 identical blocks: model.layers.0-31')")
     inspect.add_argument("--sequence-parallel", action="store_true",
                          help="Megatron sequence parallelism: token-sharded regions between rowwise and colwise layers")
     inspect.add_argument("--out", "-o", metavar="FILE", help="write to FILE; with --format dot, FILE.svg/.png/.pdf renders it with dot")
@@ -356,7 +359,7 @@ def _inspect(args: argparse.Namespace) -> int:
     check_inputs(loaded, inputs, args.inputs)
     progress.stage("analyze (capture and passes)" if args.format in ("table", "json") else "compile")
     text = inspect_text(loaded, inputs, world_size=args.world_size, rank=args.rank, fmt=args.format, verbose=args.verbose,
-                        sequence_parallel=args.sequence_parallel)
+                        sequence_parallel=args.sequence_parallel, all_layers=args.all_layers)
     progress.done()
     write_output(text, args.out, args.format)
     if not args.verify:
