@@ -236,7 +236,7 @@ def test_meta_models_plan_and_graph_but_do_not_verify(capsys, user_file):
         (["mlp", "--input", "3x5"], 1, "received input of shape (3, 5) but expects (..., 64)"),
         (["mlp", "--input", "8x64:bfloat16"], 1, "received input of dtype torch.bfloat16 but its weight is torch.float32"),
         (["tiny-gpt", "-i", "2x17:int64[0,128)"], 1,
-         "tiny-gpt does not run on --input 2x17:int64[0,128): example inputs do not fit the model: module 'pos' "
+         "tiny-gpt does not run on --input 2x17:int64[0,128): module 'pos' "
          "(Embedding(16, 64)) received input of shape (17,) but expects integer indices < 16"),
         (["tiny-gpt", "-i", "2x16:int64[128,200)", "--verify"], 1, "module 'tok' (Embedding(128, 64)) received input of shape (2, 16) but expects integer indices < 128"),
         (["mlp", "--world-size", "0"], 2, "world size must be >= 1, got 0"),
@@ -282,7 +282,7 @@ def test_verify_compares_with_the_same_dropout_masks(capsys, user_file):
 
 def test_verbose_adds_the_traceback(capsys):
     code, _, err = run(capsys, "inspect", "mlp", "-n", "2", "--input", "3x5", "--verbose")
-    assert code == 1 and "Traceback" in err and err.rstrip().splitlines()[-1].startswith("fxtp: error: mlp does not run on --input 3x5: example inputs")
+    assert code == 1 and "Traceback" in err and err.rstrip().splitlines()[-1].startswith("fxtp: error: mlp does not run on --input 3x5: module '0' (Linear")
 
 
 def test_input_specs():
@@ -392,7 +392,8 @@ def test_inspect_shows_a_repeated_block_once(capsys, user_file):
         f"layers.{i}.{name}" for i in range(32) for name in ("up", "down")]
     assert len(lines) <= 40 < 100 <= len(full.splitlines()), (len(lines), len(full.splitlines()))
     assert short.split("\n\n", 2)[2] == full.split("\n\n", 2)[2]  # the notes and summary are the same
-    assert lines[2:4] == full.splitlines()[2:4]  # the count line does not widen the table's columns
+    names = [line.split()[0] for line in lines if line.startswith(("layers.", "last.", "head"))]
+    assert len(lines[3].split()[0]) == max(map(len, names))  # the count line does not widen the layer column
     _, as_json, _ = run(capsys, "inspect", f"{user_file}:deep", "-n", "2", "-f", "json")
     _, all_json, _ = run(capsys, "inspect", f"{user_file}:deep", "-n", "2", "-f", "json", "--all-layers")
     assert json.loads(as_json)["layers"] == json.loads(all_json)["layers"] and len(json.loads(as_json)["layers"]) == 67
@@ -407,3 +408,33 @@ def test_collapse_keeps_blocks_that_differ():
     assert [line or row[0] for line, row in shown] == [
         "emb", "h.0.fc", "x2 identical blocks: h.0-1", "h.2.fc", "h.3.fc", "h.10.fc"]
 
+
+def test_a_mistyped_flag_gets_a_suggestion(capsys):
+    code, out, err = run(capsys, "inspect", "mlp", "--fromat", "json", "-n", "2")
+    assert code == 2 and out == "" and "usage: fxtp inspect" in err
+    assert "fxtp inspect: error: unrecognized arguments: --fromat json (did you mean --format?)" in err
+    code, _, err = run(capsys, "plan", "mlp", "-n", "2", "-m", "8GiB", "--devics-per-node", "4")
+    assert code == 2 and "(did you mean --devices-per-node?)" in err
+    code, _, err = run(capsys, "inspect", "mlp", "-n", "2", "--zzzzzz")
+    assert code == 2 and "unrecognized arguments: --zzzzzz" in err and "did you mean" not in err
+
+
+def test_input_errors_speak_the_cli(capsys, tmp_path):
+    """Issue 34: an --input the model cannot take is said in --input's syntax, not the Python
+    API's (no example_inputs): for a model with weights (run before the plan) and for a
+    config.json on meta (whose inputs the capture refuses)."""
+    code, out, err = run(capsys, "inspect", "mlp", "-n", "2", "--input", "3x5")
+    assert code == 1 and out == ""
+    assert err.startswith("fxtp: error: mlp does not run on --input 3x5: module '0' (Linear(in_features=64")
+    assert "fix: pass one --input SPEC per positional input" in err and "AxBxC[:dtype][[lo,hi)]" in err
+    assert "example_inputs" not in err and "example inputs" not in err
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 128,
+        "max_position_embeddings": 64}))
+    code, out, err = run(capsys, "inspect", str(config), "-n", "2", "--input", "2x16")  # float32, not token ids
+    assert code == 1 and out == ""
+    assert err.startswith(f"fxtp: error: {config} does not run on --input 2x16: module 'model.embed_tokens' (Embedding(128, 64))")
+    assert "fix: pass one --input SPEC" in err and "example_inputs" not in err and "example inputs" not in err

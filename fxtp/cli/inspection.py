@@ -257,20 +257,23 @@ def resolve_inputs(loaded: Loaded, specs: list[InputSpec]) -> tuple[Any, ...]:
 # --- the command ------------------------------------------------------------------------------
 
 
-def check_inputs(loaded: Loaded, inputs: tuple[Any, ...], specs: list[InputSpec]) -> None:
+def check_inputs(loaded: Loaded, inputs: tuple[Any, ...], specs: list[InputSpec], *, on_meta: bool = False) -> None:
     """Run the model once, on one device, on ``inputs`` (a copy of it: the model is not touched),
     so inputs it cannot take (a sequence longer than its position table, ids beyond its
     vocabulary, a wrong feature size) are refused before a plan is printed: tracing with fake
     tensors does not check index values, and the ranks would fail later. A model on ``meta``
     is not run (it has no values, and Hugging Face models read some, e.g. to build masks);
-    capture checks its shapes.
+    capture checks its shapes. ``on_meta``: run a model on ``meta`` too, once the pipeline refused
+    its inputs, to say so in ``--input``'s words rather than the Python API's.
 
     Raises:
         FxtpInputError: naming the inputs, the module that refused them and what it expects.
     """
-    if loaded.on_meta:
+    if loaded.on_meta and not on_meta:
         return
-    mismatch = diagnose_inputs(loaded.model, inputs, loaded.kwargs)
+    fix = ("pass one --input SPEC per positional input, with the shape and dtype the model takes: "
+           "AxBxC[:dtype][[lo,hi)], e.g. --input 8x64 or --input '2x16:int64[0,128)' (fxtp inspect --help)")
+    mismatch = diagnose_inputs(loaded.model, inputs, loaded.kwargs, given="", fix=fix)
     if mismatch is not None:
         given = " ".join(f"--input {spec}" for spec in specs) if specs else "its example inputs"
         raise FxtpInputError(f"{loaded.name} does not run on {given}: {mismatch}")

@@ -214,6 +214,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--world-size", "-n", metavar="N", type=_world_size, default=2, help="number of local ranks (default: 2)")
+    demo.set_defaults(subparser=demo)
 
     inspect = sub.add_parser(
         "inspect",
@@ -342,6 +343,7 @@ def _inspect(args: argparse.Namespace) -> int:
         resolve_inputs,
         write_output,
     )
+    from fxtp.core.errors import FxtpInputError
 
     if not 0 <= args.rank < args.world_size:
         raise UsageError(f"--rank {args.rank} is outside world size {args.world_size} (0..{args.world_size - 1})")
@@ -358,8 +360,12 @@ def _inspect(args: argparse.Namespace) -> int:
     inputs = resolve_inputs(loaded, args.inputs)
     check_inputs(loaded, inputs, args.inputs)
     progress.stage("analyze (capture and passes)" if args.format in ("table", "json") else "compile")
-    text = inspect_text(loaded, inputs, world_size=args.world_size, rank=args.rank, fmt=args.format, verbose=args.verbose,
-                        sequence_parallel=args.sequence_parallel, all_layers=args.all_layers)
+    try:
+        text = inspect_text(loaded, inputs, world_size=args.world_size, rank=args.rank, fmt=args.format,
+                            verbose=args.verbose, sequence_parallel=args.sequence_parallel, all_layers=args.all_layers)
+    except FxtpInputError:  # a meta model's inputs are checked by the capture: say it in --input's words
+        check_inputs(loaded, inputs, args.inputs, on_meta=True)
+        raise
     progress.done()
     write_output(text, args.out, args.format)
     if not args.verify:
@@ -383,10 +389,28 @@ def _run(args: argparse.Namespace) -> int:
         raise  # not reached: error() exits
 
 
+def _did_you_mean(unknown: Sequence[str], parser: argparse.ArgumentParser) -> str:
+    """`` (did you mean --format?)`` for the first mistyped flag in ``unknown`` that is close to
+    one of ``parser``'s (difflib; argparse's own ``suggest_on_error`` is Python 3.14's)."""
+    import difflib
+
+    # argparse has no public list of a parser's option strings: its actions hold them
+    options = [option for action in parser._actions for option in action.option_strings if option.startswith("--")]
+    for token in unknown:
+        if token.startswith("--"):
+            close = difflib.get_close_matches(token.partition("=")[0], options, n=1, cutoff=0.6)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line; returns the exit status (argparse exits 2 itself on bad usage)."""
     parser = get_args_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # as parse_args, from the subcommand's parser (its usage), with a suggestion
+        target = getattr(args, "subparser", parser)
+        target.error(f"unrecognized arguments: {' '.join(unknown)}{_did_you_mean(unknown, target)}")
     if args.command == "demo":
         from fxtp.cli.demo import run_demo
 
