@@ -68,6 +68,20 @@ def test_readme_main_install_installs_the_extra():
     assert f"pip install -e '.[{EXTRA}]'" in first and "fxtp " in first
 
 
+def test_readme_quick_subset_runs_as_written():
+    """Issue 34: the README's quick subset works after its first command: the same block installs
+    the test extra (pytest is not in the examples extra) and says how long it took."""
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert not any(req.startswith("pytest") for req in extras[EXTRA]) and any(req.startswith("pytest") for req in extras["test"])
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    quick = next(b for b in blocks if "-m quick" in b)
+    assert quick.index("pip install -q -e '.[test]'") < quick.index("python -m pytest -q -m quick"), quick
+    before = readme[:readme.index("```bash\n" + quick)].rsplit("\n\n", 2)[1]
+    assert re.search(r"took \d+ s", before[before.index("quick subset"):]), before  # its own time, not the suite's
+
+
 # What may be tracked besides text: the README's pictures.
 _BINARY_ALLOWED = re.compile(r"^docs/[\w.-]+\.(png|svg)$")
 _ARTEFACT = re.compile(r"\.(whl|tar\.gz|zip|egg|so|dylib|dll|pyc|pyo|o|a|pt|pth|bin|safetensors|npy|npz)$|(^|/)(build|dist|__pycache__|[^/]+\.egg-info)/")
