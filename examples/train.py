@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fxtp
-from fxtp.explain.examples import GPTConfig, TinyGPT
+from fxtp.cli.examples import GPTConfig, TinyGPT
 
 
 def get_args_parser() -> argparse.ArgumentParser:

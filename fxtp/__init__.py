@@ -12,10 +12,12 @@ The package is grouped by stage, and imports run one way (``tests/test_structure
 - ``fxtp.capture``: the frontends (fx, export, dynamo) and the inputs' dynamic dims.
 - ``passes`` (a sibling package): analysis and rewrite.
 - ``fxtp.runtime``: the ``ParallelModule``, its parameter layouts, checkpoints, generation.
-- ``fxtp.explain``: the report, rendering, the CLI and its built-in examples.
+- ``fxtp.explain``: the report and rendering.
 - ``fxtp.api``: the pipeline, ``compile`` and ``analyze`` (the passes between capture and
   rewrite, in order: ``fxtp.planning``).
 - ``fxtp.planner``: ``plan``, the mesh and policies by predicted step time under a memory budget.
+- ``fxtp.cli``: the command line (``fxtp``, ``python -m fxtp``), its built-in examples, ``--verify``
+  and the demo; nothing below imports it.
 
 ``import fxtp`` loads only the errors (no torch); everything else, the placements included,
 loads on first use.
@@ -85,14 +87,22 @@ _MOVED = {
     "checkpoint": "fxtp.runtime.checkpoint",
     "generation": "fxtp.runtime.generation",
     "layout": "fxtp.runtime.layout",
-    "cli": "fxtp.explain.cli",
-    "demo": "fxtp.explain.demo",
-    "examples": "fxtp.explain.examples",
-    "hf_config": "fxtp.explain.hf_config",
-    "inspection": "fxtp.explain.inspection",
+    "demo": "fxtp.cli.demo",
+    "examples": "fxtp.cli.examples",
+    "hf_config": "fxtp.capture.hf_config",
+    "inspection": "fxtp.cli.inspection",
     "render": "fxtp.explain.render",
     "report": "fxtp.explain.report",
-    "verify": "fxtp.explain.verify",
+    "verify": "fxtp.cli.verify",
+    # the CLI's room before it left fxtp.explain (``fxtp.cli`` is now the package itself)
+    "explain.cli": "fxtp.cli.main",
+    "explain.demo": "fxtp.cli.demo",
+    "explain.examples": "fxtp.cli.examples",
+    "explain.families": "fxtp.cli.families",
+    "explain.hf_config": "fxtp.capture.hf_config",
+    "explain.inspection": "fxtp.cli.inspection",
+    "explain.progress": "fxtp.cli.progress",
+    "explain.verify": "fxtp.cli.verify",
 }
 
 
@@ -130,4 +140,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY) | set(_MOVED))
+    return sorted(set(globals()) | set(_LAZY) | {name for name in _MOVED if "." not in name})

@@ -1,5 +1,5 @@
 import sys
 
-from fxtp.explain.cli import main
+from fxtp.cli.main import main
 
 sys.exit(main())

@@ -14,7 +14,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxtp.arguments import (
+    CompileOptions,
     Group,
+    check_capture,
     check_checkpointing,
     check_flag,
     check_inputs,
@@ -25,7 +27,7 @@ from fxtp.arguments import (
 )
 from fxtp.capture.hf_defaults import call_defaults, spec_with_defaults
 # `_capture`: the frontend where an argument named `capture` (the user's choice) shadows it
-from fxtp.capture.frontends import FRONTENDS, Captured, auto_dynamic_shapes, capture, capture as _capture
+from fxtp.capture.frontends import Captured, auto_dynamic_shapes, capture, capture as _capture
 from fxtp.runtime.checkpoint import bind_state_keys
 from fxtp.core.errors import FxtpConfigError, FxtpPlanError
 from fxtp.runtime.generation import generation_for
@@ -43,7 +45,6 @@ from passes.plan import ShardingPlan
 from passes.rewrite import rewrite
 
 __all__ = ["compile", "analyze", "plan_world_sizes"]
-
 
 
 def compile(  # noqa: A001 - the name users expect, as torch.compile
@@ -131,36 +132,36 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
         strategy, check_world_size(world_size), check_flag("sequence_parallel", sequence_parallel),
         check_checkpointing(activation_checkpointing), check_plan(plan),
     )
-    return _compile(model, world_size, example_inputs, example_kwargs, rank, group, capture, overrides or plan, dynamic,
-                    dynamic_shapes, modes=("train", "eval"), sequence=sequence, checkpointing=checkpointing,
-                    experts=check_flag("expert_parallel", expert_parallel))
+    options = CompileOptions(world_size, capture=capture, plan=overrides or plan, sequence=sequence,
+                             experts=check_flag("expert_parallel", expert_parallel), checkpointing=checkpointing)
+    return _compile(model, example_inputs, example_kwargs, options, rank=rank, group=group, dynamic=dynamic,
+                    dynamic_shapes=dynamic_shapes, modes=("train", "eval"))
 
 
-def _compile(model, world_size, example_inputs, example_kwargs, rank, group, capture, plan, dynamic, dynamic_shapes, *,
-             modes: tuple[str, ...], sequence: bool = False, kv_heads: bool = False,
-             checkpointing: Optional[str] = None, experts: bool = False) -> ParallelModule:
+def _compile(model: nn.Module, example_inputs: Optional[tuple], example_kwargs: Optional[dict], options: CompileOptions, *,
+             rank: Optional[int], group: Group, dynamic: bool, dynamic_shapes: Any, modes: tuple[str, ...]) -> ParallelModule:
     """``compile``, capturing the graphs of ``modes`` besides the model's own (NOTE: [modes]);
     a decoder for ``generate`` runs in eval mode only and needs no other, and keeps of its
-    cache the kv heads each rank needs (``kv_heads``, passes/kv_heads.py)."""
-    ws = check_world_size(world_size)
+    cache the kv heads each rank needs (``options.kv_heads``, passes/kv_heads.py)."""
+    ws = check_world_size(options.world_size)
     args, kwargs = check_inputs(model, example_inputs, example_kwargs)
     defaults, left_out = call_defaults(model, kwargs)  # NOTE: [Hugging Face call defaults]
     kwargs |= defaults
     group_name, rank = resolve_group(ws, rank, group)
     shapes = _shapes_spec(args, kwargs, dynamic, spec_with_defaults(dynamic_shapes, defaults))
-    captured, sharding, report = _analyze(model, ws, args, kwargs, capture, plan, rank, shapes, sequence=sequence,
-                                          kv_heads=kv_heads, experts=experts)
+    options = dataclasses.replace(options, world_size=ws, rank=rank, group_name=group_name, shapes=shapes)
+    captured, sharding, report = _analyze(model, args, kwargs, options)
     report.left_out = left_out
     program = captured.program
     start = time.perf_counter()
-    blocks = repeated_blocks(model)
-    regions = checkpoint_regions(program.graph, checkpointing, blocks, frozenset(captured.context_fns))
-    gm = recompute_regions(_rewrite(program, sharding, ws, rank, group_name), regions, captured.context_fns)
+    options = dataclasses.replace(options, capture=captured.frontend, blocks=repeated_blocks(model),
+                                  want=parameter_placements(program, sharding))
+    regions = checkpoint_regions(program.graph, options.checkpointing, options.blocks, frozenset(captured.context_fns))
+    gm = recompute_regions(_rewrite(program, sharding, options), regions, captured.context_fns)
     add_recompute(report, regions, gm)
     report.timings["rewrite_s"] = time.perf_counter() - start
     compiled = mode_of(model)
     report.modes = {compiled: "captured at compile (the model's mode)"}
-    want = parameter_placements(program, sharding)
     copied = meta_copy(model)  # for the graphs captured on first use: other modes, sizes 0 and 1
     graphs = {compiled: (program, gm)}
     start = time.perf_counter()
@@ -168,8 +169,7 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
         if mode == compiled:
             continue
         if copied is None:  # a model that cannot be copied: its other mode is captured now
-            other = _other_mode(model, mode, ws, args, kwargs, captured.frontend, plan, rank, shapes, group_name, want,
-                                (sequence, experts), (checkpointing, blocks))
+            other = _other_mode(model, mode, args, kwargs, options)
             same = other[1].code == gm.code and input_specs(other[0]) == input_specs(program)
             graphs[mode] = graphs[compiled] if same else other
             report.modes[mode] = "captured at compile" + (": the same graph" if same else ": its own graph")
@@ -187,12 +187,9 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
     pm._call_defaults = defaults
     bind_state_keys(pm, model)
     if copied is not None and any(mode not in graphs for mode in modes):
-        pm._mode_graphs = _mode_graphs(copied, compiled, gm.code, input_specs(program), ws, args, kwargs, captured.frontend,
-                                       plan, rank, shapes, tp_group, group_name, want, (sequence, experts),
-                                       (checkpointing, blocks))
-    if copied is not None and not kv_heads and (dynamic_shapes is not None or dynamic):  # NOTE: [size-1 graphs] in fxtp/runtime/variants.py
-        pm._size_graphs = _size_graphs(copied, ws, captured.frontend, (report.plan, plan), rank, group_name, want,
-                                       (sequence, experts), (checkpointing, blocks))
+        pm._mode_graphs = _mode_graphs(copied, args, kwargs, options, tp_group, compiled, gm.code, input_specs(program))
+    if copied is not None and not options.kv_heads and (dynamic_shapes is not None or dynamic):  # NOTE: [size-1 graphs] in fxtp/runtime/variants.py
+        pm._size_graphs = _size_graphs(copied, options, (report.plan, options.plan))
     pm._generation = generation_for(model, _compile_decoder)  # NOTE: [generation]
     return pm
 
@@ -200,8 +197,8 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
 def _compile_decoder(model: nn.Module, world_size: int, example_inputs: tuple, *, example_kwargs: dict, rank: Optional[int],
                      group: Group, dynamic_shapes: Any, plan: Mapping[str, str]) -> ParallelModule:
     """``compile`` for fxtp.runtime.generation's static-cache decoder: its eval-mode graph only."""
-    return _compile(model, world_size, example_inputs, example_kwargs, rank, group, "auto", plan, True, dynamic_shapes,
-                    modes=(), kv_heads=True)
+    return _compile(model, example_inputs, example_kwargs, CompileOptions(world_size, plan=plan, kv_heads=True),
+                    rank=rank, group=group, dynamic=True, dynamic_shapes=dynamic_shapes, modes=())
 
 
 # NOTE: [modes]
@@ -219,35 +216,32 @@ def _compile_decoder(model: nn.Module, world_size: int, example_inputs: tuple, *
 # cost nothing.
 
 
-def _other_mode(
-    model, mode, ws, args, kwargs, frontend: str, plan, rank, shapes, group_name, want: Mapping[str, Any], options, recompute
-) -> tuple[torch.export.ExportedProgram, torch.fx.GraphModule]:
-    """Capture, plan and rewrite ``model`` in ``mode``; its parameters must be sharded as in
-    the compiled mode's plan, ``want`` (``{fqn: placement}``, NOTE: [modes]); ``options``:
-    ``(sequence_parallel, expert_parallel)``, the compiled graph's."""
+def _other_mode(model: nn.Module, mode: str, args: tuple, kwargs: dict,
+                options: CompileOptions) -> tuple[torch.export.ExportedProgram, torch.fx.GraphModule]:
+    """Capture, plan and rewrite ``model`` in ``mode`` with the compiled graph's ``options``;
+    its parameters must be sharded as in the compiled mode's plan, ``options.want`` (NOTE: [modes])."""
     with in_mode(model, mode == "train"):
-        captured, other, _ = _analyze(model, ws, args, kwargs, frontend, plan, rank, shapes, report=False,
-                                      sequence=options[0], experts=options[1])
-    _check_same_shards(want, captured.program, other, f"in {mode} mode", "compile in the other mode")
-    return captured.program, _recomputed(captured, other, ws, rank, group_name, recompute)
+        captured, other, _ = _analyze(model, args, kwargs, options, report=False)
+    _check_same_shards(options.want, captured.program, other, f"in {mode} mode", "compile in the other mode")
+    return captured.program, _recomputed(captured, other, options)
 
 
-def _mode_graphs(copied, compiled, code, specs, ws, args, kwargs, frontend, plan, rank, shapes, tp_group, group_name, want,
-                 options, recompute) -> Callable[[ParallelModule, str], Any]:
+def _mode_graphs(copied: nn.Module, args: tuple, kwargs: dict, options: CompileOptions, tp_group: Any, compiled: str,
+                 code: str, specs: Any) -> Callable[[ParallelModule, str], Any]:
     """What ``pm.train()`` / ``pm.eval()`` calls to capture a mode's graph on the first switch
     to it (NOTE: [modes]): the pipeline on the model's ``meta`` copy ``copied`` with ``meta``
-    inputs shaped like the example, bound to the module's own parameters. Holds neither the
-    user's model nor its weights."""
+    inputs shaped like the example, bound to the module's own parameters. ``compiled``, ``code``
+    and ``specs``: the compiled graph's mode, code and input specs (a graph equal to it is
+    shared). Holds neither the user's model nor its weights."""
     meta_args, meta_kwargs = pytree.tree_map_only(
         torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), (args, kwargs)
     )
-    if isinstance(shapes, torch.export.ShapesCollection):  # keyed by the example tensors: by position instead
-        shapes = shapes.dynamic_shapes(copied, args, kwargs)
+    if isinstance(options.shapes, torch.export.ShapesCollection):  # keyed by the example tensors: by position instead
+        options = dataclasses.replace(options, shapes=options.shapes.dynamic_shapes(copied, args, kwargs))
 
     def capture_mode(pm: ParallelModule, mode: str) -> Any:
         start = time.perf_counter()
-        program, gm = _other_mode(copied, mode, ws, meta_args, meta_kwargs, frontend, plan, rank, shapes, group_name, want,
-                                  options, recompute)
+        program, gm = _other_mode(copied, mode, meta_args, meta_kwargs, options)
         same = gm.code == code and input_specs(program) == specs
         pm.report.modes[mode] = "captured at the first switch to it" + (": the same graph" if same else ": its own graph")
         pm.report.timings["modes_s"] = time.perf_counter() - start
@@ -261,11 +255,11 @@ def _mode_graphs(copied, compiled, code, specs, ws, args, kwargs, frontend, plan
     return capture_mode
 
 
-def _recomputed(captured: Captured, sharding: ShardingPlan, ws: int, rank: int, group_name: Optional[str], recompute) -> torch.fx.GraphModule:
+def _recomputed(captured: Captured, sharding: ShardingPlan, options: CompileOptions) -> torch.fx.GraphModule:
     """The rank graph with its checkpointed regions recomputed in backward (NOTE: [recomputed
-    regions]); ``recompute``: ``(activation_checkpointing, the model's repeated blocks)``."""
-    regions = checkpoint_regions(captured.program.graph, *recompute, frozenset(captured.context_fns))
-    return recompute_regions(_rewrite(captured.program, sharding, ws, rank, group_name), regions, captured.context_fns)
+    regions]): ``options.checkpointing`` over ``options.blocks``."""
+    regions = checkpoint_regions(captured.program.graph, options.checkpointing, options.blocks, frozenset(captured.context_fns))
+    return recompute_regions(_rewrite(captured.program, sharding, options), regions, captured.context_fns)
 
 
 def _check_same_shards(want: Mapping[str, Any], program, sharding: ShardingPlan, where: str, alternative: str) -> None:
@@ -279,7 +273,7 @@ def _check_same_shards(want: Mapping[str, Any], program, sharding: ShardingPlan,
             )
 
 
-def _size_graphs(copied, ws, how, plans, rank, group_name, want, options, recompute) -> SizeGraphs:
+def _size_graphs(copied: nn.Module, options: CompileOptions, plans: tuple[Optional[Mapping[str, str]], ...]) -> SizeGraphs:
     """What makes the graphs for sizes 0 and 1 on first use (NOTE: [size-1 graphs] in
     fxtp/runtime/variants.py): the pipeline above on the model's ``meta`` copy ``copied``.
     ``plans``: the plans to try in order, the compiled graph's layer styles first (a layer the
@@ -288,26 +282,25 @@ def _size_graphs(copied, ws, how, plans, rank, group_name, want, options, recomp
     def build(meta_model: nn.Module, args: tuple, kwargs: dict, mode: str):
         error: Optional[FxtpPlanError] = None
         for plan in plans:
+            attempt = dataclasses.replace(options, plan=plan, shapes=auto_dynamic_shapes(args, kwargs))
             try:
                 with contextlib.nullcontext() if mode == "mixed" else in_mode(meta_model, mode == "train"):
-                    captured, sharding, _ = _analyze(meta_model, ws, args, kwargs, how, plan, rank,
-                                                     auto_dynamic_shapes(args, kwargs), report=False, sequence=options[0],
-                                                     experts=options[1])
-                _check_same_shards(want, captured.program, sharding, "for these input sizes", "call with the compiled sizes")
+                    captured, sharding, _ = _analyze(meta_model, args, kwargs, attempt, report=False)
+                _check_same_shards(options.want, captured.program, sharding, "for these input sizes", "call with the compiled sizes")
             except FxtpPlanError as exc:  # e.g. a layer name of the compiled graph this graph lacks
                 error = error or exc
                 continue
-            return captured.program, _recomputed(captured, sharding, ws, rank, group_name, recompute)
+            return captured.program, _recomputed(captured, sharding, attempt)
         raise error
 
     return SizeGraphs(copied, build)
 
 
-def _rewrite(program, sharding: ShardingPlan, ws: int, rank: int, group_name: Optional[str]) -> torch.fx.GraphModule:
-    if ws == 1:
+def _rewrite(program, sharding: ShardingPlan, options: CompileOptions) -> torch.fx.GraphModule:
+    if options.world_size == 1:
         gm = copy.deepcopy(program.graph_module)
     else:
-        gm = rewrite(program.graph_module, sharding, rank=rank, group_name=group_name or "")
+        gm = rewrite(program.graph_module, sharding, rank=options.rank, group_name=options.group_name or "")
     causal_attention(gm.graph)  # NOTE: [causal masks] in fxtp/core/local_ops.py
     gm.recompile()
     return gm
@@ -350,24 +343,26 @@ def analyze(
     defaults, left_out = call_defaults(model, kwargs)  # NOTE: [Hugging Face call defaults]
     kwargs |= defaults
     shapes = _shapes_spec(args, kwargs, dynamic, spec_with_defaults(dynamic_shapes, defaults))
-    captured, sharding, report = _analyze(model, ws, args, kwargs, capture, plan, rank, shapes,
-                                          sequence=check_flag("sequence_parallel", sequence_parallel),
-                                          experts=check_flag("expert_parallel", expert_parallel))
+    options = CompileOptions(ws, capture=capture, plan=plan, sequence=check_flag("sequence_parallel", sequence_parallel),
+                             experts=check_flag("expert_parallel", expert_parallel), checkpointing=checkpointing,
+                             rank=rank, shapes=shapes)
+    captured, sharding, report = _analyze(model, args, kwargs, options)
     regions = checkpoint_regions(captured.program.graph, checkpointing, repeated_blocks(model), frozenset(captured.context_fns))
     if regions:  # the rank graph of a meta model holds meta tensors: nothing is materialized
-        gm = recompute_regions(_rewrite(captured.program, sharding, ws, rank, None), regions, captured.context_fns)
+        gm = recompute_regions(_rewrite(captured.program, sharding, options), regions, captured.context_fns)
         add_recompute(report, regions, gm)
     report.left_out = left_out
     return report
 
 
-def _analyze(model, ws, args, kwargs, how, plan, rank, shapes=None, report: bool = True,
-             sequence: bool = False, kv_heads: bool = False, experts: bool = False) -> tuple[Captured, ShardingPlan, Optional[Report]]:
-    if how not in (*FRONTENDS, "auto"):
-        raise FxtpConfigError(f"capture must be one of {', '.join(repr(f) for f in (*FRONTENDS, 'auto'))}, not {how!r}")
-    overrides = check_plan(plan)
+def _analyze(model: nn.Module, args: tuple, kwargs: dict, options: CompileOptions,
+             report: bool = True) -> tuple[Captured, ShardingPlan, Optional[Report]]:
+    """Capture and plan ``model`` with ``options`` (its frontend, plan, rank, shapes, sequence,
+    kv heads and experts); with ``report``, also the :class:`Report`."""
+    check_capture(options.capture)
+    overrides = check_plan(options.plan)
     start = time.perf_counter()
-    captured, sharding, capture_s = _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes, sequence, kv_heads, experts)
+    captured, sharding, capture_s = _capture_and_plan(model, args, kwargs, options, overrides)
     symbols = plan_symbols(captured.program.graph, sharding)
     notes = list(captured.notes)
     if symbols:  # NOTE: [dynamic shapes]: a decision reads a dynamic size: specialize it, capture again
@@ -376,31 +371,33 @@ def _analyze(model, ws, args, kwargs, how, plan, rank, shapes=None, report: bool
         notes += [f"{dims.get(sym, sym + ' specialized')}: the plan depends on its size ({why})" for sym, why in symbols.items()]
         respec = specialized_shapes(flat, specs, set(symbols))
         first = captured
-        captured, sharding, again_s = _capture_and_plan(model, ws, args, kwargs, first.frontend, overrides, respec, sequence,
-                                                        kv_heads, experts)
+        again = dataclasses.replace(options, capture=first.frontend, shapes=respec)
+        captured, sharding, again_s = _capture_and_plan(model, args, kwargs, again, overrides)
         captured = dataclasses.replace(captured, attempts=first.attempts + captured.attempts)
         capture_s += again_s
         notes += list(captured.notes)
     if not report:
         return captured, sharding, None
     program = captured.program
-    rep = build_report(program, sharding, captured.frontend, captured.attempts, rank)
+    rep = build_report(program, sharding, captured.frontend, captured.attempts, options.rank)
     rep.inputs = input_specs(program)
     rep.shape_notes = tuple(notes)
     rep.timings = {"capture_s": capture_s, "passes_s": time.perf_counter() - start - capture_s}
     return captured, sharding, rep
 
 
-def _capture_and_plan(model, ws, args, kwargs, how, overrides, shapes, sequence: bool,
-                      kv_heads: bool = False, experts: bool = False) -> tuple[Captured, ShardingPlan, float]:
-    """Capture, normalize and plan (sequence parallelism with ``sequence``; keep a cache's needed
-    kv heads with ``kv_heads``; expert parallelism with ``experts``); also the seconds the capture took."""
+def _capture_and_plan(model: nn.Module, args: tuple, kwargs: dict, options: CompileOptions,
+                      overrides: Mapping[str, str]) -> tuple[Captured, ShardingPlan, float]:
+    """Capture with ``options.capture`` and ``options.shapes``, normalize and plan with
+    ``overrides`` (sequence parallelism, a cache's needed kv heads and expert parallelism as
+    ``options`` says); also the seconds the capture took."""
     start = time.perf_counter()
-    captured = capture(model, args, kwargs, how, dynamic_shapes=shapes)
+    captured = capture(model, args, kwargs, options.capture, dynamic_shapes=options.shapes)
     capture_s = time.perf_counter() - start
     program = captured.program
     param_fqns, written = normalized(program)
-    sharding = plan_program(program, param_fqns, written, ws, overrides, sequence, kv_heads, experts)
+    sharding = plan_program(program, param_fqns, written, options.world_size, overrides, options.sequence,
+                            options.kv_heads, options.experts)
     return captured, sharding, capture_s
 
 
@@ -422,8 +419,7 @@ def plan_world_sizes(
     """
     sizes = tuple(check_world_size(ws) for ws in world_sizes)
     args, kwargs = check_inputs(model, example_inputs, example_kwargs)
-    if capture not in (*FRONTENDS, "auto"):
-        raise FxtpConfigError(f"capture must be one of {', '.join(repr(f) for f in (*FRONTENDS, 'auto'))}, not {capture!r}")
+    check_capture(capture)
     program = _capture(model, args, kwargs, capture, dynamic_shapes=None).program
     param_fqns, written = normalized(program)
     plans = {ws: plan_program(program, param_fqns, written, ws, {}) for ws in sizes}

@@ -1,22 +1,26 @@
 """The arguments of ``fxtp.compile`` / ``fxtp.analyze``, checked: each function returns the
 value in the form the pipeline uses or raises ``FxtpConfigError`` / ``FxtpInputError`` saying
-what was given and what is expected."""
+what was given and what is expected; :class:`CompileOptions` carries them through the pipeline."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fxtp.capture.frontends import FRONTENDS
 from fxtp.core.errors import FxtpConfigError, FxtpInputError
 from fxtp.core.strategy import TensorParallelStrategy
 from passes.checkpointing import MODES as CHECKPOINTING
 from passes.plan import STYLES
 
 __all__ = [
+    "CompileOptions",
     "Group",
+    "check_capture",
     "check_checkpointing",
     "check_flag",
     "check_inputs",
@@ -27,6 +31,35 @@ __all__ = [
 ]
 
 Group = Union["dist.ProcessGroup", "torch.distributed.device_mesh.DeviceMesh", None]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileOptions:
+    """One compile's options and context, for every graph of one module (the compiled mode's,
+    the other mode's, sizes 0 and 1), as torch.export's ``ExportedProgram`` and inductor's config
+    carry theirs. ``compile`` fills the user's options; ``_compile`` adds the context as it is
+    known (``dataclasses.replace``): rank, group and shapes, then from the first capture its
+    frontend, the repeated blocks and the parameter placements later graphs must keep."""
+
+    world_size: int
+    capture: str = "auto"  # "fx", "export", "dynamo" or "auto"; after the first capture, the frontend that captured
+    plan: Optional[Mapping[str, str]] = None  # the user's layer styles {fqn_or_glob: style}
+    sequence: bool = False  # sequence parallelism
+    experts: bool = False  # expert parallelism
+    kv_heads: bool = False  # a decoder's cache keeps the kv heads each rank needs (passes/kv_heads.py)
+    checkpointing: Optional[str] = None  # activation_checkpointing: None, "blocks" or "selective"
+    rank: int = 0
+    group_name: Optional[str] = None  # the tp group in the rank graphs; None without a process group
+    shapes: Any = None  # torch.export's dynamic_shapes spec of the capture; None: static
+    blocks: tuple[str, ...] = ()  # the model's repeated blocks (passes.checkpointing.repeated_blocks)
+    want: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the compiled graph's {fqn: placement}
+
+
+def check_capture(how: Any) -> str:
+    """``capture=``: a frontend's name (``fxtp.capture.frontends.FRONTENDS``) or ``"auto"``."""
+    if how not in (*FRONTENDS, "auto"):
+        raise FxtpConfigError(f"capture must be one of {', '.join(repr(f) for f in (*FRONTENDS, 'auto'))}, not {how!r}")
+    return how
 
 
 def check_flag(name: str, value: Any) -> bool:

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from fxtp.api import _analyze
+from fxtp.arguments import CompileOptions
 from fxtp.core.placement import Partial, Shard
 from passes.registry import Conflict
 
@@ -17,7 +18,7 @@ __all__ = ["analyze", "S", "conflict_of", "UpDown", "Fn", "assert_megatron_pair"
 def analyze(model: nn.Module, *inputs: torch.Tensor, ws: int = 2):
     """``(placements by node name, sharding plan, report, {layer name: LayerDecision})``."""
     torch.manual_seed(0)
-    captured, plan, report = _analyze(model, ws, tuple(inputs), {}, "auto", None, 0)
+    captured, plan, report = _analyze(model, tuple(inputs), {}, CompileOptions(ws))
     names = {n.name for n in captured.program.graph.nodes}
     assert set(plan.placements) <= names
     return plan.placements, plan, report, {layer.name: layer for layer in report.layers}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fxtp.explain.examples import mlp, tiny_gpt, transformer
+from fxtp.cli.examples import mlp, tiny_gpt, transformer
 
 __all__ = ["build", "MODELS"]
 

@@ -23,7 +23,7 @@ from _helpers import compare_training, loss_of
 
 import fxtp
 from fxtp.core import activations
-from fxtp.explain import examples
+from fxtp.cli import examples
 from fxtp.runtime.memory import allocated_after_forward
 
 

@@ -272,8 +272,11 @@ def test_runtime_inputs_are_checked_against_the_dims_the_capture_allows():
     pm = fxtp.compile(model, 1, inputs)
     x = torch.randn(5, 64)
     torch.testing.assert_close(pm(x), model(x))  # the batch is dynamic
-    with pytest.raises(fxtp.FxtpInputError, match=r"input 'input' dim 1 is 32 but the module was compiled with it static at 64"):
+    with pytest.raises(fxtp.FxtpInputError, match=r"input 'input' dim 1 is 32 but the module was compiled with it static at 64") as info:
         pm(torch.randn(4, 32))
+    # a Linear's input features: the model fixes the dim, no dynamic_shapes= can free it (issue 34)
+    assert "fix: pass size 64; the model fixes it (e.g. a weight's size, such as a Linear's input features" in str(info.value)
+    assert "compile with dynamic_shapes=" not in str(info.value)
     one = torch.randn(1, 64)  # export's range starts at 2: a graph of its own (NOTE: [size-1 graphs])
     torch.testing.assert_close(pm(one), model(one))
     with pytest.raises(fxtp.FxtpInputError, match=r"input 'input' is \(8, 64\) torch.float64 but the module runs on 2-D torch.float32"):
@@ -283,7 +286,8 @@ def test_runtime_inputs_are_checked_against_the_dims_the_capture_allows():
     with pytest.raises(fxtp.FxtpInputError, match=r"1 positional input\(s\) and keywords \[\] expected, got 2"):
         pm(*inputs, inputs[0])
     static = fxtp.compile(model, 1, inputs, dynamic=False)
-    with pytest.raises(fxtp.FxtpInputError, match=r"input 'input' dim 0 is 4 but the module was compiled with it static at 8"):
+    with pytest.raises(fxtp.FxtpInputError, match=r"input 'input' dim 0 is 4 but the module was compiled with it static at 8"
+                       r".*fix: pass size 8, or compile with dynamic=True \(the default\)"):
         static(torch.randn(4, 64))
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fxtp
-from fxtp.explain import examples
+from fxtp.cli import examples
 
 pytest.importorskip("transformers")
 

@@ -346,7 +346,7 @@ def _out_of_range_inputs():
     and a sequence longer than GPT-2's position table. Each raises FxtpInputError on every rank
     (the vocab-parallel lookup and loss only see their own rows; without the check they would
     give zeros: a silently wrong answer)."""
-    from fxtp.explain.examples import gpt2
+    from fxtp.cli.examples import gpt2
 
     model, (ids, labels) = build_case("lm-loss")
     pm = fxtp.compile(model, dist.get_world_size(), (ids, labels), dynamic=False)

@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import fxtp
-from fxtp.explain import examples
+from fxtp.cli import examples
 
 HF_MODELS = ["llama", "gpt2", "bert"]
 

@@ -3,7 +3,7 @@ ranks: saved under expert parallelism (whole experts per rank, ``Shard(0)``), lo
 tensor parallelism inside the experts at another world size, saved again and loaded under
 expert parallelism with uneven expert counts (6 experts on 4 ranks: 2/2/1/1, ``LocalChunks``,
 NOTE: [checkpoint layouts]); each load gives exactly the model that was saved, with the
-original FQNs. Tiny Mixtral, 1 layer, 6 experts (fxtp/explain/examples.py)."""
+original FQNs. Tiny Mixtral, 1 layer, 6 experts (fxtp/cli/examples.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from _helpers import loss_of
 from torch.distributed.tensor import DTensor
 
 import fxtp
-from fxtp.explain import examples
+from fxtp.cli import examples
 
 pytest.importorskip("transformers")
 

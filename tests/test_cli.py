@@ -1,4 +1,4 @@
-"""The ``fxtp`` command line, in process (``fxtp.explain.cli.main``) but for one ``python -m fxtp`` run.
+"""The ``fxtp`` command line, in process (``fxtp.cli.main.main``) but for one ``python -m fxtp`` run.
 
 Exit status: 0 ok, 1 fxtp error (message only unless --verbose), 2 bad usage.
 """
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from _helpers import shell_calls
-from fxtp.explain.cli import get_args_parser, main
-from fxtp.explain.examples import EXAMPLES
-from fxtp.explain.inspection import InputSpec
-from fxtp.explain.verify import VerifyResult
+from fxtp.cli.main import get_args_parser, main
+from fxtp.cli.examples import EXAMPLES
+from fxtp.cli.inspection import InputSpec
+from fxtp.cli.verify import VerifyResult
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).parent / "golden"
@@ -53,6 +53,29 @@ USER_MODELS = textwrap.dedent(
         import torch.distributed as dist
 
         return nn.Linear(16, 32 if dist.is_initialized() else 16), (torch.randn(4, 16),)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x)))
+
+    class Deep(nn.Module):  # 32 identical blocks, a list of one more block, then a head
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Block() for _ in range(32))
+            self.last = nn.ModuleList([Block()])
+            self.head = nn.Linear(16, 8)
+
+        def forward(self, x):
+            for block in [*self.layers, *self.last]:
+                x = block(x)
+            return self.head(x)
+
+    def deep():
+        return Deep(), (torch.randn(4, 16),)
     """
 )
 
@@ -81,7 +104,7 @@ def test_help_shows_examples(capsys):
     assert code == 0
     for text in ("2x16:int64[0,128)", "llama-7b", "file.py:callable", "--format dot --out mlp.svg", "2 bad usage"):
         assert text in out, text
-    from fxtp.explain.examples import EXAMPLES
+    from fxtp.cli.examples import EXAMPLES
 
     model_section = out.split("MODEL:")[1].split("path/to/config.json")[0]
     listed = {word.strip(",;()") for word in model_section.split()}
@@ -213,7 +236,7 @@ def test_meta_models_plan_and_graph_but_do_not_verify(capsys, user_file):
         (["mlp", "--input", "3x5"], 1, "received input of shape (3, 5) but expects (..., 64)"),
         (["mlp", "--input", "8x64:bfloat16"], 1, "received input of dtype torch.bfloat16 but its weight is torch.float32"),
         (["tiny-gpt", "-i", "2x17:int64[0,128)"], 1,
-         "tiny-gpt does not run on --input 2x17:int64[0,128): example inputs do not fit the model: module 'pos' "
+         "tiny-gpt does not run on --input 2x17:int64[0,128): module 'pos' "
          "(Embedding(16, 64)) received input of shape (17,) but expects integer indices < 16"),
         (["tiny-gpt", "-i", "2x16:int64[128,200)", "--verify"], 1, "module 'tok' (Embedding(128, 64)) received input of shape (2, 16) but expects integer indices < 128"),
         (["mlp", "--world-size", "0"], 2, "world size must be >= 1, got 0"),
@@ -259,7 +282,7 @@ def test_verify_compares_with_the_same_dropout_masks(capsys, user_file):
 
 def test_verbose_adds_the_traceback(capsys):
     code, _, err = run(capsys, "inspect", "mlp", "-n", "2", "--input", "3x5", "--verbose")
-    assert code == 1 and "Traceback" in err and err.rstrip().splitlines()[-1].startswith("fxtp: error: mlp does not run on --input 3x5: example inputs")
+    assert code == 1 and "Traceback" in err and err.rstrip().splitlines()[-1].startswith("fxtp: error: mlp does not run on --input 3x5: module '0' (Linear")
 
 
 def test_input_specs():
@@ -275,9 +298,9 @@ def test_input_specs():
 
 
 def test_verify_over_tolerance_exits_1(capsys, monkeypatch):
-    import fxtp.explain.verify
+    import fxtp.cli.verify
 
-    monkeypatch.setattr(fxtp.explain.verify, "verify", lambda *a, **k: VerifyResult(2, 1e-7, 3e-2, 4, 1e-4))
+    monkeypatch.setattr(fxtp.cli.verify, "verify", lambda *a, **k: VerifyResult(2, 1e-7, 3e-2, 4, 1e-4))
     code, out, _ = run(capsys, "inspect", "mlp", "-n", "2", "--verify")
     assert code == 1 and "gradients: max abs error 3.00e-02" in out and "FAIL: over tolerance" in out
 
@@ -294,7 +317,7 @@ def test_verify_failure_on_the_ranks_is_one_line(capsys, user_file):
 
 
 def test_verify_failure_message():
-    from fxtp.explain.verify import _failure_message
+    from fxtp.cli.verify import _failure_message
 
     errors = [(1, "IndexError: index out of range", "Traceback 1"), (0, "IndexError: index out of range", "Traceback 0"), (2, "x", "T2")]
     assert _failure_message(errors, verbose=False) == "verify failed on rank(s) 0, 1: IndexError: index out of range\nverify failed on rank(s) 2: x"
@@ -323,7 +346,7 @@ def test_help_and_usage_errors_import_no_torch():
     torch-free modules. One subprocess runs them all, each to its exit status, and lists what of
     torch got loaded."""
     code = (
-        "import sys, contextlib, io; from fxtp.explain.cli import main\n"
+        "import sys, contextlib, io; from fxtp.cli.main import main\n"
         "cases = [(['--help'], 0, 'usage: fxtp'), (['inspect', '--help'], 0, 'usage: fxtp'),\n"
         "         (['plan', '--help'], 0, 'h200'), (['plan'], 2, 'usage: fxtp'),\n"
         "         (['inspect', 'no_such_model', '-n', '2'], 2, \"unknown model 'no_such_model': use a built-in example (mlp,\"),\n"
@@ -348,7 +371,70 @@ def test_help_and_usage_errors_import_no_torch():
 
 def test_example_names_are_the_examples():
     """The CLI's torch-free list of built-in names is ``EXAMPLES``'s, in its order."""
-    from fxtp.explain.cli import EXAMPLE_NAMES
-    from fxtp.explain.examples import EXAMPLES
+    from fxtp.cli.main import EXAMPLE_NAMES
+    from fxtp.cli.examples import EXAMPLES
 
     assert EXAMPLE_NAMES == tuple(EXAMPLES)
+
+
+def test_inspect_shows_a_repeated_block_once(capsys, user_file):
+    """Issue 32: 32 identical blocks print block 0's rows and one count line; --all-layers keeps
+    every row; the JSON is the same either way."""
+    code, short, _ = run(capsys, "inspect", f"{user_file}:deep", "-n", "2")
+    assert code == 0
+    lines = short.splitlines()
+    assert "x32 identical blocks: layers.0-31" in lines
+    assert [line.split()[0] for line in lines if line.startswith("layers.")] == ["layers.0.up", "layers.0.down"]
+    assert any(line.startswith("last.0.up") for line in lines)  # a list of one block: shown as is
+    code, full, _ = run(capsys, "inspect", f"{user_file}:deep", "-n", "2", "--all-layers")
+    assert code == 0 and "identical blocks" not in full
+    assert [line.split()[0] for line in full.splitlines() if line.startswith("layers.")] == [
+        f"layers.{i}.{name}" for i in range(32) for name in ("up", "down")]
+    assert len(lines) <= 40 < 100 <= len(full.splitlines()), (len(lines), len(full.splitlines()))
+    assert short.split("\n\n", 2)[2] == full.split("\n\n", 2)[2]  # the notes and summary are the same
+    names = [line.split()[0] for line in lines if line.startswith(("layers.", "last.", "head"))]
+    assert len(lines[3].split()[0]) == max(map(len, names))  # the count line does not widen the layer column
+    _, as_json, _ = run(capsys, "inspect", f"{user_file}:deep", "-n", "2", "-f", "json")
+    _, all_json, _ = run(capsys, "inspect", f"{user_file}:deep", "-n", "2", "-f", "json", "--all-layers")
+    assert json.loads(as_json)["layers"] == json.loads(all_json)["layers"] and len(json.loads(as_json)["layers"]) == 67
+
+
+def test_collapse_keeps_blocks_that_differ():
+    from fxtp.explain.repeats import collapse_blocks
+
+    names = ["emb", "h.0.fc", "h.1.fc", "h.2.fc", "h.3.fc", "h.10.fc"]
+    rows = [(n, "colwise" if n != "h.2.fc" else "rowwise", f"until {n}") for n in names]
+    shown = collapse_blocks(rows, names)
+    assert [line or row[0] for line, row in shown] == [
+        "emb", "h.0.fc", "x2 identical blocks: h.0-1", "h.2.fc", "h.3.fc", "h.10.fc"]
+
+
+def test_a_mistyped_flag_gets_a_suggestion(capsys):
+    code, out, err = run(capsys, "inspect", "mlp", "--fromat", "json", "-n", "2")
+    assert code == 2 and out == "" and "usage: fxtp inspect" in err
+    assert "fxtp inspect: error: unrecognized arguments: --fromat json (did you mean --format?)" in err
+    code, _, err = run(capsys, "plan", "mlp", "-n", "2", "-m", "8GiB", "--devics-per-node", "4")
+    assert code == 2 and "(did you mean --devices-per-node?)" in err
+    code, _, err = run(capsys, "inspect", "mlp", "-n", "2", "--zzzzzz")
+    assert code == 2 and "unrecognized arguments: --zzzzzz" in err and "did you mean" not in err
+
+
+def test_input_errors_speak_the_cli(capsys, tmp_path):
+    """Issue 34: an --input the model cannot take is said in --input's syntax, not the Python
+    API's (no example_inputs): for a model with weights (run before the plan) and for a
+    config.json on meta (whose inputs the capture refuses)."""
+    code, out, err = run(capsys, "inspect", "mlp", "-n", "2", "--input", "3x5")
+    assert code == 1 and out == ""
+    assert err.startswith("fxtp: error: mlp does not run on --input 3x5: module '0' (Linear(in_features=64")
+    assert "fix: pass one --input SPEC per positional input" in err and "AxBxC[:dtype][[lo,hi)]" in err
+    assert "example_inputs" not in err and "example inputs" not in err
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 128,
+        "max_position_embeddings": 64}))
+    code, out, err = run(capsys, "inspect", str(config), "-n", "2", "--input", "2x16")  # float32, not token ids
+    assert code == 1 and out == ""
+    assert err.startswith(f"fxtp: error: {config} does not run on --input 2x16: module 'model.embed_tokens' (Embedding(128, 64))")
+    assert "fix: pass one --input SPEC" in err and "example_inputs" not in err and "example inputs" not in err

@@ -47,7 +47,7 @@ import pytest
 
 from _helpers import shell_calls
 from _zygote import Zygote
-from fxtp.explain.cli import main
+from fxtp.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -206,7 +206,7 @@ def workdir(tmp_path_factory):
 
 @pytest.mark.parametrize("command", _commands())
 def test_command_runs_as_pasted(command, workdir, capsys, monkeypatch):
-    """Each call runs in this process (``fxtp ARGS`` is ``fxtp.explain.cli.main(ARGS)``, ``python -c
+    """Each call runs in this process (``fxtp ARGS`` is ``fxtp.cli.main.main(ARGS)``, ``python -c
     CODE`` is ``exec(CODE)``): exit 0, or, after ``||``, one fxtp error line and exit 1."""
     if NEEDS_DOT in command and shutil.which("dot") is None:
         pytest.skip("Graphviz's dot is not installed")
@@ -302,7 +302,7 @@ def test_readme_block_runs_under_torchrun(block, tmp_path):
 
 def test_inspecting_lists_every_built_in():
     """docs/inspecting.md names every built-in MODEL ``fxtp inspect`` accepts."""
-    from fxtp.explain.examples import EXAMPLES
+    from fxtp.cli.examples import EXAMPLES
 
     text = (ROOT / "docs" / "inspecting.md").read_text()
     assert [name for name in EXAMPLES if f"`{name}`" not in text] == []

@@ -7,7 +7,7 @@ dynamic-shape check); at ws 4 an expert count that does not divide the world siz
 ``pm.train()`` and greedy generation, token for token (a decode step's 2 tokens leave ranks 2
 and 3 with nothing to send).
 
-Tiny Hugging Face models (fxtp/explain/examples.py; 1 layer, hidden 64, top-2, 8 tokens a
+Tiny Hugging Face models (fxtp/cli/examples.py; 1 layer, hidden 64, top-2, 8 tokens a
 sequence, static shapes): Mixtral, Qwen2-MoE (a gated shared expert), Qwen3-MoE, DeepSeek-V2
 (MLA, 2 shared experts, scaled routing weights), gpt-oss (biased experts, interleaved clamped
 SwiGLU, biased router), and a Mixtral on Hugging Face's ``batched_mm`` experts. Each family runs
@@ -33,9 +33,10 @@ from torch.export.graph_signature import InputKind
 
 import fxtp
 from fxtp.api import _analyze
+from fxtp.arguments import CompileOptions
 from fxtp.core.expert_dispatch import expert_ranges
 from fxtp.core.placement import shard_tensor
-from fxtp.explain import examples
+from fxtp.cli import examples
 from fxtp.runtime.checkpoint import full_state_dict
 from fxtp.runtime.sharded import local_tensor
 from passes.moe.parallel import expert_parallel, select_blocks
@@ -198,7 +199,7 @@ def test_plan_names_one_block():
     parallelism inside its experts; ``report.plan`` round-trips; a plan key naming no experts
     module and fewer experts than ranks are refused."""
     model, inputs = examples.mixtral()
-    captured, plan, report = _analyze(model, 2, inputs, {}, "export", {"model.layers.1.mlp.experts": "expert"}, 0)
+    captured, plan, report = _analyze(model, inputs, {}, CompileOptions(2, capture="export", plan={"model.layers.1.mlp.experts": "expert"}))
     styles = {row.name: row.style for row in report.layers if ".experts." in row.name}
     assert styles == {"model.layers.0.mlp.experts.gate_up_proj": "colwise", "model.layers.0.mlp.experts.down_proj": "rowwise",
                       "model.layers.1.mlp.experts.gate_up_proj": "expert", "model.layers.1.mlp.experts.down_proj": "expert"}

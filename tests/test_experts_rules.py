@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxtp.api import _analyze
+from fxtp.arguments import CompileOptions
 from fxtp.core.placement import Partial, Shard
 
 aten = torch.ops.aten
@@ -34,7 +35,7 @@ class _Experts(nn.Module):
 
 def _plan(model: nn.Module, *inputs, ws: int = 2):
     torch.manual_seed(0)
-    captured, plan, report = _analyze(model, ws, inputs, {}, "export", None, 0)
+    captured, plan, report = _analyze(model, inputs, {}, CompileOptions(ws, capture="export"))
     nodes = {n.name: n for n in captured.program.graph.nodes}
     return plan, {row.name: row for row in report.layers}, nodes
 

@@ -1,9 +1,9 @@
 """Issue 23's "done when": every popular architecture at 1/world_size.
 
-Published configs (:data:`fxtp.explain.families.FAMILIES`, the sizes of each model's
+Published configs (:data:`fxtp.cli.families.FAMILIES`, the sizes of each model's
 ``config.json``) are analyzed on the ``meta`` device at world_size 8 in bf16 with
 ``num_hidden_layers`` cut to 2; the bytes of one block are scaled to the published depth
-(``fxtp.explain.families.measure``), which equals analyzing the full depth since the blocks are
+(``fxtp.cli.families.measure``), which equals analyzing the full depth since the blocks are
 identical (BERT-large at its 24 layers: the same fraction). The README's memory table is that
 measurement. Tiny versions of the kinds no other test covers (Falcon's multi-query fused
 ``query_key_value``, a Phi-3 whose fused ``qkv_proj`` holds kv heads that do not divide
@@ -27,7 +27,7 @@ from _helpers import compare_training, megatron_floor
 import fxtp
 
 from fxtp.core.placement import Shard, kv_unit_range, local_ranges
-from fxtp.explain.families import FAMILIES, measure, memory_table
+from fxtp.cli.families import FAMILIES, measure, memory_table
 
 pytest.importorskip("transformers")
 
@@ -75,7 +75,7 @@ def test_falcon_sums_only_the_shared_kv_rows(measured):
 
 def test_readme_memory_table_is_the_measurement(measured):
     """The README lists every family with the fraction measured above (regenerate it with
-    ``python -m fxtp.explain.families``)."""
+    ``python -m fxtp.cli.families``)."""
     assert memory_table(measured) in (ROOT / "README.md").read_text()
 
 

@@ -16,7 +16,7 @@ from _helpers import loss_of
 
 import fxtp
 from fxtp.core.placement import shard_tensor
-from fxtp.explain import examples
+from fxtp.cli import examples
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -188,7 +188,7 @@ def test_compile_of_a_plain_module_imports_nothing_optional():
         "m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)); x = torch.randn(4, 8); "
         "pm = fxtp.compile(m, 1, (x,)); torch.testing.assert_close(pm(x), m(x)); pm(x[:1]); "
         "heavy = [n for n in sys.modules if n.split('.')[0] in ('transformers', 'safetensors') "
-        "or n.startswith(('fxtp.explain.cli', 'fxtp.explain.inspection', 'fxtp.explain.examples'))]; "
+        "or n.startswith('fxtp.cli')]; "
         "print(heavy); assert not heavy"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=300)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fxtp
-from fxtp.explain import examples
+from fxtp.cli import examples
 from fxtp.runtime import generation
 from fxtp.core.errors import FxtpInputError
 

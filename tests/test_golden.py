@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 import fxtp
-from fxtp.explain.examples import EXAMPLES
-from fxtp.explain.inspection import load_model, render
+from fxtp.cli.examples import EXAMPLES
+from fxtp.cli.inspection import load_model, render
 
 GOLDEN = Path(__file__).parent / "golden"
 ACCEPT = os.environ.get("EXPECTTEST_ACCEPT") == "1"  # expecttest's switch

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from fxtp.explain.cli import main
-from fxtp.explain.hf_config import DEFAULT_SEQ, load_config_model
+from fxtp.cli.main import main
+from fxtp.capture.hf_config import DEFAULT_SEQ, load_config_model
 from fxtp.explain.counts import fmt_bytes
 from fxtp.explain.report import megatron_floor
 
@@ -91,7 +91,8 @@ def test_config_json_table_and_inputs(capsys, tmp_path):
     assert [(a.shape, a.dtype, a.device.type) for a in args] == [((1, DEFAULT_SEQ), torch.long, "meta")] and kwargs == {}
     assert main(["inspect", str(path), "-n", "2"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("fxtp: layer styles for world_size 2, rank 0") and "model.layers.1.mlp.down_proj" in out
+    assert out.startswith("fxtp: layer styles for world_size 2, rank 0") and "model.layers.0.mlp.down_proj" in out
+    assert "x2 identical blocks: model.layers.0-1" in out  # the blocks once (--all-layers: each)
     assert "collectives per forward: 5 all_reduce (160.0 KiB), 1 all_gather (64.0 KiB)" in out
     assert main(["inspect", str(path), "-n", "2", "--input", "2x16:int64[0,128)"]) == 0
     assert "collectives per forward: 5 all_reduce (40.0 KiB)" in capsys.readouterr().out
@@ -133,11 +134,11 @@ def test_input_dims_say_why_a_dim_is_static():
     assert describe_inputs((x, y, InputSpec("flag", value=True)), notes=True) == [
         "input dims: x (1, s0 in [2, inf], 64); y (1, s0 in [2, inf])",
         "  1: the example's size (torch.export specializes 0 and 1); an example of 2 keeps it dynamic",
-        "  64: static (the model, dynamic=False, dynamic_shapes= or a note below fixes it)",
+        "  64: static (the model fixes it, e.g. a Linear's input features, or the dynamic_shapes= passed or a note below)",
     ]
     static = InputSpec("x", torch.float32, (one, hidden))  # dynamic=False: no dim has a symbol
     assert describe_inputs((static,)) == [
-        "input dims: x (1, 64)", "  1, 64: static (the model, dynamic=False, dynamic_shapes= fixes it)"]
+        "input dims: x (1, 64)", "  1, 64: static (dynamic=False; dynamic=True keeps the dims the model allows dynamic)"]
     assert describe_inputs((InputSpec("flag", value=3),)) == []
 
 

@@ -1,7 +1,7 @@
 """Hugging Face models built from their config classes (random weights, nothing downloaded), on
 real gloo process groups at world sizes 2 and 4, against the single-device model.
 
-Tiny configs (fxtp/explain/examples.py): 2 layers, hidden 64, 4 heads, vocab 128, seq 16, dropout 0.
+Tiny configs (fxtp/cli/examples.py): 2 layers, hidden 64, 4 heads, vocab 128, seq 16, dropout 0.
 Each test checks outputs, every gradient and 3 SGD steps, Megatron's collective floor, and that
 every layer left replicated says why.
 """
@@ -13,7 +13,7 @@ import torch
 from _helpers import compare_training, megatron_floor
 
 import fxtp
-from fxtp.explain import examples
+from fxtp.cli import examples
 
 pytest.importorskip("transformers")
 

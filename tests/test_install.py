@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fxtp.explain.examples import EXAMPLES, EXTRA, EXTRA_PACKAGES
+from fxtp.cli.examples import EXAMPLES, EXTRA, EXTRA_PACKAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,8 +24,8 @@ _WITHOUT_EXTRA = textwrap.dedent(
     import contextlib, io, json, sys
     for name in {packages!r}:
         sys.modules[name] = None  # `import name` raises ModuleNotFoundError, as if not installed
-    from fxtp.explain.cli import main
-    from fxtp.explain.examples import EXAMPLES
+    from fxtp.cli.main import main
+    from fxtp.cli.examples import EXAMPLES
     results = {{}}
     for example in EXAMPLES:
         err = io.StringIO()
@@ -66,6 +66,20 @@ def test_readme_main_install_installs_the_extra():
     assert f"fxtp[{EXTRA}]" in extras["test"]
     first = re.search(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
     assert f"pip install -e '.[{EXTRA}]'" in first and "fxtp " in first
+
+
+def test_readme_quick_subset_runs_as_written():
+    """Issue 34: the README's quick subset works after its first command: the same block installs
+    the test extra (pytest is not in the examples extra) and says how long it took."""
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert not any(req.startswith("pytest") for req in extras[EXTRA]) and any(req.startswith("pytest") for req in extras["test"])
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    quick = next(b for b in blocks if "-m quick" in b)
+    assert quick.index("pip install -q -e '.[test]'") < quick.index("python -m pytest -q -m quick"), quick
+    before = readme[:readme.index("```bash\n" + quick)].rsplit("\n\n", 2)[1]
+    assert re.search(r"took \d+ s", before[before.index("quick subset"):]), before  # its own time, not the suite's
 
 
 # What may be tracked besides text: the README's pictures.

@@ -17,7 +17,7 @@ from cases import build_case
 from torch import nn
 
 import fxtp
-from fxtp.explain import examples
+from fxtp.cli import examples
 from fxtp.core.placement import shard_tensor
 from fxtp.runtime.sharded import local_tensor
 

@@ -6,7 +6,7 @@ process groups at world sizes 2 and 4, against the single-device model (outputs,
 gradient, 3 SGD steps). Mixtral and Qwen2-MoE run both implementations in one ``pool.run``,
 ``batched_mm`` on 1 layer (one MoE block shows every collective; the suite's time).
 
-Tiny configs (fxtp/explain/examples.py): 2 layers, hidden 64, 4 heads (2 kv heads), 4 experts of
+Tiny configs (fxtp/cli/examples.py): 2 layers, hidden 64, 4 heads (2 kv heads), 4 experts of
 intermediate 128, top-2, vocab 128, seq 16.
 """
 
@@ -19,7 +19,7 @@ import torch
 from _helpers import compare_training
 
 import fxtp
-from fxtp.explain import examples
+from fxtp.cli import examples
 from fxtp.core.placement import Shard
 
 pytest.importorskip("transformers")

@@ -15,7 +15,7 @@ from _helpers import loss_of
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxtp
-from fxtp.explain import examples
+from fxtp.cli import examples
 
 pytest.importorskip("transformers")
 

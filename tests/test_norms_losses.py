@@ -17,7 +17,7 @@ from _helpers import compare_training, megatron_floor
 from torch import nn
 
 import fxtp
-from fxtp.explain import examples
+from fxtp.cli import examples
 
 transformers = pytest.importorskip("transformers")
 

@@ -196,7 +196,8 @@ def test_to_dict_is_json_with_the_figures(plans):
         assert sum(v for k, v in fig["memory_per_device"].items() if k != "total") == fig["memory_per_device"]["total"]
     assert all(a["reason"] for a in d["alternatives"])
     text = str(plans["70b"])
-    assert "fits 80.0 GiB: uses " in text and "tp 16 crosses nodes" in text and "<- chosen" in text
+    assert "fits 72.0 GiB (80.0 GiB less 8.0 GiB reserved for the runtime): uses " in text and "tp 16 crosses nodes" in text
+    assert "<- chosen" in text and " on 64 devices of 80.0 GiB (H100-80GB SXM figures, 8 per node)" in text
 
 
 def test_hardware_is_overridable():
@@ -234,6 +235,25 @@ def test_a_caching_config_plans_without_example_inputs():
         model = transformers.LlamaForCausalLM(config)
     plan = fxtp.plan(model, 2, device_memory=GiB, batch=4, seq=32)
     assert plan.fits and plan.analyzed_blocks == 2 and model.config.use_cache
+
+
+def test_fits_means_fits_with_the_runtime_reserve():
+    """Issue 34: ``reserve=`` (bytes or a share, default 10%, NOTE: [runtime reserve]) is kept
+    out of ``device_memory``: a budget the chosen plan fits only without it does not fit with it."""
+    model = tiny("llama")
+    free = fxtp.plan(model, 2, device_memory=GiB, batch=4, seq=16, reserve=0)
+    peak = free.memory_per_device["total"]
+    snug = int(peak * 1.05)  # the free choice fits this as priced, but not once 10% is kept for the runtime
+    assert free.reserve == 0 and fxtp.plan(model, 2, device_memory=snug, batch=4, seq=16, reserve=0).fits
+    held = fxtp.plan(model, 2, device_memory=snug, batch=4, seq=16)
+    assert held.reserve == int(snug * 0.1) and held.usable_memory == snug - held.reserve < peak
+    assert held.fits == (held.memory_per_device["total"] <= held.usable_memory)
+    assert held.chosen.choice != free.chosen.choice or not held.fits
+    assert held.to_dict()["fits"] == held.fits and held.to_dict()["reserve"] == held.reserve
+    assert fxtp.plan(model, 2, device_memory=snug, batch=4, seq=16, reserve=snug - peak).fits  # bytes: exactly the rest
+    for bad in (-1, 1.0, snug, "10%"):
+        with pytest.raises(fxtp.FxtpConfigError, match="reserve"):
+            fxtp.plan(model, 2, device_memory=snug, batch=4, seq=16, reserve=bad)
 
 
 def test_predicted_tensor_parallel_bytes_are_the_plans_collectives():

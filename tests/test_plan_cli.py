@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from fxtp.explain.cli import _memory, main
-from fxtp.explain.progress import Progress
+from fxtp.cli.main import _memory, main
+from fxtp.cli.progress import Progress
 
 pytest.importorskip("transformers")
 
@@ -56,7 +56,8 @@ def test_plan_table_says_micro_batches(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "<- chosen" in out and "micro-batch x accumulation" in out
     verdict = next(line for line in out.splitlines() if line.startswith("fits "))
-    assert re.match(r"fits 953\.7 MiB: uses \d+\.\d (KiB|MiB) per device \(\d+\.\d%\)", verdict), verdict
+    assert re.match(r"fits 858\.3 MiB \(953\.7 MiB less 95\.4 MiB reserved for the runtime\): uses \d+\.\d (KiB|MiB) per "
+                    r"device \(\d+\.\d%\)", verdict), verdict
     step = next(line for line in out.splitlines() if line.startswith("step: "))
     units = set(re.findall(r"\d (s|ms|us)\b", step))
     assert len(units) == 1 and len(re.findall(r"\d (?:s|ms|us)\b", step)) == 6, step
@@ -124,7 +125,7 @@ def test_help_examples_parse(capsys):
     out = capsys.readouterr().out
     examples = [line.strip().split()[1:] for line in out.splitlines() if line.strip().startswith("fxtp plan ")]
     assert len(examples) >= 3 and "micro-batches" in out
-    from fxtp.explain.cli import get_args_parser
+    from fxtp.cli.main import get_args_parser
 
     for argv in examples:
         get_args_parser().parse_args(argv)  # exits 2 on bad usage
@@ -137,3 +138,57 @@ def test_times_share_the_unit_of_their_line():
 
     assert [fmt_time(27.7e-6), fmt_time(1.25e-3), fmt_time(1.94), fmt_time(0)] == ["27.7 us", "1.25 ms", "1.94 s", "0.00 s"]
     assert [fmt_time(0, like=27.7e-6), fmt_time(0.02176, like=1.94), fmt_time(0.0043, like=2.0)] == ["0.0 us", "0.02 s", "0.0043 s"]
+
+
+def _table(out: str) -> list[list[str]]:
+    """The plan table's rows, split into columns at the header's dashes."""
+    lines = out.splitlines()
+    rule = next(i for i, line in enumerate(lines) if line.startswith("----"))
+    spans = [(m.start(), m.end()) for m in re.finditer(r"-+", lines[rule])]
+    rows = []
+    for line in lines[rule + 1:]:
+        if not line.strip() or line.startswith(("skipped", "experts:", "solved")):
+            break
+        rows.append([line[a:b + 60 if i == len(spans) - 1 else b].strip() for i, (a, b) in enumerate(spans)])
+    return rows
+
+
+def test_plan_reserve_header_and_one_unit_per_column(capsys, tmp_path):
+    """Issue 34: a reserve for the runtime (default 10%, --reserve a size or a share) is kept out
+    of --device-memory and "fits" means fits the rest; the header shows the memory given, not the
+    hardware's; each column of the table, and the reasons, use one unit."""
+    argv = ["plan", _config(tmp_path, TINY), "-n", "4", "-m", "1GB", "--batch", "8", "--seq", "64", "--devices-per-node", "4",
+            "--hardware", "a100"]
+    assert main(argv + ["--format", "json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["reserve"] == 10**8 and plan["usable_memory"] == 9 * 10**8
+    assert plan["memory_per_device"]["total"] <= plan["usable_memory"]
+    assert main(argv + ["--reserve", "0", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["reserve"] == 0
+    assert main(argv + ["--reserve", "25%", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["usable_memory"] == 75 * 10**7
+    assert main(argv + ["--reserve", "512MiB"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("fxtp plan: LlamaForCausalLM on 4 devices of 953.7 MiB (A100-80GB SXM figures, 4 per node)")
+    assert "fits 441.7 MiB (953.7 MiB less 512.0 MiB reserved for the runtime): " in out
+    rows = _table(out)
+    assert len(rows) >= 3
+    for column in (5, 6):  # memory, step
+        assert len({cell.split()[-1] for cell in [r[column] for r in rows]}) == 1, rows
+    sizes = {u for r in rows for u in re.findall(r"\d (GiB|MiB|KiB)\b", r[7])}
+    times = {u for r in rows for u in re.findall(r"\d (s|ms|us)\b", r[7])}
+    assert sizes <= {rows[0][5].split()[-1]} and times <= {rows[0][6].split()[-1]}, rows
+    memory = next(line for line in out.splitlines() if line.startswith("memory per device: "))
+    assert len(set(re.findall(r"\d (GiB|MiB|KiB|B)\b", memory))) == 1, memory
+    with pytest.raises(SystemExit):
+        main(argv + ["--reserve", "100%"])
+    assert "invalid reserve '100%'" in capsys.readouterr().err
+
+
+def test_sizes_share_the_unit_of_their_column():
+    from fxtp.planner.parallel_plan import Units, fmt_size
+
+    assert [fmt_size(742.5 * 2**20), fmt_size(742.5 * 2**20, like=40 * 2**30), fmt_size(3 * 2**10, like=2**31)] == [
+        "742.5 MiB", "0.7 GiB", "2.9e-06 GiB"]
+    units = Units(slowest=1.2, largest=40 * 2**30)
+    assert (units.time(0.86187), units.size(2**29)) == ("0.86 s", "0.5 GiB")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fxtp
-from fxtp.explain import examples
+from fxtp.cli import examples
 from fxtp.planner.experts import MoeShape
 from fxtp.planner.hardware import GiB
 

@@ -150,7 +150,7 @@ def test_chosen_alternatives_sum_to_the_report():
     and routed experts share one all_reduce; Llama's 2 kv heads at ws 4 add their holders'
     weight-gradient all_reduce (NOTE: [grouped shards]). An expert-parallel rank holds half the
     experts."""
-    from fxtp.explain import examples
+    from fxtp.cli import examples
 
     tokens, hidden = 2 * 16, 64
     cases = [("mixtral", examples.mixtral(num_hidden_layers=1), 2, ep) for ep in (False, True)]

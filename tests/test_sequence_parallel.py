@@ -15,7 +15,7 @@ from _helpers import CollectiveCounter, compare_training, loss_of
 
 import fxtp
 from fxtp.core import activations
-from fxtp.explain import examples
+from fxtp.cli import examples
 from fxtp.core.errors import FxtpInputError
 from fxtp.core.placement import shard_tensor
 from fxtp.runtime.sharded import local_tensor

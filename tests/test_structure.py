@@ -82,7 +82,16 @@ def test_the_core_imports_nothing_above_it():
     assert not wrong, f"the core imports above itself: {wrong}"
 
 
-@pytest.mark.parametrize("module", ["passes.plan", "passes.kv_heads", "passes.rewrite", "fxtp.core.collectives", "fxtp.explain.report"])
+def test_nothing_below_the_cli_imports_it():
+    """``fxtp.cli`` (the command line, its examples, --verify, the demo) is the top: the
+    library (``fxtp.api``, the planner, the report) never imports it; ``python -m fxtp`` does."""
+    graph = _import_graph()
+    wrong = sorted((s, d) for s, d in graph.edges if d.startswith("fxtp.cli") and not s.startswith("fxtp.cli") and s != "fxtp.__main__")
+    assert not wrong, f"the library imports the CLI: {wrong}"
+
+
+@pytest.mark.parametrize("module", ["passes.plan", "passes.kv_heads", "passes.rewrite", "fxtp.core.collectives", "fxtp.explain.report",
+                                    "fxtp.cli.main"])
 def test_a_module_imports_on_its_own(module):
     subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, check=True, timeout=120)
 
@@ -91,7 +100,7 @@ def test_import_fxtp_loads_nothing_optional():
     code = (
         "import sys, fxtp; "
         "heavy = [m for m in sys.modules if m.split('.')[0] in ('transformers', 'safetensors', 'passes') "
-        "or m.startswith(('fxtp.runtime', 'fxtp.explain', 'fxtp.capture', 'fxtp.api'))]; "
+        "or m.startswith(('fxtp.runtime', 'fxtp.explain', 'fxtp.capture', 'fxtp.api', 'fxtp.cli'))]; "
         "print(heavy); assert not heavy"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
@@ -101,7 +110,12 @@ def test_old_flat_paths_still_import():
     code = (
         "import fxtp.local_ops, fxtp.core.local_ops as new; from fxtp.activations import measure; "
         "import fxtp; assert fxtp.local_ops is new and fxtp.local_ops.__spec__.name == 'fxtp.core.local_ops'; "
-        "assert fxtp.report.Report is fxtp.Report"
+        "assert fxtp.report.Report is fxtp.Report; "
+        # the CLI's modules before they left fxtp.explain for fxtp.cli (and hf_config for fxtp.capture)
+        "import fxtp.explain.examples, fxtp.cli.examples; assert fxtp.explain.examples is fxtp.cli.examples; "
+        "from fxtp.explain.cli import main; from fxtp.cli import main as new; assert main is new; "
+        "from fxtp.explain.hf_config import load_config_model; import fxtp.capture.hf_config as h; "
+        "assert load_config_model is h.load_config_model"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 

@@ -19,7 +19,7 @@ from cases import build_case
 from torch import nn
 
 import fxtp
-from fxtp.explain.examples import GPTConfig, TinyGPT
+from fxtp.cli.examples import GPTConfig, TinyGPT
 from fxtp.core.placement import Shard, shard_tensor
 from fxtp.runtime.sharded import local_tensor
 

@@ -53,7 +53,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fxtp  # noqa: E402
-from fxtp.explain import examples  # noqa: E402
+from fxtp.cli import examples  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_activations  # noqa: E402

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from fxtp.explain import examples
+from fxtp.cli import examples
 from fxtp.explain.report import megatron_floor
 
 __all__ = ["Settings", "builtins", "dtensor_hand_plan", "generation_model", "megatron_collectives", "reference_transformer"]

@@ -22,7 +22,7 @@ import time
 import torch
 
 import fxtp
-from fxtp.explain.examples import LLAMA31, llama_config
+from fxtp.cli.examples import LLAMA31, llama_config
 
 LAYERS = (8, 16, 32, 80, 126)
 PASSES_LAYERS = (8, 16, 32, 80)

@@ -63,7 +63,7 @@ def llama_per_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     from transformers import LlamaForCausalLM
 
     import fxtp
-    from fxtp.explain.examples import llama_config
+    from fxtp.cli.examples import llama_config
 
     ws = 8
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ws)
@@ -134,7 +134,7 @@ def cuda_paths(args: argparse.Namespace) -> dict[str, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import fxtp
-    from fxtp.explain.examples import mixtral
+    from fxtp.cli.examples import mixtral
 
     device = torch.device(args.device)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)

@@ -244,11 +244,17 @@ def check_operand_dtypes(graph: torch.fx.Graph) -> None:
             )
 
 
-def diagnose_inputs(model: nn.Module, args: tuple, kwargs: dict) -> Optional[str]:
+_INPUTS_FIX = "pass example_inputs shaped like the model's real inputs (shape and dtype)"
+
+
+def diagnose_inputs(model: nn.Module, args: tuple, kwargs: dict, *, given: str = "example inputs",
+                    fix: str = _INPUTS_FIX) -> Optional[str]:
     """If ``model`` fails to run eagerly on the inputs, say where and what it expected.
 
     Runs a copy of the model (the user's model and its buffers are not touched) under
-    ``torch.no_grad``; returns ``None`` when the model runs.
+    ``torch.no_grad``; returns ``None`` when the model runs. ``given`` names the inputs and
+    ``fix`` says what to pass, in the caller's words (the CLI's are ``--input``; ``given=""``:
+    the message starts at the module that refused them).
     """
     probe = copy.deepcopy(model)
     stack: list[tuple[str, nn.Module, tuple]] = []
@@ -278,8 +284,9 @@ def diagnose_inputs(model: nn.Module, args: tuple, kwargs: dict) -> Optional[str
     finally:
         for h in handles:
             h.remove()
+    lead = f"{given} do not fit the model: " if given else ""
     if not failing:
-        return f"example inputs do not fit {type(model).__name__}: {error}"
+        return f"{lead}{type(model).__name__} raised: {error}. fix: {fix}"
     name, module, inputs = failing[-1]
     shapes = ", ".join(str(tuple(t.shape)) for t in inputs if isinstance(t, torch.Tensor))
     where = f"module '{name}' ({module})" if name else f"the model ({type(module).__name__})"
@@ -290,10 +297,7 @@ def diagnose_inputs(model: nn.Module, args: tuple, kwargs: dict) -> Optional[str
     if weight is not None and dtypes and weight.dtype not in dtypes and "dtype" in error:
         received = f"received input of dtype {', '.join(sorted(str(d) for d in dtypes))}"
         expected = f" but its weight is {weight.dtype}"
-    return (
-        f"example inputs do not fit the model: {where} {received}"
-        f"{expected}: {error}. fix: pass example_inputs shaped like the model's real inputs (shape and dtype)"
-    )
+    return f"{lead}{where} {received}{expected}: {error}. fix: {fix}"
 
 
 def _expected(module: nn.Module) -> str:

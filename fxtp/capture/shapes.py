@@ -99,6 +99,7 @@ def check_inputs(flat: list[Any], specs: tuple[InputSpec, ...]) -> None:
         FxtpInputError: naming the input, the dim, the size it got and the range it allows.
     """
     bound: dict[str, tuple[int, str]] = {}  # symbol -> (size, "input 'x' dim 0") first seen
+    dynamic = any(d.dynamic for spec in specs for d in spec.dims)
     for value, spec in zip(flat, specs):
         if not spec.is_tensor:
             if isinstance(value, torch.Tensor) or value != spec.value:
@@ -120,7 +121,7 @@ def check_inputs(flat: list[Any], specs: tuple[InputSpec, ...]) -> None:
                 if size != dim.size:
                     raise FxtpInputError(
                         f"{where} is {size} but the module was compiled with it static at {dim.size} "
-                        f"({describe_dims(spec)}). fix: pass size {dim.size}, or compile with dynamic_shapes= making it dynamic"
+                        f"({describe_dims(spec)}). fix: pass size {dim.size}{_static_why(dynamic)}"
                     )
                 continue
             if size < dim.lo or (dim.hi is not None and size > dim.hi):
@@ -137,6 +138,18 @@ def check_inputs(flat: list[Any], specs: tuple[InputSpec, ...]) -> None:
             bound.setdefault(dim.symbol, (size, where))
 
 
+def _static_why(dynamic: bool) -> str:
+    """Why a static dim is static, for an error's fix (NOTE: [dynamic shapes] in
+    fxtp/capture/frontends.py). In a dynamic capture (some dim kept a symbol) fxtp asks every
+    dim to be dynamic, so one left static is the model's: a weight's size (a Linear's input
+    features) that no ``dynamic_shapes`` can free; else the caller's own ``dynamic_shapes``
+    kept it. In a static capture, ``dynamic=True`` (the default) keeps what the model allows."""
+    if dynamic:
+        return ("; the model fixes it (e.g. a weight's size, such as a Linear's input features, which no capture can make "
+                "dynamic), or the dynamic_shapes= passed at compile left it static")
+    return ", or compile with dynamic=True (the default): it keeps every dim the model allows dynamic"
+
+
 def describe_dims(spec: InputSpec) -> str:
     """``ids: (s0 in [2, inf], s1 in [2, 16])`` or ``x: (s0 in [2, inf], 64)``."""
     parts = [str(d.size) if not d.dynamic else f"{d.symbol} in {d.range_text()}" for d in spec.dims]
@@ -150,8 +163,10 @@ def describe_inputs(specs: tuple[InputSpec, ...], *, notes: bool = False) -> lis
 
     - an example size of 0 or 1 in a dynamic capture (some dim has a symbol): torch.export's
       0/1 specialization (the module docstring); an example of 2 keeps it dynamic;
-    - any other static size: the model (its guards), ``dynamic=False``, the caller's
-      ``dynamic_shapes`` or, with ``notes``, one of the shape notes printed below fixes it.
+    - any other static size in a dynamic capture: the model fixes it (its guards: a weight's
+      size such as a Linear's input features, which no ``dynamic_shapes`` frees), or the
+      caller's ``dynamic_shapes`` or, with ``notes``, one of the shape notes printed below;
+    - in a static capture (no dim has a symbol): ``dynamic=False`` or a note below.
 
     Returns ``[]`` when ``specs`` holds no tensor.
     """
@@ -168,9 +183,12 @@ def describe_inputs(specs: tuple[InputSpec, ...], *, notes: bool = False) -> lis
     if small:
         lines.append(f"  {', '.join(map(str, small))}: the example's size (torch.export specializes 0 and 1); "
                      "an example of 2 keeps it dynamic")
-    if fixed:
-        fixes = "the model, dynamic=False, dynamic_shapes=" + (" or a note below" if notes else "")
-        lines.append(f"  {', '.join(map(str, fixed))}: static ({fixes} fixes it)")
+    if fixed and dynamic:
+        also = ", or the dynamic_shapes= passed" + (" or a note below" if notes else "")
+        lines.append(f"  {', '.join(map(str, fixed))}: static (the model fixes it, e.g. a Linear's input features{also})")
+    elif fixed:
+        why = "dynamic=False" + (" or a note below" if notes else "")
+        lines.append(f"  {', '.join(map(str, fixed))}: static ({why}; dynamic=True keeps the dims the model allows dynamic)")
     return lines
 
 

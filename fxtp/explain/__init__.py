@@ -1,2 +1,2 @@
-"""Explain: the report (``report``, ``render``), the CLI (``cli``, ``inspection``, ``verify``,
-``demo``) and the models it knows by name (``examples``, ``hf_config``)."""
+"""Explain: the report (``report``, its figures in ``counts``, ``alternatives``, ``recompute``,
+``repeats``) and its rendering (``render``). The CLI that prints them is ``fxtp.cli``."""

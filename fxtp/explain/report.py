@@ -30,6 +30,7 @@ from fxtp.explain.counts import (
     regions,
     sequence_comms,
 )
+from fxtp.explain.repeats import collapse_blocks
 from passes.plan import LayerDecision, ShardingPlan
 
 __all__ = ["Report", "CollectiveStat", "Note", "build_report", "megatron_floor", "parameter_placements", "tied_layers"]
@@ -136,8 +137,10 @@ class Report:
     def __str__(self) -> str:
         return self.to_text()
 
-    def to_text(self, *, verbose: bool = False) -> str:
-        """The tables and the :meth:`summary` (``verbose``: with each failed frontend's error)."""
+    def to_text(self, *, verbose: bool = False, all_layers: bool = True) -> str:
+        """The tables and the :meth:`summary` (``verbose``: with each failed frontend's error;
+        ``all_layers=False``: a run of identical repeated blocks shows its first block's rows
+        and a count, ``fxtp/explain/repeats.py``)."""
         show_module = any(layer.module != layer.name for layer in self.layers)
         rows = []
         for layer in self.layers:
@@ -151,10 +154,18 @@ class Report:
         headers = ["layer", "module"] if show_module else ["layer"]
         headers += ["op", "weight", "style", "local weight", "communication", "reason"]
         widths = [None] * (len(headers) - 1) + [64]
-        parts = [
-            f"fxtp: layer styles for world_size {self.world_size}, rank {self.rank}",
-            tabulate(rows, headers=headers, tablefmt="simple", maxcolwidths=widths, disable_numparse=True),
-        ]
+        counts: dict[str, str] = {}  # a marker row's first cell -> its line, e.g. "x32 identical blocks: ..."
+        if not all_layers:
+            shown = collapse_blocks(rows, [layer.name for layer in self.layers])
+            rows = []
+            for line, row in shown:
+                if line is not None:
+                    row = (f"@{len(counts)}", *[""] * (len(headers) - 1))  # short: the column keeps its width
+                    counts[row[0]] = line
+                rows.append(row)
+        table = tabulate(rows, headers=headers, tablefmt="simple", maxcolwidths=widths, disable_numparse=True)
+        table = "\n".join(counts.get(line.split(" ", 1)[0], line) for line in table.splitlines())
+        parts = [f"fxtp: layer styles for world_size {self.world_size}, rank {self.rank}", table]
         if self.notes:
             note_rows = [(n.code, n.module or "-", n.node, n.message, ", ".join(n.layers)) for n in self.notes]
             parts.append(tabulate(note_rows, headers=("code", "module", "node", "why", "layers"), tablefmt="simple", maxcolwidths=[None, None, 50, 50, 40]))

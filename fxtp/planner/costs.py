@@ -11,9 +11,9 @@ fp32 parameter, 4 B fp32 gradient, and the optimizer's state (AdamW/Adam: ``exp_
 runs, FSDP2 holds it unsharded: its bf16 parameters, the next unit's prefetched ones (2 x 2 B)
 and, in backward, its fp32 gradient before the reduce_scatter (4 B), priced for the largest
 unit (a block, the embedding or the head: torchtitan wraps each). Activations are bf16
-(NOTE: [activation bytes] in fxtp/planner/model.py). Not counted: the CUDA context, NCCL's
-buffers, the allocator's fragmentation, temporaries inside one op (leave headroom in
-``device_memory``). Inference (``training=False``): bf16 parameters sharded over ``tp`` only
+(NOTE: [activation bytes] in fxtp/planner/model.py). Not counted here: the CUDA context, NCCL's
+buffers, the allocator's fragmentation, temporaries inside one op; the search keeps a reserve
+for them out of ``device_memory`` (NOTE: [runtime reserve] in fxtp/planner/hardware.py). Inference (``training=False``): bf16 parameters sharded over ``tp`` only
 (each of the ``dp`` groups is a replica), the KV cache of its sequences, and one block's
 activations plus the logits.
 

@@ -31,6 +31,18 @@ fxtp/planner/costs.py). Each is the user's to override:
   Meta reports 38-43% model-FLOPs MFU for Llama-3-405B on 8K-16K H100s, communication
   included and recomputation not counted (Dubey et al. 2024, "The Llama 3 Herd of Models",
   table 4). The planner prices communication on its own, so it takes the first figure.
+
+NOTE: [runtime reserve]
+What a training process holds besides the tensors the cost model prices: the CUDA context
+(the driver's and the kernels' images, a few hundred MiB a process), NCCL's buffers (per
+communicator and peer, ``NCCL_BUFFSIZE``, 4 MiB a channel by default, NCCL's environment
+variables documentation; a process holds a tp and a dp communicator), and the caching
+allocator's fragmentation (memory "reserved but unallocated", which PyTorch's out-of-memory
+message reports; docs "CUDA semantics", memory management). None of them is predictable from
+the model, so the planner keeps a share of ``device_memory`` for them: by default 10%, the
+share vLLM leaves for the same things (its ``gpu_memory_utilization`` defaults to 0.9, vLLM's
+engine arguments). ``fxtp.plan(..., reserve=)`` / ``fxtp plan --reserve`` sets bytes or another
+share; "fits" means the predicted peak fits ``device_memory`` less the reserve.
 """
 
 from __future__ import annotations
@@ -41,9 +53,10 @@ from typing import Union
 
 from fxtp.core.errors import FxtpConfigError
 
-__all__ = ["Hardware", "HARDWARE", "resolve_hardware"]
+__all__ = ["Hardware", "HARDWARE", "DEFAULT_RESERVE", "resolve_hardware", "reserve_bytes"]
 
 GiB = 1 << 30
+DEFAULT_RESERVE = 0.10  # of device_memory, kept for the runtime (NOTE: [runtime reserve])
 
 
 @dataclass(frozen=True)
@@ -109,3 +122,20 @@ def resolve_hardware(hardware: Union[str, Hardware]) -> Hardware:
         f"hardware {hardware!r} is not in the table ({', '.join(HARDWARE)}); "
         "fix: pass one of those, or a fxtp.planner.Hardware with your figures"
     )
+
+
+def reserve_bytes(reserve: Union[int, float, None], device_memory: int) -> int:
+    """The bytes of ``device_memory`` kept for the runtime (NOTE: [runtime reserve]):
+    ``None`` the default share, a float in ``[0, 1)`` that share, an int that many bytes.
+
+    Raises:
+        FxtpConfigError: a negative reserve, a share of 1 or more, or one that leaves nothing.
+    """
+    share = DEFAULT_RESERVE if reserve is None else reserve
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or share < 0 or (isinstance(share, float) and share >= 1):
+        raise FxtpConfigError(f"reserve must be bytes (an int >= 0) or a share of device_memory in [0, 1), got {reserve!r}")
+    held = int(device_memory * share) if isinstance(share, float) else share
+    if held >= device_memory:
+        raise FxtpConfigError(f"reserve {held} bytes leaves nothing of device_memory {device_memory} bytes. "
+                              "fix: a smaller reserve (e.g. 0.1, a tenth) or more device memory")
+    return held

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from tabulate import tabulate
 
@@ -11,7 +11,7 @@ from fxtp.core.strategy import TensorParallelStrategy
 from fxtp.planner.costs import Choice, Estimate
 from fxtp.planner.hardware import GiB, Hardware
 
-__all__ = ["ParallelPlan", "Alternative", "fmt_size", "fmt_time"]
+__all__ = ["ParallelPlan", "Alternative", "Units", "fmt_size", "fmt_time"]
 
 _MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "kv_cache", "fsdp_buffers", "total")
 
@@ -31,12 +31,38 @@ class Alternative:
         return {**_figures(self.estimate, budget), "reason": self.reason}
 
 
-def fmt_size(nbytes: float) -> str:
-    """Bytes in the largest binary unit that keeps the figure >= 1 (GiB at most)."""
-    for unit, scale in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
+def fmt_size(nbytes: float, like: Optional[float] = None) -> str:
+    """Bytes in the largest binary unit that keeps ``like`` (default: ``nbytes``; pass a
+    column's largest figure so the column shares one unit) >= 1, GiB at most: ``1.5 GiB``,
+    ``0.25 GiB`` (a small figure in a large unit keeps two significant digits, not ``0.0``)."""
+    scale = nbytes if like is None else like
+    for unit, factor in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if scale >= factor:
+            value = nbytes / factor
+            text = f"{value:.1f}"
+            if value and not float(text):
+                text = f"{value:.2g}"
+            return f"{text} {unit}"
     return f"{int(nbytes)} B"
+
+
+@dataclass(frozen=True)
+class Units:
+    """One unit per column of the plan table: times in the unit of the slowest step priced,
+    sizes in the unit of the largest peak (the reasons use the same)."""
+
+    slowest: float
+    largest: float
+
+    @classmethod
+    def of(cls, estimates: Sequence[Estimate]) -> "Units":
+        return cls(max(e.step["total"] for e in estimates), max(e.peak for e in estimates))
+
+    def time(self, seconds: float) -> str:
+        return fmt_time(seconds, like=self.slowest)
+
+    def size(self, nbytes: float) -> str:
+        return fmt_size(nbytes, like=self.largest)
 
 
 def fmt_time(seconds: float, like: Optional[float] = None) -> str:
@@ -75,7 +101,9 @@ def _figures(e: Estimate, budget: int) -> dict[str, Any]:
 class ParallelPlan:
     """The plan: a ``tp x dp`` mesh (tensor parallelism inside a node, FSDP2 over the rest),
     sequence parallelism, an activation-checkpointing policy and micro-batches, chosen for the
-    least predicted step time whose predicted peak memory per device fits ``device_memory``.
+    least predicted step time whose predicted peak memory per device fits ``device_memory``
+    less ``reserve``, the bytes kept for the runtime (NOTE: [runtime reserve] in
+    fxtp/planner/hardware.py).
 
     ``str(plan)`` explains the choice as a table; ``plan.to_dict()`` is JSON. Figures are
     predictions of fxtp's cost model (NOTE: [mixed precision] and NOTE: [cost model] in
@@ -103,6 +131,12 @@ class ParallelPlan:
     # the chosen tp's layer styles, as plan= entries (NOTE: [repeated blocks] in fxtp/planner/params.py)
     layer_styles: Mapping[str, str] = field(default_factory=dict)
     pinned_tp: Optional[int] = None  # the caller's fxtp.plan(..., tp=): chosen is then that degree's best
+    reserve: int = 0  # bytes of device_memory kept for the runtime: CUDA context, NCCL, fragmentation
+
+    @property
+    def usable_memory(self) -> int:
+        """``device_memory`` less the ``reserve``: what the priced tensors may use."""
+        return self.device_memory - self.reserve
 
     @property
     def tp(self) -> int:
@@ -151,11 +185,13 @@ class ParallelPlan:
             "devices_per_node": self.devices_per_node,
             "hardware": self.hardware.to_dict(),
             "device_memory": self.device_memory,
+            "reserve": self.reserve,
+            "usable_memory": self.usable_memory,
             "batch": self.batch,
             "seq": self.seq,
             "training": self.training,
             "optimizer": self.optimizer,
-            **_figures(self.chosen, self.device_memory),
+            **_figures(self.chosen, self.usable_memory),
             "fits": self.fits,
             "tp_param_bytes": {str(k): v for k, v in self.tp_param_bytes.items()},
             "analyzed_blocks": self.analyzed_blocks,
@@ -163,7 +199,7 @@ class ParallelPlan:
             "layer_styles": dict(self.layer_styles),
             "pinned_tp": self.pinned_tp,
             "notes": list(self.notes),
-            "alternatives": [a.to_dict(self.device_memory) for a in self.alternatives],
+            "alternatives": [a.to_dict(self.usable_memory) for a in self.alternatives],
             "skipped": [dict(s) for s in self.skipped],
             "solve_s": self.solve_s,
         }
@@ -174,12 +210,13 @@ class ParallelPlan:
         micro = f"micro-batch {c.micro_batch}" + (f" x {c.accumulation} accumulation steps" if c.accumulation > 1 else "")
         what = "training step" if self.training else "forward (KV cache)"
         lines = [
-            f"fxtp plan: {self.model} on {self.devices} x {self.hardware.name} ({self.devices_per_node} per node), "
+            f"fxtp plan: {self.model} on {self.devices} devices of {fmt_size(self.device_memory)} ({self.hardware.name} "
+            f"figures, {self.devices_per_node} per node), "
             f"{self.batch} x {self.seq} tokens per {what}" + (f", {self.optimizer}" if self.training else ""),
             f"chosen: tp {c.tp} x dp {c.dp}{sp}, activation checkpointing: {_ac_name(c.activation_checkpointing)}, {micro}"
             + (" (tp pinned by the caller)" if self.pinned_tp is not None else ""),
             self._verdict(),
-            "memory per device: " + " + ".join(f"{k.replace('_', ' ')} {fmt_size(m[k])}" for k in _MEMORY_KEYS[:-1] if m[k])
+            "memory per device: " + " + ".join(f"{k.replace('_', ' ')} {fmt_size(m[k], like=m['total'])}" for k in _MEMORY_KEYS[:-1] if m[k])
             + f" = {fmt_size(m['total'])}",
             self._step_line(),
             self._params_line(),
@@ -197,29 +234,30 @@ class ParallelPlan:
         """Each other tp's best alternative: its fastest that fits, else its smallest."""
         out: dict[int, Alternative] = {}
         for a in self.alternatives:  # fastest first
-            tp, fits = a.estimate.choice.tp, a.estimate.peak <= self.device_memory
+            tp, fits = a.estimate.choice.tp, a.estimate.peak <= self.usable_memory
             if tp == self.tp:
                 continue
             held = out.get(tp)
-            if held is None or (fits and held.estimate.peak > self.device_memory) or (
-                not fits and held.estimate.peak > self.device_memory and a.estimate.peak < held.estimate.peak
+            if held is None or (fits and held.estimate.peak > self.usable_memory) or (
+                not fits and held.estimate.peak > self.usable_memory and a.estimate.peak < held.estimate.peak
             ):
                 out[tp] = a
         return dict(sorted(out.items()))
 
     def _verdict(self) -> str:
-        budget, peak = self.device_memory, self.chosen.peak
+        budget, peak = self.usable_memory, self.chosen.peak
+        reserved = f" ({fmt_size(self.device_memory)} less {fmt_size(self.reserve)} reserved for the runtime)" if self.reserve else ""
         if self.fits:
-            head = f"fits {fmt_size(budget)}: uses {fmt_size(peak)} per device ({peak / budget:.1%})"
+            head = f"fits {fmt_size(budget)}{reserved}: uses {fmt_size(peak)} per device ({peak / budget:.1%})"
         else:
-            head = f"does not fit {fmt_size(budget)}: the smallest configuration needs {fmt_size(peak)} per device"
+            head = f"does not fit {fmt_size(budget)}{reserved}: the smallest configuration needs {fmt_size(peak)} per device"
         others = []
         slowest = max((a.estimate.step["total"] for a in self._per_tp().values()), default=0.0)
         for tp, a in self._per_tp().items():
             e = a.estimate
             if tp > self.devices_per_node:
                 others.append(f"tp {tp} crosses nodes")
-            elif e.peak > self.device_memory:
+            elif e.peak > self.usable_memory:
                 others.append(f"tp {tp} needs {fmt_size(e.peak)}")
             else:
                 others.append(f"tp {tp} takes {fmt_time(e.step['total'], like=slowest)}")
@@ -248,13 +286,13 @@ class ParallelPlan:
                 + " (plan.layer_styles; fxtp.compile(model, plan.tp, ..., strategy=plan, group=mesh['tp']) applies them)")
 
     def _rows(self) -> list[list[Any]]:
-        """The chosen row, then each other tp's best (``to_dict()`` has every alternative)."""
-        shown = [self.chosen, *(a.estimate for a in self._per_tp().values())]
-        slowest = max(e.step["total"] for e in shown)  # one time unit for the step column
+        """The chosen row, then each other tp's best (``to_dict()`` has every alternative). One
+        unit per column, the reasons' included: the units of every configuration priced."""
+        units = Units.of([self.chosen, *(a.estimate for a in self.alternatives)])
 
         def row(e: Estimate, verdict: str) -> list[Any]:
             c = e.choice
             return [c.tp, c.dp, "yes" if c.sequence_parallel else "no", _ac_name(c.activation_checkpointing),
-                    f"{c.micro_batch} x {c.accumulation}", fmt_size(e.peak), fmt_time(e.step["total"], like=slowest), verdict]
+                    f"{c.micro_batch} x {c.accumulation}", units.size(e.peak), units.time(e.step["total"]), verdict]
 
         return [row(self.chosen, "<- chosen" if self.fits else "<- chosen: the smallest")] + [row(a.estimate, a.reason) for a in self._per_tp().values()]

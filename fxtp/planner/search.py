@@ -22,9 +22,9 @@ from torch import nn
 from fxtp.core.errors import FxtpConfigError, FxtpInputError
 from fxtp.planner.costs import OPTIMIZER_BYTES, Choice, Estimate, Workload, estimate
 from fxtp.planner.experts import MoeShape, choose_experts
-from fxtp.planner.hardware import Hardware, resolve_hardware
+from fxtp.planner.hardware import Hardware, reserve_bytes, resolve_hardware
 from fxtp.planner.model import AC_POLICIES, TransformerShape
-from fxtp.planner.parallel_plan import Alternative, ParallelPlan, fmt_size, fmt_time
+from fxtp.planner.parallel_plan import Alternative, ParallelPlan, Units
 from fxtp.planner.params import ParamShapes, parameter_shapes, repeated_blocks
 
 __all__ = ["plan", "check_pinned_tp"]
@@ -44,6 +44,7 @@ def plan(
     optimizer: str = "adamw",
     training: bool = True,
     tp: Optional[int] = None,
+    reserve: Union[int, float, None] = None,
     progress: Optional[Callable[[str], None]] = None,
 ) -> ParallelPlan:
     """Choose how to run ``model`` on ``devices`` devices: fastest predicted step that fits.
@@ -69,11 +70,15 @@ def plan(
             devices): the search then chooses only ``dp = devices / tp``, sequence
             parallelism, checkpointing and micro-batches. The other degrees stay in
             ``alternatives`` with their figures, so the plan says what the pin costs.
+        reserve: memory kept for the runtime (CUDA context, NCCL's buffers, fragmentation;
+            NOTE: [runtime reserve] in fxtp/planner/hardware.py): bytes (an int), or a share
+            of ``device_memory`` (a float in ``[0, 1)``); default 10%. A configuration fits
+            when its predicted peak fits ``device_memory`` less the reserve.
         progress: called with each stage's name as it starts (the CLI prints them).
 
     Returns:
         A :class:`ParallelPlan`; ``fits`` False (with the smallest configuration's memory)
-        when nothing fits ``device_memory``.
+        when nothing fits ``device_memory`` less the reserve.
 
     Raises:
         FxtpConfigError: bad arguments, a model the cost model does not cover; a pinned
@@ -85,7 +90,9 @@ def plan(
     hw = resolve_hardware(hardware)
     per_node = _positive("devices_per_node", devices_per_node or hw.devices_per_node)
     devices = _positive("devices", devices)
-    budget = _positive("device_memory", device_memory)
+    memory = _positive("device_memory", device_memory)
+    held = reserve_bytes(reserve, memory)
+    budget = memory - held  # what the priced tensors may use (NOTE: [runtime reserve])
     if optimizer not in OPTIMIZER_BYTES:
         raise FxtpConfigError(f"optimizer must be one of {', '.join(OPTIMIZER_BYTES)}, got {optimizer!r}")
     blocks = repeated_blocks(model)
@@ -124,13 +131,15 @@ def plan(
     candidates = [e for e in estimates if (e.choice.tp == pin if pin is not None else e.choice.tp <= per_node)]
     fitting = [e for e in candidates if e.peak <= budget]
     best = min(fitting, key=_rank) if fitting else min(candidates, key=lambda e: (e.peak, _rank(e)))
-    alternatives = tuple(Alternative.of(e, _why(e, best, budget, per_node, pin)) for e in sorted(estimates, key=_rank) if e is not best)
+    units = Units.of(estimates)
+    alternatives = tuple(Alternative.of(e, _why(e, best, budget, per_node, units, pin)) for e in sorted(estimates, key=_rank) if e is not best)
     return ParallelPlan(
         model=type(model).__name__,
         devices=devices,
         devices_per_node=per_node,
         hardware=hw,
-        device_memory=budget,
+        device_memory=memory,
+        reserve=held,
         batch=batch,
         seq=seq,
         training=training,
@@ -176,18 +185,19 @@ def _rank(e: Estimate) -> tuple:
     return (round(e.step["total"], 9), e.peak, e.choice.tp)
 
 
-def _why(e: Estimate, best: Estimate, budget: int, per_node: int, pinned: Optional[int] = None) -> str:
+def _why(e: Estimate, best: Estimate, budget: int, per_node: int, units: Units, pinned: Optional[int] = None) -> str:
+    """Why ``e`` is not the plan, its figures in the plan table's ``units`` (one per column)."""
     c = e.choice
     if pinned is not None and c.tp != pinned:
-        fits = "fits" if e.peak <= budget else f"needs {fmt_size(e.peak)}"
-        return f"not the pinned tp {pinned}: {fits}, {fmt_time(e.step['total'])}"
+        fits = "fits" if e.peak <= budget else f"needs {units.size(e.peak)}"
+        return f"not the pinned tp {pinned}: {fits}, {units.time(e.step['total'])}"
     if c.tp > per_node:
         return f"tp {c.tp} crosses nodes ({per_node} devices per node)"
     if e.peak > budget:
-        return f"needs {fmt_size(e.peak)}"
+        return f"needs {units.size(e.peak)}"
     if e.step["total"] > best.step["total"]:
-        return f"slower: {fmt_time(e.step['total'])} vs {fmt_time(best.step['total'], like=e.step['total'])}"
-    return f"as fast, but {fmt_size(e.peak)} vs {fmt_size(best.peak)}"
+        return f"slower: {units.time(e.step['total'])} vs {units.time(best.step['total'])}"
+    return f"as fast, but {units.size(e.peak)} vs {units.size(best.peak)}"
 
 
 def _best_micro_batch(tp, dp, sp, ac, shape, params, hw, work: Workload, budget: int) -> Estimate:
@@ -232,7 +242,7 @@ def _inputs(model: nn.Module, args: Any, kwargs: Any) -> tuple[tuple, dict]:
     ``use_cache=False`` when the config caches (a KV cache is not a tensor output: the
     analysis prices the training graph, the cache is priced by formula)."""
     if args is None and not kwargs:
-        from fxtp.explain.hf_config import example_inputs
+        from fxtp.capture.hf_config import example_inputs
 
         args, kwargs = example_inputs(model)
         device = next(model.parameters()).device  # the example's are on meta

@@ -10,7 +10,7 @@ seconds, not minutes. :func:`memory_table` renders the README's table from those
 
 Example::
 
-    python -m fxtp.explain.families        # prints the README's table (about a minute)
+    python -m fxtp.cli.families        # prints the README's table (about a minute)
 """
 
 from __future__ import annotations

@@ -103,6 +103,23 @@ def _memory(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2) or "b"])
 
 
+def _reserve(text: str) -> "int | float":
+    """``--reserve``: a share of --device-memory (``10%``, a float in [0, 1)) or a size as
+    ``--device-memory`` takes it (``4GiB``; ``0`` keeps nothing back)."""
+    if text.strip().endswith("%"):
+        try:
+            share = float(text.strip()[:-1]) / 100
+        except ValueError:
+            share = -1.0
+        if not 0 <= share < 1:
+            raise argparse.ArgumentTypeError(f"invalid reserve {text!r}: a share in [0%, 100%), e.g. 10%")
+        return share
+    return 0 if text.strip() in ("0", "0B", "0b") else _memory(text)
+
+
+_reserve.__name__ = "SIZE"
+
+
 def _deferred(module: str, name: str, what: str) -> Callable[[str], Any]:
     """An argparse ``type=`` that imports ``module`` and calls its ``name`` (dotted, e.g.
     ``InputSpec.parse``) when it converts a value, not when the parser is built, so
@@ -122,7 +139,7 @@ def _deferred(module: str, name: str, what: str) -> Callable[[str], Any]:
     return convert
 
 
-# The built-in examples' names, in the order of fxtp.explain.examples.EXAMPLES, which imports
+# The built-in examples' names, in the order of fxtp.cli.examples.EXAMPLES, which imports
 # torch: MODEL is checked before torch loads (tests/test_cli.py keeps the two equal).
 EXAMPLE_NAMES = (
     "mlp", "tiny-gpt", "transformer", "gpt2", "llama", "bert", "gpt2-124m", "llama-7b", "llama-3-8b", "llama-3.1-70b",
@@ -131,7 +148,7 @@ EXAMPLE_NAMES = (
 
 
 def _names_config(text: str) -> bool:
-    """``fxtp.explain.hf_config.is_config_path`` without torch: a ``.json`` name, or a directory
+    """``fxtp.capture.hf_config.is_config_path`` without torch: a ``.json`` name, or a directory
     holding a ``config.json``."""
     from pathlib import Path
 
@@ -157,7 +174,7 @@ _model.__name__ = "MODEL"  # argparse names the converter in its "invalid MODEL 
 
 
 def _check_model_file(text: str) -> None:
-    """The missing-file errors ``fxtp.explain.inspection.load_model`` raises for MODEL, raised
+    """The missing-file errors ``fxtp.cli.inspection.load_model`` raises for MODEL, raised
     before torch loads (seconds): a ``config.json`` or a ``file.py`` that is not there.
 
     Raises:
@@ -197,6 +214,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--world-size", "-n", metavar="N", type=_world_size, default=2, help="number of local ranks (default: 2)")
+    demo.set_defaults(subparser=demo)
 
     inspect = sub.add_parser(
         "inspect",
@@ -210,7 +228,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--world-size", "-n", metavar="N", type=_world_size, required=True, help="tensor-parallel degree, >= 1")
     inspect.add_argument(
         "--input", "-i", dest="inputs", metavar="SPEC", action="append", default=[],
-        type=_deferred("fxtp.explain.inspection", "InputSpec.parse", "SPEC"), help="a positional input, repeatable (see SPEC below)",
+        type=_deferred("fxtp.cli.inspection", "InputSpec.parse", "SPEC"), help="a positional input, repeatable (see SPEC below)",
     )
     inspect.add_argument(
         "--format", "-f", choices=FORMATS, default="table",
@@ -218,6 +236,9 @@ def get_args_parser() -> argparse.ArgumentParser:
         "with placements; dot: Graphviz DOT",
     )
     inspect.add_argument("--rank", "-r", metavar="R", type=int, default=0, help="the rank shown (default: 0)")
+    inspect.add_argument("--all-layers", action="store_true",
+                         help="the table lists every repeated block's layers (default: a run of identical blocks shows "
+                         "its first block's rows and a line 'x32 identical blocks: model.layers.0-31')")
     inspect.add_argument("--sequence-parallel", action="store_true",
                          help="Megatron sequence parallelism: token-sharded regions between rowwise and colwise layers")
     inspect.add_argument("--out", "-o", metavar="FILE", help="write to FILE; with --format dot, FILE.svg/.png/.pdf renders it with dot")
@@ -266,6 +287,9 @@ def _add_plan_parser(sub: Any) -> None:
     plan.add_argument("--devices", "-n", metavar="N", type=_world_size, required=True, help="devices in the job (tp x dp)")
     plan.add_argument("--device-memory", "-m", metavar="SIZE", type=_memory, required=True,
                       help="memory each device may use, e.g. 80GiB (GiB = 2**30 bytes, GB = 10**9)")
+    plan.add_argument("--reserve", metavar="SIZE", type=_reserve, default=None,
+                      help="memory kept for the runtime (CUDA context, NCCL buffers, fragmentation) out of --device-memory: "
+                      "a size (4GiB) or a share (10%%); a plan fits when it fits the rest (default: 10%%, docs/plan_command.md)")
     plan.add_argument("--devices-per-node", metavar="K", type=_world_size, default=None,
                       help="devices per node (NVLink domain); tp stays inside one (default: the hardware's, 8)")
     plan.add_argument("--hardware", choices=sorted(HARDWARE), default="h100", help="device and link figures (default: h100)")
@@ -285,8 +309,8 @@ def _plan(args: argparse.Namespace) -> int:
     import json
 
     import fxtp
-    from fxtp.explain.inspection import load_model
-    from fxtp.explain.progress import Progress
+    from fxtp.cli.inspection import load_model
+    from fxtp.cli.progress import Progress
 
     if args.tp is not None:  # before the model is built: seconds for a large config
         from fxtp.planner.search import check_pinned_tp
@@ -299,7 +323,7 @@ def _plan(args: argparse.Namespace) -> int:
         loaded.model, args.devices, device_memory=args.device_memory, example_inputs=loaded.inputs,
         example_kwargs=loaded.kwargs, batch=args.batch, seq=args.seq, devices_per_node=args.devices_per_node,
         hardware=args.hardware, optimizer=args.optimizer, training=not args.inference, tp=args.tp,
-        progress=progress.stage,
+        reserve=args.reserve, progress=progress.stage,
     )
     progress.done()
     print(json.dumps(result.to_dict(), indent=2) if args.format == "json" else result)
@@ -307,9 +331,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from fxtp.explain.examples import EXAMPLES
-    from fxtp.explain.progress import Progress
-    from fxtp.explain.inspection import (
+    from fxtp.cli.examples import EXAMPLES
+    from fxtp.cli.progress import Progress
+    from fxtp.cli.inspection import (
         RENDERED,
         UsageError,
         check_inputs,
@@ -319,6 +343,7 @@ def _inspect(args: argparse.Namespace) -> int:
         resolve_inputs,
         write_output,
     )
+    from fxtp.core.errors import FxtpInputError
 
     if not 0 <= args.rank < args.world_size:
         raise UsageError(f"--rank {args.rank} is outside world size {args.world_size} (0..{args.world_size - 1})")
@@ -335,13 +360,17 @@ def _inspect(args: argparse.Namespace) -> int:
     inputs = resolve_inputs(loaded, args.inputs)
     check_inputs(loaded, inputs, args.inputs)
     progress.stage("analyze (capture and passes)" if args.format in ("table", "json") else "compile")
-    text = inspect_text(loaded, inputs, world_size=args.world_size, rank=args.rank, fmt=args.format, verbose=args.verbose,
-                        sequence_parallel=args.sequence_parallel)
+    try:
+        text = inspect_text(loaded, inputs, world_size=args.world_size, rank=args.rank, fmt=args.format,
+                            verbose=args.verbose, sequence_parallel=args.sequence_parallel, all_layers=args.all_layers)
+    except FxtpInputError:  # a meta model's inputs are checked by the capture: say it in --input's words
+        check_inputs(loaded, inputs, args.inputs, on_meta=True)
+        raise
     progress.done()
     write_output(text, args.out, args.format)
     if not args.verify:
         return 0
-    from fxtp.explain.verify import verify
+    from fxtp.cli.verify import verify
 
     sys.stdout.flush()
     result = verify(args.model, loaded.model, inputs, args.world_size, tolerance=args.tolerance, verbose=args.verbose,
@@ -351,7 +380,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fxtp.explain.inspection import UsageError
+    from fxtp.cli.inspection import UsageError
 
     try:
         return _plan(args) if args.command == "plan" else _inspect(args)
@@ -360,12 +389,30 @@ def _run(args: argparse.Namespace) -> int:
         raise  # not reached: error() exits
 
 
+def _did_you_mean(unknown: Sequence[str], parser: argparse.ArgumentParser) -> str:
+    """`` (did you mean --format?)`` for the first mistyped flag in ``unknown`` that is close to
+    one of ``parser``'s (difflib; argparse's own ``suggest_on_error`` is Python 3.14's)."""
+    import difflib
+
+    # argparse has no public list of a parser's option strings: its actions hold them
+    options = [option for action in parser._actions for option in action.option_strings if option.startswith("--")]
+    for token in unknown:
+        if token.startswith("--"):
+            close = difflib.get_close_matches(token.partition("=")[0], options, n=1, cutoff=0.6)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line; returns the exit status (argparse exits 2 itself on bad usage)."""
     parser = get_args_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # as parse_args, from the subcommand's parser (its usage), with a suggestion
+        target = getattr(args, "subparser", parser)
+        target.error(f"unrecognized arguments: {' '.join(unknown)}{_did_you_mean(unknown, target)}")
     if args.command == "demo":
-        from fxtp.explain.demo import run_demo
+        from fxtp.cli.demo import run_demo
 
         run_demo(args.world_size)
         return 0

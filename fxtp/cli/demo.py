@@ -25,7 +25,7 @@ def _free_port() -> int:
 
 def _rank_main(rank: int, world_size: int, port: int, timeout_s: int) -> None:
     import fxtp
-    from fxtp.explain.examples import tiny_gpt
+    from fxtp.cli.examples import tiny_gpt
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -1,7 +1,7 @@
 """``fxtp inspect``: load a model, plan it, and show the report, the rank's graph or a picture.
 
-MODEL is a built-in example (:data:`fxtp.explain.examples.EXAMPLES`), a Hugging Face ``config.json``
-(:mod:`fxtp.explain.hf_config`: built on ``meta``), ``package.module:callable`` or
+MODEL is a built-in example (:data:`fxtp.cli.examples.EXAMPLES`), a Hugging Face ``config.json``
+(:mod:`fxtp.capture.hf_config`: built on ``meta``), ``package.module:callable`` or
 ``path/to/file.py:callable``. The callable takes no arguments and returns an ``nn.Module`` or
 ``(nn.Module, example_inputs)``; ``--input`` specs (:class:`InputSpec`) replace the inputs.
 The model runs once on the inputs (:func:`check_inputs`) before it is planned.
@@ -29,8 +29,8 @@ from torch import nn
 import fxtp
 from fxtp.capture.frontends import diagnose_inputs
 from fxtp.core.errors import FxtpConfigError, FxtpError, FxtpInputError
-from fxtp.explain.examples import EXAMPLES, EXTRA, EXTRA_PACKAGES
-from fxtp.explain.hf_config import is_config_path, load_config_model
+from fxtp.cli.examples import EXAMPLES, EXTRA, EXTRA_PACKAGES
+from fxtp.capture.hf_config import is_config_path, load_config_model
 from fxtp.explain.render import graph_dot, graph_text
 
 __all__ = [
@@ -202,7 +202,7 @@ def load_model(text: str) -> Loaded:
         FxtpConfigError: a missing file or module, a missing callable, a callable that fails or
             does not return an ``nn.Module`` (or ``(nn.Module, example_inputs)``); a built-in or a
             ``config.json`` whose packages are not installed (naming the extra that installs them);
-            a ``config.json`` transformers cannot build (:func:`fxtp.explain.hf_config.load_config_model`).
+            a ``config.json`` transformers cannot build (:func:`fxtp.capture.hf_config.load_config_model`).
     """
     torch.manual_seed(0)
     name = example_name(text)
@@ -257,20 +257,23 @@ def resolve_inputs(loaded: Loaded, specs: list[InputSpec]) -> tuple[Any, ...]:
 # --- the command ------------------------------------------------------------------------------
 
 
-def check_inputs(loaded: Loaded, inputs: tuple[Any, ...], specs: list[InputSpec]) -> None:
+def check_inputs(loaded: Loaded, inputs: tuple[Any, ...], specs: list[InputSpec], *, on_meta: bool = False) -> None:
     """Run the model once, on one device, on ``inputs`` (a copy of it: the model is not touched),
     so inputs it cannot take (a sequence longer than its position table, ids beyond its
     vocabulary, a wrong feature size) are refused before a plan is printed: tracing with fake
     tensors does not check index values, and the ranks would fail later. A model on ``meta``
     is not run (it has no values, and Hugging Face models read some, e.g. to build masks);
-    capture checks its shapes.
+    capture checks its shapes. ``on_meta``: run a model on ``meta`` too, once the pipeline refused
+    its inputs, to say so in ``--input``'s words rather than the Python API's.
 
     Raises:
         FxtpInputError: naming the inputs, the module that refused them and what it expects.
     """
-    if loaded.on_meta:
+    if loaded.on_meta and not on_meta:
         return
-    mismatch = diagnose_inputs(loaded.model, inputs, loaded.kwargs)
+    fix = ("pass one --input SPEC per positional input, with the shape and dtype the model takes: "
+           "AxBxC[:dtype][[lo,hi)], e.g. --input 8x64 or --input '2x16:int64[0,128)' (fxtp inspect --help)")
+    mismatch = diagnose_inputs(loaded.model, inputs, loaded.kwargs, given="", fix=fix)
     if mismatch is not None:
         given = " ".join(f"--input {spec}" for spec in specs) if specs else "its example inputs"
         raise FxtpInputError(f"{loaded.name} does not run on {given}: {mismatch}")
@@ -278,24 +281,28 @@ def check_inputs(loaded: Loaded, inputs: tuple[Any, ...], specs: list[InputSpec]
 
 def inspect_text(
     loaded: Loaded, inputs: tuple[Any, ...], *, world_size: int, rank: int, fmt: str, verbose: bool = False,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool = False, all_layers: bool = True,
 ) -> str:
     """What ``fxtp inspect`` prints in format ``fmt`` for rank ``rank`` of ``world_size``
-    (``verbose``: the table shows each failed capture frontend's error)."""
+    (``verbose``: the table shows each failed capture frontend's error; ``all_layers=False``:
+    the table shows a run of identical repeated blocks once, with its count)."""
     if fmt in ("table", "json"):
         report = fxtp.analyze(loaded.model, world_size, inputs, example_kwargs=loaded.kwargs, rank=rank,
                               sequence_parallel=sequence_parallel)
-        return render(report, fmt, verbose=verbose)
+        return render(report, fmt, verbose=verbose, all_layers=all_layers)
     pm = fxtp.compile(loaded.model, world_size, inputs, example_kwargs=loaded.kwargs, rank=rank, sequence_parallel=sequence_parallel)
     return render(pm, fmt, name=loaded.name)
 
 
-def render(what: "fxtp.ParallelModule | fxtp.Report", fmt: str, *, name: str = "", verbose: bool = False) -> str:
+def render(what: "fxtp.ParallelModule | fxtp.Report", fmt: str, *, name: str = "", verbose: bool = False,
+           all_layers: bool = True) -> str:
     """A report as ``table``/``json``, or a compiled rank as ``graph``/``dot`` (titled with
-    ``name``, the rank and the world size); also what the golden files hold."""
+    ``name``, the rank and the world size); also what the golden files hold (every layer's row)."""
     if fmt in ("table", "json"):
         report = what.report if isinstance(what, fxtp.ParallelModule) else what
-        return report.to_text(verbose=verbose) + "\n" if fmt == "table" else json.dumps(report.to_dict(), indent=2) + "\n"
+        if fmt == "json":
+            return json.dumps(report.to_dict(), indent=2) + "\n"
+        return report.to_text(verbose=verbose, all_layers=all_layers) + "\n"
     assert isinstance(what, fxtp.ParallelModule), "graph and dot need a compiled rank"
     title = f"{name}: rank {what.report.rank} of world_size {what.report.world_size}"
     return (graph_text if fmt == "graph" else graph_dot)(what.graph_module, title=title)

@@ -90,7 +90,7 @@ def load_config_model(text: str) -> tuple[nn.Module, tuple[torch.Tensor, ...], d
 
     Returns:
         ``(model, args, kwargs)``: the model in eval mode with ``use_cache=False`` (a KV cache
-        is not a tensor output, as in :mod:`fxtp.explain.examples`), weights on ``meta`` in the config's
+        is not a tensor output, as in :mod:`fxtp.cli.examples`), weights on ``meta`` in the config's
         ``dtype``; the inputs of :func:`example_inputs`.
 
     Raises:

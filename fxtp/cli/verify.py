@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 
 from fxtp.core.errors import FxtpError, FxtpRuntimeError
 from fxtp.core.placement import shard_tensor
-from fxtp.explain.demo import _free_port
+from fxtp.cli.demo import _free_port
 from fxtp.runtime.sharded import local_tensor
 
 __all__ = ["VerifyResult", "verify"]
@@ -98,7 +98,7 @@ def _rank_main(
     rank: int, world_size: int, port: int, timeout_s: int, model_text: str, state: dict, inputs: tuple, results: Any,
     sequence_parallel: bool = False,
 ) -> None:
-    from fxtp.explain.inspection import load_model
+    from fxtp.cli.inspection import load_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
