@@ -262,7 +262,7 @@ def test_published_configs_at_world_size_8(name, impl):
 def _mla_checks() -> dict:
     """DeepSeek-V3's MLA (low-rank query, ``kv_b_proj`` expanding the latent into every head's
     key and value, the key filled into a ``new_empty`` buffer by ``copy_``, NOTE: [filled buffers]
-    in passes/rules/fresh.py), first block dense, second MoE: plain tensor parallelism
+    in passes/rules/index_copy.py), first block dense, second MoE: plain tensor parallelism
     (outputs, every gradient, 3 SGD steps), then sequence parallelism on one dynamic compile
     called at other batch sizes and token counts; each rank's parameter elements, counted on
     ``pm.parameters()`` by torch."""
