@@ -55,7 +55,7 @@ def plan_symbols(graph: Graph, plan: ShardingPlan) -> dict[str, str]:
                 check(node, v, p, "value")
         if node.target in _VIEWS and is_tensor_node(node.args[0]):
             source = plan.placements.get(node.args[0].name)
-            if isinstance(source, Shard):
+            if isinstance(source, Shard) and not _gathered(plan, node, node.args[0]):
                 _check_view(node, source, found)
     for (consumer, producer), action in plan.edges.items():
         if action.kind == "sp_gather" or action.kind == "sp_scatter" and action.enter:
@@ -63,6 +63,14 @@ def plan_symbols(graph: Graph, plan: ShardingPlan) -> dict[str, str]:
         if action.placement is not None:
             check(nodes[consumer], nodes[producer].meta["val"], action.placement, f"input {producer} of")
     return found
+
+
+def _gathered(plan: ShardingPlan, consumer: Node, producer: Node) -> bool:
+    """Does ``consumer`` take ``producer`` all_gathered (a forced plan's gather, or where a
+    token-sharded region ends, e.g. the ``view(-1, H)`` that flattens an MoE block's tokens with
+    the batch)? Then it reads the whole value, and its sizes need not be static."""
+    action = plan.edges.get((consumer.name, producer.name))
+    return action is not None and action.kind in ("gather", "sp_gather")
 
 
 def _any_token_count(node: Node, plan: ShardingPlan) -> bool:

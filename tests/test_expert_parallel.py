@@ -258,3 +258,43 @@ def test_published_configs_at_world_size_8(name, impl):
     assert tensor.count("forward", "all_reduce") == 2 * 2 + 1
     styles = {row.style for row in tensor.layers if ".experts." in row.name}
     assert styles == {"colwise", "rowwise"}, styles
+
+
+def _mla_checks() -> dict:
+    """DeepSeek-V3's MLA (low-rank query, ``kv_b_proj`` expanding the latent into every head's
+    key and value, the key filled into a ``new_empty`` buffer by ``copy_``, NOTE: [filled buffers]
+    in passes/rules/index_copy.py), first block dense, second MoE: plain tensor parallelism
+    (outputs, every gradient, 3 SGD steps), then sequence parallelism on one dynamic compile
+    called at other batch sizes and token counts; each rank's parameter elements, counted on
+    ``pm.parameters()`` by torch."""
+    ws = dist.get_world_size()
+    model, (ids,) = examples.deepseek_v3()
+    r = compare_training(model, (ids[:, :SEQ],), dynamic=False, capture=CAPTURE)
+    styles = {row["name"]: row["style"] for row in r["report"]["layers"] if ".self_attn." in row["name"]}
+    three = torch.cat([ids, ids[:1].flip(1)])  # a batch of 3 (a batch of 1 takes a graph of its own)
+    calls = [(ids[:, :ws],), (three[:, :3 * ws],), (ids[:, :2 * ws],)]
+    held = lambda pm, ref: (sum(local_tensor(p).numel() for p in pm.parameters()), sum(p.numel() for p in ref.parameters()))
+    s = compare_shapes(model, (ids[:, :SEQ],), calls, sequence_parallel=True, capture=CAPTURE, then=held)
+    return {"styles": styles, "held": s["then"], "shapes": [x[0][:2] for x in s["shapes"]],
+            "dims": s["report"]["inputs"], "report": r["report"]["param_bytes"]}
+
+
+def test_mla_shards_kv_b_proj_by_heads(pool):
+    """vLLM's MLA plan: ``q_b_proj`` and ``kv_b_proj`` colwise by heads, ``o_proj`` rowwise, the
+    latent projections (``q_a_proj``, ``kv_a_proj_with_mqa``, read by a norm over the latent)
+    replicated; exact under tensor parallelism, and under sequence parallelism at batches and
+    token counts other than the compile's (its MoE block flattens the gathered tokens with the
+    batch: no size is specialized). Parameters per rank (torch's count on ``pm.parameters()``):
+    ws 2 54.3%, ws 4 31.4% of the model's (57.2% and 35.8% with ``kv_b_proj`` replicated)."""
+    ws = pool.world_size
+    (r, *_) = pool.run(_mla_checks)
+    for block in (0, 1):
+        prefix = f"model.layers.{block}.self_attn."
+        assert {k[len(prefix):]: v for k, v in r["styles"].items() if k.startswith(prefix)} == {
+            "q_a_proj": "replicate", "q_b_proj": "colwise", "kv_a_proj_with_mqa": "replicate", "kv_b_proj": "colwise",
+            "o_proj": "rowwise"}
+    assert r["shapes"] == [(2, ws), (3, 3 * ws), (2, 2 * ws)]
+    assert all("symbol" in d for spec in r["dims"] for d in spec["dims"]), r["dims"]  # batch and tokens stay symbols
+    held, total = r["held"]
+    assert held / total == pytest.approx({2: 0.5429, 4: 0.3143}[ws], abs=1e-4), held / total
+    assert r["report"]["by_rank"][0] / r["report"]["total"] == pytest.approx(held / total, abs=1e-9)

@@ -214,7 +214,7 @@ def test_bad_arguments_are_fxtp_errors():
         fxtp.plan(model, 8, device_memory=H100, batch=16, seq=8192, hardware="tpu")
     with pytest.raises(fxtp.FxtpConfigError, match="device_memory"):
         fxtp.plan(model, 8, device_memory=-1, batch=16, seq=8192)
-    with pytest.raises(fxtp.FxtpConfigError, match="no stack of identical blocks"):
+    with pytest.raises(fxtp.FxtpConfigError, match="no stack of blocks"):
         fxtp.plan(torch.nn.Linear(4, 4), 8, device_memory=H100, batch=16, seq=8192)
     with pytest.raises(fxtp.FxtpConfigError, match="optimizer"):
         fxtp.plan(model, 8, device_memory=H100, batch=16, seq=8192, optimizer="lion")
@@ -279,3 +279,54 @@ def test_predicted_tensor_parallel_bytes_are_the_plans_collectives():
         work = Workload(b, s, True, "adamw", 8, activation_bytes=4)
         predicted = estimate(Choice(tp, 1, False, None, b, 1), shape, params, HARDWARE["h100"], work)
         assert predicted.comm_bytes["tp"] == round(sent), tp
+
+
+# Stacks of dense and MoE blocks (NOTE: [block kinds] in fxtp/planner/params.py), tiny, on meta:
+# DeepSeek-V3 with its first 2 of 6 blocks dense (first_k_dense_replace), Qwen2-MoE with blocks 0
+# and 3 of 6 dense (mlp_only_layers). Each analyzes the first 4 blocks (every kind twice).
+MIXED = {"deepseek_v3": dict(num_hidden_layers=6, first_k_dense_replace=2),
+         "qwen2_moe": dict(num_hidden_layers=6, mlp_only_layers=[0, 3])}
+MIXED_IDS = torch.zeros(2, 16, dtype=torch.long, device="meta")
+
+
+@pytest.mark.parametrize("name", sorted(MIXED))
+def test_mixed_dense_and_moe_stacks_count_every_block_exactly(name):
+    """Rank 0's parameter bytes from the 4 analyzed blocks, each kind counted with its count,
+    equal the real 6-block model's: at tp 1 the model's own parameters summed (torch's count on
+    the meta model), at tp 2 and 4 ``fxtp.analyze`` of the whole model; ``fxtp.plan`` accepts the
+    model and says how it counted."""
+    from fxtp.explain import examples
+
+    model, _ = getattr(examples, name)(device="meta", **MIXED[name])
+    kinds = {type(block.mlp).__name__ for block in model.model.layers}
+    assert len(kinds) == 2, kinds  # dense and MoE
+    shapes = parameter_shapes(model, (1, 2, 4), (MIXED_IDS,), {"use_cache": False})
+    total = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    assert shapes[1].bytes() == total
+    for tp in (1, 2, 4):
+        assert (shapes[tp].analyzed_blocks, shapes[tp].n_blocks, len(shapes[tp].kinds)) == (4, 6, 2), tp
+        assert sorted(n for _, n in shapes[tp].kinds) == [2, 4], tp
+    for tp in (2, 4):
+        whole = fxtp.analyze(model, tp, (MIXED_IDS,), example_kwargs={"use_cache": False}, dynamic=False, capture="export")
+        assert shapes[tp].bytes() == whole.param_bytes_per_rank, tp
+    plan = fxtp.plan(model, 4, device_memory=GiB, batch=4, seq=16, tp=2)
+    assert plan.tp == 2 and (plan.analyzed_blocks, plan.n_blocks, plan.block_kinds) == (4, 6, 2)
+    assert plan.tp_param_bytes[1] == total
+    assert "the rest counted as an analyzed block of their kind (2 kinds)" in str(plan)
+
+
+def test_one_kind_stacks_are_counted_as_before():
+    """A pure-MoE stack (Mixtral, 4 blocks) and a pure-dense one (Llama) still analyze 2 blocks,
+    with one kind, and count exactly (the dense families: test_two_analyzed_blocks_count_the_full_depth_exactly)."""
+    from fxtp.explain import examples
+
+    model, _ = examples.mixtral(num_hidden_layers=4)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    shapes = parameter_shapes(model, (2,), (ids,), {})
+    assert (shapes[2].analyzed_blocks, shapes[2].n_blocks, shapes[2].kinds) == (2, 4, ())
+    assert shapes[2].bytes() == fxtp.analyze(model, 2, (ids,), dynamic=False).param_bytes_per_rank
+    assert tiny_shapes_kinds("llama") == ()
+
+
+def tiny_shapes_kinds(kind: str) -> tuple:
+    return parameter_shapes(tiny(kind), (2,), (IDS,), {})[2].kinds

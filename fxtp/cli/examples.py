@@ -235,6 +235,16 @@ def deepseek_v2(seed: int = 0, **overrides) -> tuple[nn.Module, tuple[torch.Tens
     return _tiny_moe("DeepseekV2ForCausalLM", "DeepseekV2Config", seed, base, overrides)
 
 
+def deepseek_v3(seed: int = 0, **overrides) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Tiny ``DeepseekV3ForCausalLM``: MLA attention with a low-rank query (``q_a_proj`` ->
+    norm -> ``q_b_proj``); the first block dense (``first_k_dense_replace=1``), the others MoE
+    (4 routed experts of 64, top-2 in one group, a shared expert), and (2, 16) ids."""
+    base = dict(intermediate_size=128, moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1, n_group=1,
+                topk_group=1, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                head_dim=8, routed_scaling_factor=2.0, first_k_dense_replace=1, num_key_value_heads=4)
+    return _tiny_moe("DeepseekV3ForCausalLM", "DeepseekV3Config", seed, base, overrides)
+
+
 def gpt_oss(seed: int = 0, **overrides) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """Tiny ``GptOssForCausalLM`` (4 experts of 64 with biases, interleaved gate/up, clamped
     SwiGLU; a biased router; sinks, sliding and full attention) and (2, 16) ids."""

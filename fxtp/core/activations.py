@@ -65,7 +65,7 @@ def _root(t: torch.Tensor) -> torch.Tensor:
 
 def gathered(full: torch.Tensor, shard: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Register ``full`` (``gather(shard)``) for regathering while :func:`saved_tensors` is active."""
-    if not _GATHERED:
+    if not _GATHERED or torch.compiler.is_compiling():  # a compiled graph saves its own tensors (NOTE: [hooks under torch.compile])
         return
     root = _root(full)
     table = _GATHERED[-1]
@@ -121,11 +121,21 @@ def saved_tensors(regather: bool) -> Iterator[None]:
         return token.view(size, stride, offset)
 
     _GATHERED.append(table)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    try:  # NOTE: [hooks under torch.compile]
+        with torch.autograd.graph.saved_tensors_hooks(torch.compiler.disable(pack), torch.compiler.disable(unpack)):
             yield
     finally:
         _GATHERED.pop()
+
+
+# NOTE: [hooks under torch.compile]
+# ``torch.compile(pm)`` runs ``ParallelModule.forward`` eagerly (its inputs are made plain tensors
+# by a ``torch.compiler.disable``d function, fxtp/runtime/sharded.py ``plain_inputs``) and compiles
+# the rank graph. The hooks above are then active while the compiled graph saves its tensors, and
+# Dynamo, active for the whole compiled call, would try to compile ``pack`` at each saved tensor:
+# one graph and one break each (``storage_offset`` returns an int). They are marked
+# ``torch.compiler.disable``: they run as Python, and a tensor the compiled graph saves is not a
+# value ``gathered`` registered, so it is kept as is.
 
 
 def count_held(t: torch.Tensor) -> None:

@@ -71,7 +71,7 @@ class Recompute(nn.Module):
         if not torch.is_grad_enabled():
             return self.body(*args)
         extra = {"context_fn": self.context_fn} if self.context_fn is not None else {}
-        if self.preserve_rng_state:  # torch.utils.checkpoint keeps the CPU generator's state for backward
+        if self.preserve_rng_state and not torch.compiler.is_compiling():  # checkpoint keeps the CPU generator's state
             activations.count_held(torch.get_rng_state())
         return checkpoint(self.body, *args, use_reentrant=False, early_stop=False,
                           preserve_rng_state=self.preserve_rng_state, **extra)

@@ -175,15 +175,25 @@ def _fsdp_units(choice: Choice, shape: TransformerShape, params: ParamShapes, hw
 
     if not params.n_blocks:
         return [unit(params.elements(), compute / 3, 2 * compute / 3)]
-    first, block, last = params.unit_elements()
+    first, blocks, last = params.unit_elements()
+    kinds = shape.block_kinds()
+    if len(kinds) != len(blocks):  # not extrapolated by kind: price each block as the average one
+        kinds = ((shape.block_params, shape.layers),)
+        blocks = ((sum(e * n for e, n in blocks) // max(1, sum(n for _, n in blocks)), shape.layers),)
     attention = 4 * shape.hidden * work.seq  # a block's attention FLOPs per token, forward (NOTE: [FLOPs])
-    block_forward = 2 * shape.block_params + attention
-    head_forward = 2 * shape.matmul_params - 2 * shape.layers * shape.block_params
-    redo = {"blocks": block_forward, "selective": attention}.get(choice.activation_checkpointing, 0)
-    total = shape.layers * (3 * block_forward + redo) + 3 * head_forward
+    head_forward = 2 * shape.matmul_params - 2 * sum(p * n for p, n in kinds)
+    ac = choice.activation_checkpointing
+    total, costs = 3 * head_forward, []
+    for (active, n), (elements, _) in zip(kinds, blocks):  # NOTE: [block kinds] in fxtp/planner/params.py
+        block_forward = 2 * active + attention
+        redo = {"blocks": block_forward, "selective": attention}.get(ac, 0)
+        total += n * (3 * block_forward + redo)
+        costs.append((elements, n, block_forward, redo))
     scale = compute / total if total else 0.0
-    blocks = [unit(block, block_forward * scale, (2 * block_forward + redo) * scale)] * shape.layers
-    return [unit(first, 0.0, 0.0)] + blocks + [unit(last, head_forward * scale, 2 * head_forward * scale)]
+    units = [unit(first, 0.0, 0.0)]
+    for elements, n, block_forward, redo in costs:
+        units += [unit(elements, block_forward * scale, (2 * block_forward + redo) * scale)] * n
+    return units + [unit(last, head_forward * scale, 2 * head_forward * scale)]
 
 
 def _memory(choice: Choice, shape: TransformerShape, params: ParamShapes, work: Workload) -> dict[str, int]:

@@ -61,6 +61,7 @@ from torch import nn
 
 from fxtp.core.errors import FxtpConfigError
 from fxtp.planner.experts import MoeShape
+from fxtp.planner.params import block_kinds
 
 __all__ = ["TransformerShape", "AC_POLICIES"]
 
@@ -95,6 +96,13 @@ class TransformerShape:
     block_params: int
     fused_norms: bool = True
     norm_params: int = 0
+    # A stack of several block kinds (NOTE: [block kinds] in fxtp/planner/params.py): each kind's
+    # parameters that a token runs and its count, in order of first appearance; empty for one kind
+    kinds: tuple[tuple[int, int], ...] = ()
+
+    def block_kinds(self) -> tuple[tuple[int, int], ...]:
+        """Each block kind's parameters a token runs, and its count (one kind: ``block_params``)."""
+        return self.kinds or ((self.block_params, self.layers),)
 
     @classmethod
     def of(cls, model: nn.Module, blocks_fqn: str) -> "TransformerShape":
@@ -111,28 +119,39 @@ class TransformerShape:
                 f"num_hidden_layers); {type(model).__name__} has no such config. fix: plan a transformers model "
                 "or its config.json"
             )
-        intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
-        block = model.get_submodule(blocks_fqn)[0]
-        wide = [p for p in block.parameters() if p.dim() == 2 and intermediate in p.shape]
-        gated, idle, idle_block = len(wide) >= 3, 0, 0
+        dense = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+        stack = model.get_submodule(blocks_fqn)
+        kinds = block_kinds(stack)
         moe = MoeShape.of(model)
-        if moe is not None and moe.modules:  # NOTE: [experts in the cost model]: a token runs top_k of the experts
-            intermediate, gated = moe.top_k * moe.expert_width + moe.shared_width, True
-            idle_block = moe.expert_params * (moe.experts - moe.top_k) // moe.experts
-            idle = len(moe.modules) * idle_block
+        experts = {name for name in (moe.modules if moe is not None else ())}
+        idle_block = moe.expert_params * (moe.experts - moe.top_k) // moe.experts if moe is not None else 0
+        per_kind = []  # (parameters a token runs, MLP width, gated, count), NOTE: [block kinds] in params.py
+        for k in range(max(kinds) + 1):
+            i = kinds.index(k)
+            block = stack[i]
+            has_experts = any(name.startswith(f"{blocks_fqn}.{i}.") for name in experts)
+            active = sum(p.numel() for p in block.parameters()) - (idle_block if has_experts else 0)
+            if has_experts:  # NOTE: [experts in the cost model]: a token runs top_k of the experts
+                width, gated = moe.top_k * moe.expert_width + moe.shared_width, True
+            else:
+                width = dense
+                gated = len([p for p in block.parameters() if p.dim() == 2 and dense in p.shape]) >= 3
+            per_kind.append((active, width, gated, kinds.count(k)))
+        layers = config.num_hidden_layers
         return cls(
             hidden=hidden,
-            layers=config.num_hidden_layers,
+            layers=layers,
             heads=heads,
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            intermediate=intermediate,
+            intermediate=round(sum(w * n for _, w, _, n in per_kind) / len(kinds)),  # a block's, on average
             vocab=config.vocab_size,
-            gated_mlp=gated,
+            gated_mlp=all(g for _, _, g, _ in per_kind),
             flash=getattr(config, "_attn_implementation", "sdpa") != "eager",
-            matmul_params=_matmul_params(model) - idle,
-            block_params=sum(p.numel() for p in block.parameters()) - idle_block,
-            fused_norms=all(isinstance(m, nn.LayerNorm) for m in block.modules() if _is_norm(m)),
+            matmul_params=_matmul_params(model) - len(experts) * idle_block,
+            block_params=round(sum(a * n for a, _, _, n in per_kind) / len(kinds)),  # on average
+            fused_norms=all(isinstance(m, nn.LayerNorm) for m in stack.modules() if _is_norm(m)),
             norm_params=sum(p.numel() for m in model.modules() if _is_norm(m) for p in m.parameters(recurse=False)),
+            kinds=tuple((a, n) for a, _, _, n in per_kind) if len(per_kind) > 1 else (),
         )
 
     def flops_per_token(self, seq: int, ac: Optional[str] = None) -> float:

@@ -130,6 +130,7 @@ class ParallelPlan:
     notes: tuple[str, ...] = field(default=())
     # the chosen tp's layer styles, as plan= entries (NOTE: [repeated blocks] in fxtp/planner/params.py)
     layer_styles: Mapping[str, str] = field(default_factory=dict)
+    block_kinds: int = 1  # kinds of block in the stack (NOTE: [block kinds] in fxtp/planner/params.py)
     pinned_tp: Optional[int] = None  # the caller's fxtp.plan(..., tp=): chosen is then that degree's best
     reserve: int = 0  # bytes of device_memory kept for the runtime: CUDA context, NCCL, fragmentation
 
@@ -196,6 +197,7 @@ class ParallelPlan:
             "tp_param_bytes": {str(k): v for k, v in self.tp_param_bytes.items()},
             "analyzed_blocks": self.analyzed_blocks,
             "n_blocks": self.n_blocks,
+            "block_kinds": self.block_kinds,
             "layer_styles": dict(self.layer_styles),
             "pinned_tp": self.pinned_tp,
             "notes": list(self.notes),
@@ -274,7 +276,8 @@ class ParallelPlan:
                 f"+ fsdp comm not hidden {t('fsdp_exposed')} (of {t('fsdp_comm')})")
 
     def _params_line(self) -> str:
-        how = (f"{self.analyzed_blocks} of {self.n_blocks} blocks analyzed, the rest counted as block 1"
+        counted = "block 1" if self.block_kinds == 1 else f"an analyzed block of their kind ({self.block_kinds} kinds)"
+        how = (f"{self.analyzed_blocks} of {self.n_blocks} blocks analyzed, the rest counted as {counted}"
                if self.analyzed_blocks and self.analyzed_blocks < self.n_blocks else "the whole model analyzed")
         return f"parameters per tp rank ({how}): " + ", ".join(
             f"tp {tp} {fmt_size(b)}" for tp, b in sorted(self.tp_param_bytes.items())

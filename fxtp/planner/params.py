@@ -11,6 +11,17 @@ full-depth ``fxtp.analyze`` and a compiled rank. Two blocks, not one: a first or
 next to the embedding or the head is never the one counted. Any other model (no config,
 blocks that differ, two blocks or fewer) is analyzed whole. One capture serves every
 tensor-parallel degree (``fxtp.api.plan_world_sizes``).
+
+NOTE: [block kinds]
+Some stacks hold more than one kind of block: DeepSeek-V3's first ``first_k_dense_replace``
+blocks have a dense MLP and the others experts; Qwen2-MoE's ``mlp_only_layers`` are dense among
+MoE blocks. Blocks are grouped by their parameters' names, shapes and dtypes (a kind), and the
+model is rebuilt on ``meta`` with the shortest prefix of its blocks that holds every kind twice
+(or as often as the model does): the rebuilt config keeps the family's own rule for which block
+is which (``first_k_dense_replace``, ``mlp_only_layers`` indices below the depth), and its blocks
+must have the real prefix's kinds, else the real model is analyzed whole. Each kind's blocks must
+be planned alike; one of them is counted once per block of that kind in the real model
+(``ParamShapes.kinds``). One kind is the case above (two blocks analyzed).
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ from torch import nn
 
 from fxtp.core.placement import Shard
 
-__all__ = ["ParamShapes", "Blocks", "repeated_blocks", "parameter_shapes"]
+__all__ = ["ParamShapes", "Blocks", "block_kinds", "repeated_blocks", "parameter_shapes"]
 
 # (local shape, bytes per element) of one parameter tensor on rank 0
 Piece = tuple[tuple[int, ...], int]
@@ -55,33 +66,47 @@ class ParamShapes:
     # scale with the tokens: the weight-gradient all_reduce of grouped kv shards (NOTE:
     # [grouped shards] in fxtp/core/placement.py), counted once per block of the real model
     block_weight_sent: float = 0.0
+    # A stack of several block kinds (NOTE: [block kinds]): each kind's pieces and its count in the
+    # real model, in order of first appearance (``block`` is the first's); empty for one kind
+    kinds: tuple[tuple[tuple[Piece, ...], int], ...] = ()
+
+    def block_kinds(self) -> tuple[tuple[tuple[Piece, ...], int], ...]:
+        """Each block kind's pieces and count (``((block, n_blocks),)`` for one kind)."""
+        return self.kinds or ((self.block, self.n_blocks),)
 
     def bytes(self) -> int:
         """Rank 0's parameter bytes in the model's own dtypes (what ``Report.param_bytes_per_rank`` says)."""
-        return _bytes(self.other) + self.n_blocks * _bytes(self.block)
+        return _bytes(self.other) + sum(n * _bytes(block) for block, n in self.block_kinds())
 
     def elements(self, dp: int = 1) -> int:
         """Elements rank 0 holds when FSDP2 also shards every parameter over ``dp`` ranks on
         dim 0 (``fully_shard`` pads dim 0 to a multiple of ``dp``: each holds ``ceil``)."""
-        return _elements(self.other, dp) + self.n_blocks * _elements(self.block, dp)
+        return _elements(self.other, dp) + sum(n * _elements(block, dp) for block, n in self.block_kinds())
 
     def largest_unit(self) -> int:
         """Elements of the largest FSDP unit on this rank (a block, or one parameter outside
         the blocks, as torchtitan wraps the embedding and the head on their own)."""
-        return max([_elements(self.block, 1)] + [_elements((p,), 1) for p in self.other])
+        return max([_elements(block, 1) for block, _ in self.block_kinds()] + [_elements((p,), 1) for p in self.other])
 
-    def unit_elements(self) -> tuple[int, int, int]:
+    def unit_elements(self) -> tuple[int, tuple[tuple[int, int], ...], int]:
         """Elements on this rank of FSDP's units (torchtitan's wrapping): what comes before the
-        blocks (the embedding), one block, and what comes after (the final norm and the head)."""
-        return (_elements(self.other[:self.before], 1), _elements(self.block, 1), _elements(self.other[self.before:], 1))
+        blocks (the embedding), one block of each kind with its count, and what comes after (the
+        final norm and the head)."""
+        blocks = tuple((_elements(block, 1), n) for block, n in self.block_kinds())
+        return (_elements(self.other[:self.before], 1), blocks, _elements(self.other[self.before:], 1))
 
 
 @dataclass(frozen=True)
 class Blocks:
-    """The repeated blocks of a model: the ``nn.ModuleList`` at ``fqn`` holds ``count``."""
+    """The repeated blocks of a model: the ``nn.ModuleList`` at ``fqn`` holds ``count``;
+    ``kinds`` the kind of each (NOTE: [block kinds]), empty when all are alike."""
 
     fqn: str
     count: int
+    kinds: tuple[int, ...] = ()
+
+    def kind_of(self, index: int) -> int:
+        return self.kinds[index] if self.kinds else 0
 
 
 def _bytes(pieces: tuple[Piece, ...]) -> int:
@@ -96,8 +121,14 @@ def _signature(block: nn.Module) -> tuple:
     return tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters())
 
 
+def block_kinds(blocks: nn.ModuleList) -> tuple[int, ...]:
+    """The kind of each block (NOTE: [block kinds]): 0, 1, ... in order of first appearance."""
+    seen: dict[tuple, int] = {}
+    return tuple(seen.setdefault(_signature(b), len(seen)) for b in blocks)
+
+
 def repeated_blocks(model: nn.Module) -> Optional[Blocks]:
-    """The model's stack of identical blocks (NOTE: [repeated blocks]), or None."""
+    """The model's stack of blocks (NOTE: [repeated blocks], NOTE: [block kinds]), or None."""
     count = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     if not isinstance(count, int) or count < 1:
         return None
@@ -105,9 +136,21 @@ def repeated_blocks(model: nn.Module) -> Optional[Blocks]:
     if not lists:
         return None
     fqn, blocks = max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
-    if len({_signature(b) for b in blocks}) != 1:
-        return None
-    return Blocks(fqn, count)
+    kinds = block_kinds(blocks)
+    return Blocks(fqn, count, kinds if max(kinds) else ())
+
+
+def _depth(blocks: Blocks) -> int:
+    """The shortest prefix of the stack holding every kind twice, or as often as the stack does
+    (NOTE: [block kinds]); 2 for one kind."""
+    kinds = blocks.kinds or (0,) * blocks.count
+    need = {k: min(2, kinds.count(k)) for k in set(kinds)}
+    seen: dict[int, int] = {}
+    for depth, k in enumerate(kinds, 1):
+        seen[k] = seen.get(k, 0) + 1
+        if all(seen.get(k, 0) >= n for k, n in need.items()):
+            return depth
+    return blocks.count
 
 
 def _shallow(model: nn.Module, depth: int) -> nn.Module:
@@ -156,11 +199,14 @@ def parameter_shapes(
 
     blocks = repeated_blocks(model)
     analyzed, inputs, kwargs, depth = model, example_inputs, example_kwargs, 0
-    if blocks is not None and blocks.count > 2 and hasattr(type(model), "_from_config"):
-        shallow = _shallow(model, 2)
+    prefix = _depth(blocks) if blocks is not None else 0
+    if blocks is not None and blocks.count > prefix and hasattr(type(model), "_from_config"):
+        shallow = _shallow(model, prefix)
         again = repeated_blocks(shallow)
         if again is not None and again.fqn == blocks.fqn and _same_blocks(model, shallow, blocks.fqn):
-            analyzed, inputs, kwargs, depth = shallow, _to_meta(example_inputs), _to_meta(example_kwargs), 2
+            analyzed, inputs, kwargs, depth = shallow, _to_meta(example_inputs), _to_meta(example_kwargs), prefix
+        elif blocks.kinds:  # the rebuilt prefix's kinds differ from the model's: analyze it whole
+            depth = blocks.count
     elif blocks is not None:
         depth = blocks.count
     program, plans = plan_world_sizes(analyzed, tps, inputs, example_kwargs=kwargs, expert_parallel=expert_parallel)
@@ -208,16 +254,22 @@ def _collect(
                 before = len(other)
             (other if index is None else per_block.setdefault(index, [])).append(piece)
         extrapolated = blocks is not None and 0 < depth < blocks.count
-        styles = _styles(plan, blocks.fqn if extrapolated else None)
+        styles = _styles(plan, blocks if extrapolated else None, depth)
         if blocks is None or not depth:
             out[key] = ParamShapes(tp, tuple(other), (), 0, 0, outside, styles)
         elif extrapolated:
-            first, counted = (tuple(per_block.get(i, ())) for i in (0, 1))
-            if first != counted or styles is None:
+            kinds: dict[int, tuple[tuple[Piece, ...], float]] = {}  # kind -> (pieces, held), alike in each kind
+            for i in range(depth):
+                seen = (tuple(per_block.get(i, ())), held.get(i, 0.0))
+                if kinds.setdefault(blocks.kind_of(i), seen) != seen:
+                    return None
+            if styles is None:
                 return None
-            if held.get(0, 0.0) != held.get(1, 0.0):
-                return None
-            out[key] = ParamShapes(tp, tuple(other), counted, blocks.count, depth, outside, styles, before or 0, held.get(1, 0.0))
+            counts = [sum(1 for i in range(blocks.count) if blocks.kind_of(i) == k) for k in sorted(kinds)]
+            pieces = [kinds[k][0] for k in sorted(kinds)]
+            sent = sum(n * kinds[k][1] for k, n in zip(sorted(kinds), counts)) / blocks.count  # per block, on average
+            out[key] = ParamShapes(tp, tuple(other), pieces[0], blocks.count, depth, outside, styles, before or 0, sent,
+                                   tuple(zip(pieces, counts)) if len(kinds) > 1 else ())
         else:
             pieces = tuple(other + [p for i in sorted(per_block) for p in per_block[i]])
             out[key] = ParamShapes(tp, pieces, (), 0, depth, outside, styles)
@@ -259,27 +311,41 @@ def _outside_sent(stats: Any, tp: int, depth: int, payload: int, held: float = 0
     return (max(0.0, sent["forward"] - floor) / payload, max(0.0, sent["backward"] - floor) / payload)
 
 
-def _styles(plan: Any, blocks_fqn: Optional[str]) -> Optional[tuple[tuple[str, str], ...]]:
+def _styles(plan: Any, blocks: Optional[Blocks], depth: int = 0) -> Optional[tuple[tuple[str, str], ...]]:
     """The plan's ``{layer: style}`` as ``plan=`` entries (glob patterns, ``[`` escaped); with
-    ``blocks_fqn`` (two blocks analyzed for many), block 1's layers as ``{blocks_fqn}.*.``
-    globs, or None where block 0's styles differ from block 1's."""
+    ``blocks`` (``depth`` blocks analyzed for many), the blocks' layers as ``{fqn}.*.`` globs
+    (a layer name whose style differs between block kinds: one entry per block of the real
+    model, NOTE: [block kinds]), or None where two analyzed blocks of one kind differ."""
     out: dict[str, str] = {}
-    per_block: dict[str, dict[str, str]] = {"0": {}, "1": {}}
+    per_block: dict[int, dict[str, str]] = {i: {} for i in range(depth)}
     for layer in plan.layers:
         name = layer.name.partition(":")[0]  # a module called twice: its calls share the module's key
-        index = _block_index(name, blocks_fqn) if blocks_fqn is not None else None
+        index = _block_index(name, blocks.fqn) if blocks is not None else None
         if index is not None:
-            rest = name[len(blocks_fqn) + 1:].partition(".")[2]
-            per_block[str(index)][rest] = layer.style
+            rest = name[len(blocks.fqn) + 1:].partition(".")[2]
+            per_block[index][rest] = layer.style
             continue
         key = name.replace("[", "[[]")
         out[key] = layer.style if out.get(key, layer.style) == layer.style else "replicate"
-    if blocks_fqn is None:
+    if blocks is None:
         return tuple(out.items())
-    if per_block["0"] != per_block["1"]:
-        return None
-    glob = f"{blocks_fqn}.*." if blocks_fqn else "*."
-    return tuple(out.items()) + tuple((glob + rest.replace("[", "[[]"), style) for rest, style in per_block["1"].items())
+    per_kind: dict[int, dict[str, str]] = {}
+    for i, styles in per_block.items():
+        if per_kind.setdefault(blocks.kind_of(i), styles) != styles:
+            return None
+    entries = list(out.items())
+    glob = f"{blocks.fqn}.*." if blocks.fqn else "*."
+    head = f"{blocks.fqn}." if blocks.fqn else ""
+    for rest in dict.fromkeys(r for styles in per_kind.values() for r in styles):
+        found = {styles[rest] for styles in per_kind.values() if rest in styles}
+        if len(found) == 1:
+            entries.append((glob + rest.replace("[", "[[]"), found.pop()))
+            continue
+        for i in range(blocks.count):
+            style = per_kind[blocks.kind_of(i)].get(rest)
+            if style is not None:
+                entries.append((f"{head}{i}.{rest}".replace("[", "[[]"), style))
+    return tuple(entries)
 
 
 def _block_index(fqn: str, prefix: str) -> Optional[int]:
@@ -291,7 +357,9 @@ def _block_index(fqn: str, prefix: str) -> Optional[int]:
 
 
 def _same_blocks(model: nn.Module, shallow: nn.Module, fqn: str) -> bool:
+    """The rebuilt model's blocks are the real model's first ones, kind for kind (NOTE: [block
+    kinds]), and the parameters outside the blocks are the same."""
     full, cut = model.get_submodule(fqn), shallow.get_submodule(fqn)
     other = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters() if _block_index(n, fqn) is None}
     kept = {n: (tuple(p.shape), p.dtype) for n, p in shallow.named_parameters() if _block_index(n, fqn) is None}
-    return _signature(full[0]) == _signature(cut[0]) and other == kept
+    return all(_signature(full[i]) == _signature(b) for i, b in enumerate(cut)) and other == kept

@@ -98,7 +98,7 @@ def plan(
     blocks = repeated_blocks(model)
     if blocks is None:
         raise FxtpConfigError(
-            f"fxtp.plan found no stack of identical blocks in {type(model).__name__} (an nn.ModuleList of "
+            f"fxtp.plan found no stack of blocks in {type(model).__name__} (an nn.ModuleList of "
             "config.num_hidden_layers blocks): it plans Hugging Face decoder models. fix: pass a transformers model "
             "or its config.json"
         )
@@ -115,7 +115,7 @@ def plan(
     params = parameter_shapes(model, tuple(inside + across), args, kwargs, expert_parallel=moe is not None)
     notes: tuple[str, ...] = ()
     if moe is not None:  # NOTE: [experts in the cost model]
-        params, notes = _experts_plans(moe, params, inside + across, devices, work, shape)
+        params, notes = _experts_plans(moe, params, inside + across, devices, work, shape, blocks.fqn)
     say("search")
     estimates, skipped = [], []
     for tp in inside + across:
@@ -151,6 +151,7 @@ def plan(
         tp_param_bytes={tp: p.bytes() for tp, p in params.items()},
         analyzed_blocks=params[1].analyzed_blocks,
         n_blocks=blocks.count,
+        block_kinds=max(blocks.kinds, default=0) + 1,
         solve_s=time.perf_counter() - start,
         notes=notes,
         layer_styles=dict(params[best.choice.tp].styles),
@@ -159,17 +160,18 @@ def plan(
 
 
 def _experts_plans(moe: MoeShape, params: dict[int, ParamShapes], tps: list[int], devices: int, work: Workload,
-                   shape: TransformerShape) -> tuple[dict[int, ParamShapes], tuple[str, ...]]:
+                   shape: TransformerShape, blocks_fqn: str) -> tuple[dict[int, ParamShapes], tuple[str, ...]]:
     """Each degree's parameters under the experts' plan :func:`choose_experts` picks, and its
-    reasons. Where two blocks were analyzed for many, the MoE layers beyond them add their
-    plan's bytes to ``outside_sent`` (the analysis counted the analyzed ones')."""
+    reasons. Where a few blocks were analyzed for many, the MoE layers beyond them (in a stack
+    of dense and MoE blocks, NOTE: [block kinds], only those) add their plan's bytes to
+    ``outside_sent`` (the analysis counted the analyzed ones')."""
     out, notes = {}, []
     for tp in tps:
         payload = max(1, work.batch // (devices // tp)) * work.seq * shape.hidden * work.activation_bytes
         ep = params.get(-tp)
         choice = choose_experts(moe, tp, payload, params[tp].bytes(), ep.bytes() if ep is not None else None, work.training)
         chosen = ep if choice.expert and ep is not None else params[tp]
-        extra = chosen.n_blocks - chosen.analyzed_blocks if chosen.n_blocks else 0
+        extra = sum(1 for name in moe.modules if _block_of(name, blocks_fqn) >= chosen.analyzed_blocks) if chosen.n_blocks else 0
         if extra > 0 and tp > 1:
             sent = moe.sent(tp, choice.expert)
             outside = tuple(max(0.0, o + extra * s) for o, s in zip(chosen.outside_sent, sent))
@@ -178,6 +180,13 @@ def _experts_plans(moe: MoeShape, params: dict[int, ParamShapes], tps: list[int]
         if tp > 1:
             notes.append(choice.reason)
     return out, tuple(notes)
+
+
+def _block_of(fqn: str, blocks_fqn: str) -> int:
+    """The index of the block holding module ``fqn`` (-1 outside the stack)."""
+    head = f"{blocks_fqn}." if blocks_fqn else ""
+    index = fqn[len(head):].partition(".")[0] if fqn.startswith(head) else ""
+    return int(index) if index.isdigit() else -1
 
 
 def _rank(e: Estimate) -> tuple:
