@@ -33,10 +33,12 @@ from fxtp.explain.recompute import add_recompute
 from fxtp.explain.report import Report, build_report, parameter_placements
 from fxtp.core.rng import draws_random, sync_generators
 from fxtp.planning import normalized, plan_program
+from fxtp.runtime.blocks import module_templates
 from fxtp.runtime.module import ParallelModule
 from fxtp.runtime.variants import SizeGraphs, in_mode, meta_copy, mode_of
 from fxtp.capture.shapes import input_specs, specialized_shapes
 from passes.dynamic import plan_symbols
+from passes.blocks import outline_blocks
 from passes.checkpointing import checkpoint_regions, recompute_regions, repeated_blocks
 from passes.normalize import causal_attention
 from passes.plan import ShardingPlan
@@ -155,7 +157,7 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
     start = time.perf_counter()
     blocks = repeated_blocks(model)
     regions = checkpoint_regions(program.graph, checkpointing, blocks, frozenset(captured.context_fns))
-    gm = recompute_regions(_rewrite(program, sharding, ws, rank, group_name), regions, captured.context_fns)
+    gm = outline_blocks(_rewrite(program, sharding, ws, rank, group_name), program, blocks, regions, captured.context_fns)
     add_recompute(report, regions, gm)
     report.timings["rewrite_s"] = time.perf_counter() - start
     compiled = mode_of(model)
@@ -182,7 +184,8 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
     if tp_group is not None and report.generator_check:  # NOTE: [dropout across ranks]
         sync_generators(tp_group)
     pm = ParallelModule(
-        program, gm, sharding, report, rank=rank, world_size=ws, group_name=group_name, graphs=graphs, mode=compiled
+        program, gm, sharding, report, rank=rank, world_size=ws, group_name=group_name, graphs=graphs, mode=compiled,
+        templates=module_templates(model),
     )
     pm._call_defaults = defaults
     bind_state_keys(pm, model)
@@ -265,7 +268,8 @@ def _recomputed(captured: Captured, sharding: ShardingPlan, ws: int, rank: int, 
     """The rank graph with its checkpointed regions recomputed in backward (NOTE: [recomputed
     regions]); ``recompute``: ``(activation_checkpointing, the model's repeated blocks)``."""
     regions = checkpoint_regions(captured.program.graph, *recompute, frozenset(captured.context_fns))
-    return recompute_regions(_rewrite(captured.program, sharding, ws, rank, group_name), regions, captured.context_fns)
+    return outline_blocks(_rewrite(captured.program, sharding, ws, rank, group_name), captured.program, recompute[1], regions,
+                          captured.context_fns)
 
 
 def _check_same_shards(want: Mapping[str, Any], program, sharding: ShardingPlan, where: str, alternative: str) -> None:
