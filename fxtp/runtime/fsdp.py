@@ -39,7 +39,7 @@ from fxtp.core.errors import FxtpConfigError
 from fxtp.runtime import clipping
 from fxtp.runtime.blocks import is_block
 
-__all__ = ["fsdp_units", "gathered_units", "resharded_without_grad"]
+__all__ = ["forward_dtypes", "fsdp_units", "gathered_units", "resharded_without_grad"]
 
 
 def fsdp_units(pm: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -99,3 +99,26 @@ def resharded_without_grad(units: list[nn.Module]) -> Iterator[None]:
         if units and not torch.is_grad_enabled():
             for unit in units:
                 unit.reshard()  # type: ignore[operator]
+
+
+def forward_dtypes(pm: nn.Module) -> dict[str, torch.dtype]:
+    """``{fqn: dtype}`` of ``pm``'s parameters as the rank graph will read them: a parameter of
+    an FSDP2 unit whose ``MixedPrecisionPolicy`` has a ``param_dtype`` is cast to it when the
+    unit gathers, which for a block happens after the root graph has started (NOTE: [low-precision
+    graphs] in fxtp/runtime/variants.py picks the graph by these dtypes). Reads FSDP2's policy from
+    its private state (``_get_fsdp_state()._mp_policy``: ``FSDPModule`` has no public getter), here only."""
+    units = fsdp_units(pm)
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(pm, FSDPModule):
+        units = [("", pm), *units]
+    owner: dict[int, torch.dtype] = {}
+    for _, unit in sorted(units, key=lambda u: u[0].count(".") if u[0] else -1):  # inner units last: they win
+        state = unit._get_fsdp_state()  # type: ignore[operator]
+        dtype = getattr(getattr(state, "_mp_policy", None), "param_dtype", None)
+        for p in unit.parameters():
+            if dtype is not None and p.is_floating_point():
+                owner[id(p)] = dtype
+            else:
+                owner.pop(id(p), None)
+    return {fqn: owner.get(id(p), p.dtype) for fqn, p in pm.named_parameters()}
