@@ -142,6 +142,9 @@ def outline_blocks(gm: GraphModule, program: ExportedProgram, blocks: tuple[str,
     rest += tuple(r for r in regions if r.source != "user" and r.module not in {b for b, _ in outlined})
     if rest:
         recompute_regions(gm, rest, context_fns)
+    for node in list(gm.graph.nodes):  # sizes only the blocks read: each reads its own now
+        if node.target is torch.ops.aten.sym_size.int and not node.users and outlined:
+            gm.graph.erase_node(node)
     for node in placeholders:
         if node in state and not node.users and any(_under(state[node], b) for b, _ in outlined):
             gm.graph.erase_node(node)
