@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.fx import GraphModule
 
 from fxtp.core.errors import FxtpRuntimeError
@@ -154,7 +155,10 @@ def run_block(pm: Any, fqn: str, block: nn.Module, args: tuple) -> Any:
     if body is None:
         raise FxtpRuntimeError(f"{fqn}: the {pm.mode}-mode graph keeps this block in its root graph (a checkpoint "
                                "region spans it); fix: call the ParallelModule")
-    return body.module(*args, *sharded.plain_inputs(body.read(block, fqn)))
+    state = body.read(block, fqn)
+    if any(isinstance(t, (sharded.ShardedTensor, DTensor)) for t in state):  # else nothing to convert: traceable by dynamo
+        state = sharded.plain_inputs(state)
+    return body.module(*args, *state)
 
 
 def _make_block(pm: Any, fqn: str) -> nn.Module:
