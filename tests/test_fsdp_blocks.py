@@ -203,3 +203,29 @@ def test_fully_shard_per_block_peak_memory_near_the_hand_plan(rank_pools):
     result = rank_pools(4).run(_run_memory)[0]
     for label, peaks in result.items():
         assert peaks["fxtp"] <= 1.10 * peaks["hand"], (label, {k: v / 2**20 for k, v in peaks.items()})
+
+
+def test_compile_per_block_is_exact():
+    """torchtitan's ``apply_compile``: ``block.compile(fullgraph=True)`` on each block of a
+    ``ParallelModule`` (world size 1, ``aot_eager`` to skip inductor's C++ builds): one graph per
+    block and no break, outputs and every gradient equal the model's; a block called alone equals
+    the model's block."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = _Net()
+    pm = fxtp.compile(copy.deepcopy(model), 1, (X,), dynamic=False)
+    for i in range(2):
+        pm.get_submodule(f"layers.{i}").compile(backend="aot_eager", fullgraph=True)
+    out, want = pm(X), model(X)
+    torch.testing.assert_close(out, want)
+    (out**2).mean().backward()
+    (want**2).mean().backward()
+    for fqn, p in pm.named_parameters():
+        torch.testing.assert_close(p.grad, model.get_parameter(fqn).grad, msg=lambda m: f"gradient of {fqn}: {m}")
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # one per block, traced by dynamo
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    hidden = torch.randn(4, 6, 16)
+    torch.testing.assert_close(pm.get_submodule("layers.1")(hidden), model.layers[1](hidden))
