@@ -185,11 +185,12 @@ def _state_ops(gm: GraphModule, span: list[Node], own: Callable[[Node], bool]) -
 
 def _sizes_from_activations(graph: Any, activations: int) -> set[int]:
     """Recompute each SymInt placeholder of ``graph`` from the first of its first
-    ``activations`` tensor placeholders that has that size in some dim, and drop the
+    ``activations`` replicated tensor placeholders that has that size in some dim, and drop the
     placeholder (NOTE: [rank program by block]); returns the positions dropped. One with no
     such tensor stays an input."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"][:activations]
-    tensors = [p for p in placeholders if isinstance(p.meta.get("val"), torch.Tensor)]
+    # a node's "val" holds the global shape; only a replicated value's sizes are the rank's own
+    tensors = [p for p in placeholders if isinstance(p.meta.get("val"), torch.Tensor) and p.meta.get("fxtp_placement", "R") == "R"]
     dropped: set[int] = set()
     for position, node in enumerate(placeholders):
         value = node.meta.get("val")
