@@ -38,8 +38,8 @@ from fxtp.runtime.module import ParallelModule
 from fxtp.runtime.variants import SizeGraphs, in_mode, meta_copy, mode_of
 from fxtp.capture.shapes import input_specs, specialized_shapes
 from passes.dynamic import plan_symbols
-from passes.blocks import outline_blocks
-from passes.checkpointing import checkpoint_regions, recompute_regions, repeated_blocks
+from passes.regions.blocks import outline_blocks
+from passes.regions.checkpointing import checkpoint_regions, recompute_regions, repeated_blocks
 from passes.normalize import causal_attention
 from passes.plan import ShardingPlan
 from passes.rewrite import rewrite

@@ -12,7 +12,7 @@ from torch import nn
 
 from fxtp.core.errors import FxtpConfigError, FxtpInputError
 from fxtp.core.strategy import TensorParallelStrategy
-from passes.checkpointing import MODES as CHECKPOINTING
+from passes.regions.checkpointing import MODES as CHECKPOINTING
 from passes.plan import STYLES
 
 __all__ = [

@@ -131,7 +131,7 @@ def count_graph_collectives(pm: fxtp.ParallelModule) -> collections.Counter[str]
 
 def graph_nodes(pm: fxtp.ParallelModule) -> list[Any]:
     """The nodes of the rank program: the root graph's and its blocks' bodies' (NOTE: [rank
-    program by block] in passes/blocks.py)."""
+    program by block] in passes/regions/blocks.py)."""
     return [n for gm in rank_graphs(pm).values() for n in gm.graph.nodes]
 
 

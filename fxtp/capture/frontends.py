@@ -120,7 +120,7 @@ def _traced_module_stacks(exported: torch.fx.Graph, traced: torch.fx.Graph) -> N
     it ran in. The export sees only the leaf modules the traced code still calls, so an op a
     block's own ``forward`` makes (its residual add) would belong to no block; the trace recorded
     every module (``node.meta["nn_module_stack"]``) and the export each op's traced node
-    (``meta["from_node"]``). NOTE: [rank program by block] in passes/blocks.py needs them."""
+    (``meta["from_node"]``). NOTE: [rank program by block] in passes/regions/blocks.py needs them."""
     stacks = {n.name: n.meta.get("fxtp_module_stack") for n in traced.nodes}
     for node in exported.nodes:
         sources = node.meta.get("from_node") or []

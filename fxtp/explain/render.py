@@ -132,7 +132,7 @@ def graph_dot(gm: GraphModule, *, title: str, blocks: Optional[dict[str, GraphMo
     """Graphviz DOT of the rank's graph: one box per value (parameters and inputs as ellipses),
     filled by placement (white R, blue S, orange P), collectives as red octagons naming the
     Megatron operator; each block's body (``blocks``: FQN -> its graph, NOTE: [rank program by
-    block] in passes/blocks.py) a cluster named by its FQN. Render with ``dot -Tsvg``."""
+    block] in passes/regions/blocks.py) a cluster named by its FQN. Render with ``dot -Tsvg``."""
     legend = (
         f"{title}\\nwhite: replicated (R)   blue: sharded (S)   orange: partial sums (P)   "
         "red: collectives (f: all_reduce in backward, g: all_reduce in forward)"

@@ -9,7 +9,7 @@ attributes (sizes, flags, ``eps``: what ``repr`` and type-based code read). So H
 ``Trainer.get_decay_parameter_names``, Megatron-style optimizer builders and any code that groups
 parameters by module type group ``pm``'s as the model's.
 
-A block (NOTE: [rank program by block] in passes/blocks.py) also runs: its ``forward`` (set on
+A block (NOTE: [rank program by block] in passes/regions/blocks.py) also runs: its ``forward`` (set on
 the instance) runs its body of the rank graph that runs now (the mode's, or a size-1 graph's,
 NOTE: [size-1 graphs]), reading its parameters and buffers as its own attributes at call time,
 so FSDP2's ``fully_shard(block)`` (which swaps them for the gathered ones in its pre-forward
@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.fx import GraphModule
 
 from fxtp.core.errors import FxtpRuntimeError
-from passes.blocks import layout_of
+from passes.regions.blocks import layout_of
 
 __all__ = ["BlockBody", "BlockCall", "Template", "bind_blocks", "is_block", "module_templates", "new_module", "rank_graphs", "run_block"]
 
@@ -174,7 +174,7 @@ def _make_block(pm: Any, fqn: str) -> nn.Module:
 def bind_blocks(pm: Any, gm: GraphModule, inputs: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], dict[str, BlockBody]]:
     """Split ``inputs`` (``(kind, key)`` per placeholder of the program) between ``gm``'s root graph and its
     blocks' bodies, make those blocks of ``pm`` and have ``gm`` call them (NOTE: [rank program by
-    block] in passes/blocks.py). Returns the root's inputs and ``{fqn: BlockBody}``."""
+    block] in passes/regions/blocks.py). Returns the root's inputs and ``{fqn: BlockBody}``."""
     layout = layout_of(gm)
     if layout is None:
         return inputs, {}

@@ -7,9 +7,7 @@ original model's structure (``torch.export``'s pytree specs).
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
@@ -22,13 +20,14 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from fxtp.core import activations, collectives, rng
 from fxtp.runtime import checkpoint, clipping, fsdp, generation, layout, sharded
-from fxtp.runtime.blocks import BlockBody, Template, bind_blocks, new_module
+from fxtp.runtime.blocks import Template, bind_blocks, new_module
+from fxtp.runtime.mode_graph import ModeGraph
 from fxtp.runtime.variants import SizeGraphs, differs_in_zero_one, held, static_refusal
 from fxtp.capture.frontends import written_state
 from fxtp.core.errors import FxtpInputError, FxtpRuntimeError
 from fxtp.core.placement import REPLICATE, Placement, Shard, shard_tensor
 from fxtp.explain.report import Report, parameter_placements
-from fxtp.capture.shapes import InputSpec, check_inputs, input_specs
+from fxtp.capture.shapes import check_inputs
 from passes.plan import ShardingPlan
 
 __all__ = ["ParallelModule", "ModeGraph"]
@@ -57,35 +56,6 @@ def _plain_containers(value: Any) -> Any:
 
 
 _RESERVED = ("graph_module", "report", "plan", "_fxtp_constants", "mode", "written_state")
-
-
-@dataclass(eq=False)
-class ModeGraph:
-    """One mode's rank graph and how to call it (NOTE: [modes] in fxtp/api.py). Holds no
-    reference to the captured program (whose state dict is the user's full weights)."""
-
-    gm: GraphModule
-    in_spec: pytree.TreeSpec
-    out_spec: pytree.TreeSpec
-    outputs: list[tuple[OutputKind, Optional[str]]]
-    specs: tuple[InputSpec, ...]  # the user inputs it runs on (fxtp.capture.shapes)
-    inputs: list[tuple[str, str]]  # (kind, key) per placeholder
-    slots: Optional[list[tuple[Optional[nn.Module], str]]] = None
-    draws_random: bool = False  # checks the generators before each call (NOTE: [dropout across ranks])
-    regathers: bool = False  # saves gathered token shards as shards (NOTE: [regathered activations])
-    blocks: dict[str, BlockBody] = dataclasses.field(default_factory=dict)  # NOTE: [blocks of a ParallelModule]
-
-    @classmethod
-    def of(cls, program: ExportedProgram, gm: GraphModule, inputs: list[tuple[str, str]],
-           blocks: Optional[dict[str, BlockBody]] = None) -> "ModeGraph":
-        """``inputs``: ``(kind, key)`` per root placeholder; ``blocks``: the bodies of its blocks."""
-        outputs = [(spec.kind, spec.target) for spec in program.graph_signature.output_specs]
-        blocks = blocks or {}
-        graphs = [gm, *(b.module for b in blocks.values() if isinstance(b.module, GraphModule))]
-        return cls(gm, program.call_spec.in_spec, program.call_spec.out_spec, outputs, input_specs(program), inputs,
-                   draws_random=rng.draws_random(program.graph),
-                   regathers=any(n.target is collectives.gather_from_sp for g in graphs for n in g.graph.nodes),
-                   blocks=blocks)
 
 
 class ParallelModule(nn.Module):

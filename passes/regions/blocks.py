@@ -4,7 +4,7 @@ NOTE: [rank program by block]
 torchtitan applies FSDP2, activation checkpointing and ``torch.compile`` per transformer block:
 each engine hooks a block's ``forward``. fxtp's rank graph is one graph; this pass gives it the
 model's blocks back. Each repeated block (a child of the model's largest ``nn.ModuleList``,
-``passes.checkpointing.repeated_blocks``; found by ``node.meta["nn_module_stack"]``, as
+``passes.regions.checkpointing.repeated_blocks``; found by ``node.meta["nn_module_stack"]``, as
 ``activation_checkpointing="blocks"`` finds its regions) is outlined from the rank graph into a
 body of its own, registered in the rank graph at the block's FQN (``model.layers.3``), and the
 root graph calls the blocks in order (``call_module``)::
@@ -23,7 +23,7 @@ a placeholder of the root graph. ``gm.meta["fxtp_blocks"]`` (a :class:`BlockLayo
 ``GraphModule``'s deepcopy) says which placeholders each part reads.
 
 The ops between a block's first and last op (the collectives the rewrite put among them
-included) are its body (``passes.checkpointing.region_span``): the collectives a block needs
+included) are its body (``passes.regions.checkpointing.region_span``): the collectives a block needs
 run inside it. A SymInt the body reads (a dynamic size the capture computed once at the top)
 is recomputed from the first activation of the body that has that size, so a block can be
 called alone on its activations (``pm.get_submodule("model.layers.3")(hidden, ...)``).
@@ -46,7 +46,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
 from fxtp.core.recompute import Recompute
-from passes.checkpointing import (
+from passes.regions.checkpointing import (
     Region,
     may_draw_random,
     outline_span,
@@ -91,7 +91,7 @@ def _under(fqn: str, block: str) -> bool:
 def outline_blocks(gm: GraphModule, program: ExportedProgram, blocks: tuple[str, ...], regions: tuple[Region, ...],
                    context_fns: Optional[dict[int, Callable[[], Any]]] = None) -> GraphModule:
     """Outline each block of ``blocks`` in the rank graph ``gm`` (of ``program``) into a body at
-    its FQN, checkpointing as ``regions`` say (``passes.checkpointing.checkpoint_regions``), in
+    its FQN, checkpointing as ``regions`` say (``passes.regions.checkpointing.checkpoint_regions``), in
     place; returns ``gm``. Without blocks in the graph, this is ``recompute_regions``."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     specs = program.graph_signature.input_specs
