@@ -38,7 +38,7 @@ from fxtp.runtime.module import ParallelModule
 from fxtp.runtime.variants import SizeGraphs, in_mode, meta_copy, mode_of
 from fxtp.capture.shapes import input_specs, specialized_shapes
 from passes.dynamic import plan_symbols
-from passes.regions.blocks import outline_blocks
+from passes.regions.blocks import outline_blocks, program_code
 from passes.regions.checkpointing import checkpoint_regions, recompute_regions, repeated_blocks
 from passes.normalize import causal_attention
 from passes.plan import ShardingPlan
@@ -172,7 +172,7 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
         if copied is None:  # a model that cannot be copied: its other mode is captured now
             other = _other_mode(model, mode, ws, args, kwargs, captured.frontend, plan, rank, shapes, group_name, want,
                                 (sequence, experts), (checkpointing, blocks))
-            same = other[1].code == gm.code and input_specs(other[0]) == input_specs(program)
+            same = program_code(other[1]) == program_code(gm) and input_specs(other[0]) == input_specs(program)
             graphs[mode] = graphs[compiled] if same else other
             report.modes[mode] = "captured at compile" + (": the same graph" if same else ": its own graph")
         else:
@@ -180,6 +180,7 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
     report.timings["modes_s"] = time.perf_counter() - start
     # The captured graphs, not the rank graphs: there a random op on a shard is fxtp's own call.
     report.generator_check = any(draws_random(prog.graph) for prog, _ in graphs.values())
+    code = program_code(gm)  # before the module binds its blocks (NOTE: [modes])
     tp_group = (group.get_group() if hasattr(group, "get_group") else group or dist.group.WORLD) if group_name is not None else None
     if tp_group is not None and report.generator_check:  # NOTE: [dropout across ranks]
         sync_generators(tp_group)
@@ -190,7 +191,7 @@ def _compile(model, world_size, example_inputs, example_kwargs, rank, group, cap
     pm._call_defaults = defaults
     bind_state_keys(pm, model)
     if copied is not None and any(mode not in graphs for mode in modes):
-        pm._mode_graphs = _mode_graphs(copied, compiled, gm.code, input_specs(program), ws, args, kwargs, captured.frontend,
+        pm._mode_graphs = _mode_graphs(copied, compiled, code, input_specs(program), ws, args, kwargs, captured.frontend,
                                        plan, rank, shapes, tp_group, group_name, want, (sequence, experts),
                                        (checkpointing, blocks))
     if copied is not None and not kv_heads and (dynamic_shapes is not None or dynamic):  # NOTE: [size-1 graphs] in fxtp/runtime/variants.py
@@ -251,7 +252,7 @@ def _mode_graphs(copied, compiled, code, specs, ws, args, kwargs, frontend, plan
         start = time.perf_counter()
         program, gm = _other_mode(copied, mode, ws, meta_args, meta_kwargs, frontend, plan, rank, shapes, group_name, want,
                                   options, recompute)
-        same = gm.code == code and input_specs(program) == specs
+        same = program_code(gm) == code and input_specs(program) == specs
         pm.report.modes[mode] = "captured at the first switch to it" + (": the same graph" if same else ": its own graph")
         pm.report.timings["modes_s"] = time.perf_counter() - start
         if same:

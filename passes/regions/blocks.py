@@ -57,7 +57,7 @@ from passes.regions.checkpointing import (
     splice,
 )
 
-__all__ = ["BlockLayout", "outline_blocks", "layout_of"]
+__all__ = ["BlockLayout", "outline_blocks", "layout_of", "program_code"]
 
 _STATE = (InputKind.PARAMETER, InputKind.BUFFER)
 
@@ -82,6 +82,14 @@ class BlockLayout:
 def layout_of(gm: GraphModule) -> Optional[BlockLayout]:
     """The layout :func:`outline_blocks` wrote on ``gm``, or ``None`` for a graph without blocks."""
     return gm.meta.get("fxtp_blocks")
+
+
+def program_code(gm: GraphModule) -> str:
+    """The code of a rank graph not yet bound to a module and of its blocks' bodies: what two
+    graphs must share to be the same program (NOTE: [modes] in fxtp/api.py)."""
+    layout = layout_of(gm)
+    bodies = [gm.get_submodule(fqn) for fqn, _ in layout.blocks] if layout is not None else []
+    return "\n".join([gm.code, *(getattr(b, "body", b).code for b in bodies)])
 
 
 def _under(fqn: str, block: str) -> bool:
