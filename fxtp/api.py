@@ -35,11 +35,13 @@ from fxtp.explain.recompute import add_recompute
 from fxtp.explain.report import Report, build_report, parameter_placements
 from fxtp.core.rng import draws_random, sync_generators
 from fxtp.planning import normalized, plan_program
+from fxtp.runtime.blocks import module_templates
 from fxtp.runtime.module import ParallelModule
 from fxtp.runtime.variants import SizeGraphs, in_mode, meta_copy, mode_of
 from fxtp.capture.shapes import input_specs, specialized_shapes
 from passes.dynamic import plan_symbols
-from passes.checkpointing import checkpoint_regions, recompute_regions, repeated_blocks
+from passes.regions.blocks import outline_blocks, program_code
+from passes.regions.checkpointing import checkpoint_regions, recompute_regions, repeated_blocks
 from passes.normalize import causal_attention
 from passes.plan import ShardingPlan
 from passes.rewrite import rewrite
@@ -157,7 +159,7 @@ def _compile(model: nn.Module, example_inputs: Optional[tuple], example_kwargs: 
     options = dataclasses.replace(options, capture=captured.frontend, blocks=repeated_blocks(model),
                                   want=parameter_placements(program, sharding))
     regions = checkpoint_regions(program.graph, options.checkpointing, options.blocks, frozenset(captured.context_fns))
-    gm = recompute_regions(_rewrite(program, sharding, options), regions, captured.context_fns)
+    gm = outline_blocks(_rewrite(program, sharding, options), program, options.blocks, regions, captured.context_fns)
     add_recompute(report, regions, gm)
     report.timings["rewrite_s"] = time.perf_counter() - start
     compiled = mode_of(model)
@@ -170,7 +172,7 @@ def _compile(model: nn.Module, example_inputs: Optional[tuple], example_kwargs: 
             continue
         if copied is None:  # a model that cannot be copied: its other mode is captured now
             other = _other_mode(model, mode, args, kwargs, options)
-            same = other[1].code == gm.code and input_specs(other[0]) == input_specs(program)
+            same = program_code(other[1]) == program_code(gm) and input_specs(other[0]) == input_specs(program)
             graphs[mode] = graphs[compiled] if same else other
             report.modes[mode] = "captured at compile" + (": the same graph" if same else ": its own graph")
         else:
@@ -178,16 +180,18 @@ def _compile(model: nn.Module, example_inputs: Optional[tuple], example_kwargs: 
     report.timings["modes_s"] = time.perf_counter() - start
     # The captured graphs, not the rank graphs: there a random op on a shard is fxtp's own call.
     report.generator_check = any(draws_random(prog.graph) for prog, _ in graphs.values())
+    code = program_code(gm)  # before the module binds its blocks (NOTE: [modes])
     tp_group = (group.get_group() if hasattr(group, "get_group") else group or dist.group.WORLD) if group_name is not None else None
     if tp_group is not None and report.generator_check:  # NOTE: [dropout across ranks]
         sync_generators(tp_group)
     pm = ParallelModule(
-        program, gm, sharding, report, rank=rank, world_size=ws, group_name=group_name, graphs=graphs, mode=compiled
+        program, gm, sharding, report, rank=rank, world_size=ws, group_name=group_name, graphs=graphs, mode=compiled,
+        templates=module_templates(model),
     )
     pm._call_defaults = defaults
     bind_state_keys(pm, model)
     if copied is not None and any(mode not in graphs for mode in modes):
-        pm._mode_graphs = _mode_graphs(copied, args, kwargs, options, tp_group, compiled, gm.code, input_specs(program))
+        pm._mode_graphs = _mode_graphs(copied, args, kwargs, options, tp_group, compiled, code, input_specs(program))
     if copied is not None and not options.kv_heads and (dynamic_shapes is not None or dynamic):  # NOTE: [size-1 graphs] in fxtp/runtime/variants.py
         pm._size_graphs = _size_graphs(copied, options, (report.plan, options.plan))
     pm._generation = generation_for(model, _compile_decoder)  # NOTE: [generation]
@@ -242,7 +246,7 @@ def _mode_graphs(copied: nn.Module, args: tuple, kwargs: dict, options: CompileO
     def capture_mode(pm: ParallelModule, mode: str) -> Any:
         start = time.perf_counter()
         program, gm = _other_mode(copied, mode, meta_args, meta_kwargs, options)
-        same = gm.code == code and input_specs(program) == specs
+        same = program_code(gm) == code and input_specs(program) == specs
         pm.report.modes[mode] = "captured at the first switch to it" + (": the same graph" if same else ": its own graph")
         pm.report.timings["modes_s"] = time.perf_counter() - start
         if same:
@@ -259,7 +263,8 @@ def _recomputed(captured: Captured, sharding: ShardingPlan, options: CompileOpti
     """The rank graph with its checkpointed regions recomputed in backward (NOTE: [recomputed
     regions]): ``options.checkpointing`` over ``options.blocks``."""
     regions = checkpoint_regions(captured.program.graph, options.checkpointing, options.blocks, frozenset(captured.context_fns))
-    return recompute_regions(_rewrite(captured.program, sharding, options), regions, captured.context_fns)
+    return outline_blocks(_rewrite(captured.program, sharding, options), captured.program, options.blocks, regions,
+                          captured.context_fns)
 
 
 def _check_same_shards(want: Mapping[str, Any], program, sharding: ShardingPlan, where: str, alternative: str) -> None:

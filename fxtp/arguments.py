@@ -14,7 +14,7 @@ from torch import nn
 from fxtp.capture.frontends import FRONTENDS
 from fxtp.core.errors import FxtpConfigError, FxtpInputError
 from fxtp.core.strategy import TensorParallelStrategy
-from passes.checkpointing import MODES as CHECKPOINTING
+from passes.regions.checkpointing import MODES as CHECKPOINTING
 from passes.plan import STYLES
 
 __all__ = [

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fxtp
 from fxtp.explain.report import megatron_floor  # noqa: F401 - re-exported for the tests
 from fxtp.core.placement import shard_tensor
+from fxtp.runtime.blocks import rank_graphs
 from fxtp.runtime.sharded import local_tensor
 
 __all__ = [
@@ -203,8 +204,19 @@ def loss_of(out: Any) -> torch.Tensor:
 def count_graph_collectives(pm: fxtp.ParallelModule) -> collections.Counter[str]:
     """Collective call sites in the emitted graph, by function name."""
     return collections.Counter(
-        n.target.__name__ for n in pm.graph_module.graph.nodes if n.op == "call_function" and n.target.__module__ == "fxtp.core.collectives"
+        n.target.__name__ for n in graph_nodes(pm) if n.op == "call_function" and n.target.__module__ == "fxtp.core.collectives"
     )
+
+
+def graph_nodes(pm: fxtp.ParallelModule) -> list[Any]:
+    """The nodes of the rank program: the root graph's and its blocks' bodies' (NOTE: [rank
+    program by block] in passes/regions/blocks.py)."""
+    return [n for gm in rank_graphs(pm).values() for n in gm.graph.nodes]
+
+
+def graph_code(pm: fxtp.ParallelModule) -> str:
+    """The code of the rank program: the root graph's, then each block body's."""
+    return "\n".join(gm.code for gm in rank_graphs(pm).values())
 
 
 def assert_report_counts(report: "fxtp.Report", forward: Any, backward: Any) -> None:
@@ -308,7 +320,7 @@ def compare_training(
         "forward_all_reduce_shapes": list(fwd.shapes["all_reduce"]),
         "placements": {fqn: str(p) for fqn, p in pm.placements.items()},
         "report": pm.report.to_dict(),
-        "code": pm.graph_module.code,
+        "code": graph_code(pm),
         "out_shapes": [tuple(t.shape) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)],
         "local_shapes": {fqn: tuple(p.shape) for fqn, p in pm.named_parameters()},
     }

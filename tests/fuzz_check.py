@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from _helpers import CollectiveCounter, CollectiveLog, assert_model_unchanged, collective_divergence, loss_of, model_state
 from fuzz_models import Spec, build
+from torch import nn
 
 import fxtp
 from fxtp.core.placement import Shard, shard_tensor
@@ -148,6 +149,20 @@ def _dtypes(got: Any, want: Any) -> list[tuple[str, str, float]]:
     return [] if a == b else [("dtype", f"output dtypes {a}, the single device's {b}", float("nan"))]
 
 
+_NO_DECAY = (nn.LayerNorm, nn.RMSNorm, nn.Embedding)
+
+
+def _type_groups(module: nn.Module, lr: float) -> list[dict]:
+    """Parameter groups by module type (``isinstance``, as Hugging Face's
+    ``Trainer.get_decay_parameter_names``): norms and embeddings without weight decay at half the
+    rate, the rest with decay 0.1; pm's module tree must answer as the model's (NOTE: [blocks of
+    a ParallelModule] in fxtp/runtime/blocks.py)."""
+    exempt = {id(p) for m in module.modules() if isinstance(m, _NO_DECAY) for p in m.parameters(recurse=False)}
+    params = list(module.parameters())
+    return [{"params": [p for p in params if id(p) not in exempt], "weight_decay": 0.1},
+            {"params": [p for p in params if id(p) in exempt], "weight_decay": 0.0, "lr": lr / 2}]
+
+
 def differential(spec: Spec, steps: int = 2, lr: float = 0.1) -> Outcome:
     """Run the property for ``spec`` on this rank of the default process group: fxtp against
     the same model in float32 (the reference) and in float64 (the judge of rounding); the
@@ -194,7 +209,7 @@ def _differential(spec: Spec, steps: int, lr: float) -> Outcome:
         problems += _dtypes(out, refs[0])
         pairs.append(("output", (out, *refs)))
         pairs += [(f"gradient of {fqn}", grads) for fqn, grads in _grads(pm, modules[1:], rank, ws)]
-        opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in modules]
+        opts = [torch.optim.SGD(_type_groups(m, lr) if spec.type_groups else m.parameters(), lr=lr) for m in modules]
         for step in range(steps):
             if spec.clip:  # torch's clipping on every module, as a training loop calls it (NOTE: [sharded parameters])
                 norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1) for m in modules]

@@ -132,6 +132,9 @@ class Spec:
     seed: int = 0
     sequence_parallel: bool = False  # compile with sequence_parallel=True (NOTE: [sequence parallelism])
     clip: bool = False  # the training loop clips: torch.nn.utils.clip_grad_norm_(parameters, 0.1) before each step
+    # the optimizer's parameter groups are built by module type (norms and embeddings without weight
+    # decay, at half the rate), as Hugging Face's Trainer and Megatron-style builders do
+    type_groups: bool = False
     # "user": each block runs under torch.utils.checkpoint; "blocks" / "selective": compile with
     # activation_checkpointing= that (NOTE: [recomputed regions])
     checkpointing: str = "none"
@@ -163,8 +166,8 @@ def features(spec: Spec) -> set[str]:
         out |= {f"embed.{f.name}" for f in dataclasses.fields(spec.embed) if getattr(spec.embed, f.name) not in (None, False)}
     if spec.head != "none":
         out.add(f"head:{spec.head}")
-    for flag in ("loss", "train", "also_hidden", "sequence_parallel", "clip", "dynamic", "expert_parallel", "aliased",
-                 "ignored", "autocast"):
+    for flag in ("loss", "train", "also_hidden", "sequence_parallel", "clip", "type_groups", "dynamic", "expert_parallel",
+                 "aliased", "ignored", "autocast"):
         if getattr(spec, flag):
             out.add(flag)
     if spec.checkpointing != "none":

@@ -155,6 +155,7 @@ def specs(draw: st.DrawFn, exclude: frozenset[str] = frozenset()) -> Spec:
         seed=draw(st.integers(0, 3)),
         sequence_parallel=draw(_flag("sequence_parallel", exclude)),
         clip=draw(_flag("clip", exclude)),
+        type_groups=draw(_flag("type_groups", exclude)),
         checkpointing=draw(_pick("checkpointing", ("none", "user", "blocks", "selective"), exclude)),
         dynamic=draw(_flag("dynamic", exclude)),
         expert_parallel=draw(_flag("expert_parallel", exclude)) if any(isinstance(b, Moe) for b in blocks) else False,

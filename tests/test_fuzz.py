@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 
 from fuzz_check import check_outcomes, differential
-from fuzz_models import Moe, Spec
+from fuzz_models import Embed, Mlp, Moe, Spec
 from fuzz_strategies import specs
 from hypothesis import HealthCheck, event, example, given, seed, settings
 
@@ -43,6 +43,9 @@ SEED = os.environ.get("FXTP_FUZZ_SEED")
 # Mixtral's top-1 with 6 experts expert parallel
 @example(spec=Spec(hidden=16, blocks=(Moe(ffn=16, shared=True, impl="batched_mm"),), train=True))
 @example(spec=Spec(hidden=16, blocks=(Moe(ffn=32, experts=6, top_k=1),), batch=1, expert_parallel=True))
+# parameter groups by module type over norms of each kind and an embedding (NOTE: [blocks of a ParallelModule])
+@example(spec=Spec(hidden=16, blocks=(Mlp(ffn=32, norm="layer"), Mlp(ffn=32, norm="rms")), embed=Embed(), head="linear",
+                   type_groups=True))
 @seed(int(SEED or 0))
 def test_fxtp_equals_single_device_or_rejects(pool, spec):
     outcomes = pool.run(differential, spec)
@@ -54,6 +57,8 @@ def test_fxtp_equals_single_device_or_rejects(pool, spec):
         event("sequence_parallel=True")
     if spec.clip:
         event("clip_grad_norm_ in the loop")
+    if spec.type_groups:
+        event("parameter groups by module type")
     if spec.checkpointing != "none":
         event(f"checkpointing={spec.checkpointing}")
     event("dynamic=True" if spec.dynamic else "dynamic=False")

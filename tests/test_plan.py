@@ -295,7 +295,7 @@ def test_mixed_dense_and_moe_stacks_count_every_block_exactly(name):
     equal the real 6-block model's: at tp 1 the model's own parameters summed (torch's count on
     the meta model), at tp 2 and 4 ``fxtp.analyze`` of the whole model; ``fxtp.plan`` accepts the
     model and says how it counted."""
-    from fxtp.explain import examples
+    from fxtp.cli import examples
 
     model, _ = getattr(examples, name)(device="meta", **MIXED[name])
     kinds = {type(block.mlp).__name__ for block in model.model.layers}
@@ -318,7 +318,7 @@ def test_mixed_dense_and_moe_stacks_count_every_block_exactly(name):
 def test_one_kind_stacks_are_counted_as_before():
     """A pure-MoE stack (Mixtral, 4 blocks) and a pure-dense one (Llama) still analyze 2 blocks,
     with one kind, and count exactly (the dense families: test_two_analyzed_blocks_count_the_full_depth_exactly)."""
-    from fxtp.explain import examples
+    from fxtp.cli import examples
 
     model, _ = examples.mixtral(num_hidden_layers=4)
     ids = torch.zeros(2, 16, dtype=torch.long)

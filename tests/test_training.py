@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from _helpers import loss_of
+from _helpers import graph_code, loss_of
 from cases import build_case
 from torch import nn
 
@@ -165,7 +165,7 @@ def _dropout_train():
     for fqn, p in pm.named_parameters():
         torch.testing.assert_close(local_tensor(p.grad), shard_tensor(ref.get_parameter(fqn).grad, pm.placements[fqn], rank, ws))
     notes = [n for n in pm.report.to_dict()["notes"] if n["code"] == "dropout-on-shard"]
-    return all(torch.equal(g, out) for g in gathered), notes, pm.graph_module.code
+    return all(torch.equal(g, out) for g in gathered), notes, graph_code(pm)
 
 
 def test_dropout_train_mode_one_global_mask(pool):
@@ -227,7 +227,7 @@ def _compiled_fullgraph(mode: str) -> dict:
     and 3 SGD steps; outputs and every gradient at each step against the single device;
     ``torch._dynamo.explain(pm)`` counts graphs and breaks."""
     import torch._dynamo
-    from fxtp.explain import examples
+    from fxtp.cli import examples
 
     ws, rank = dist.get_world_size(), dist.get_rank()
     model, (ids,) = examples.llama(num_hidden_layers=2)

@@ -376,3 +376,50 @@ def test_the_fuzzers_property_holds_with_clipping_in_the_loop(pool):
 
     spec = Spec(hidden=16, blocks=(Attn(heads=4, kv_heads=4), Mlp(ffn=10)), clip=True)
     check_outcomes(spec, pool.run(differential, spec))
+
+
+def _decay_groups() -> dict:
+    """GPT-2's weight-decay groups built by module type (Hugging Face's
+    ``Trainer.get_decay_parameter_names``, which excludes ``nn.LayerNorm`` weights by
+    ``isinstance``) on ``pm`` and on the model: the same names; 3 AdamW steps with those groups
+    equal the single device's (NOTE: [blocks of a ParallelModule] in fxtp/runtime/blocks.py)."""
+    from transformers import GPT2LMHeadModel, Trainer
+
+    from fxtp.cli import examples
+
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(examples.gpt2_config()).train()
+    model.config.use_cache = False
+    ids = examples.gpt2()[1][0]
+    ref = copy.deepcopy(model)
+    pm = fxtp.compile(model, ws, (ids,), example_kwargs={"labels": ids.clone()}, dynamic=False)
+    names = Trainer.get_decay_parameter_names(None, pm)
+    assert sorted(names) == sorted(Trainer.get_decay_parameter_names(None, ref))
+    assert isinstance(pm.get_submodule("transformer.h.0.ln_1"), nn.LayerNorm)
+    assert type(pm.get_submodule("transformer.h.0")) is type(ref.transformer.h[0])
+
+    def groups(m: nn.Module) -> list[dict]:
+        decay = set(Trainer.get_decay_parameter_names(None, m))
+        named = list(m.named_parameters())
+        return [{"params": [p for n, p in named if n in decay], "weight_decay": 0.1},
+                {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+
+    # eps=1e-3: a near-zero gradient (GPT-2's attention biases) is not blown up to a full step by its own rounding
+    opt, ref_opt = (torch.optim.AdamW(groups(m), lr=1e-2, eps=1e-3) for m in (pm, ref))
+    for step in range(3):
+        for m, o in ((pm, opt), (ref, ref_opt)):
+            m(ids, labels=ids).loss.backward()
+            o.step()
+            o.zero_grad()
+    for fqn, p in pm.named_parameters():
+        want = shard_tensor(ref.get_parameter(fqn).detach(), pm.placements[fqn], rank, ws)
+        torch.testing.assert_close(local_tensor(p).detach(), want, msg=lambda m: f"{fqn} after 3 AdamW steps: {m}")
+    return {"decay": len(names), "all": len(list(pm.named_parameters()))}
+
+
+def test_weight_decay_groups_by_module_type_match_one_device(pool):
+    """pm's module tree answers type checks as the model's (GPT-2's LayerNorms are
+    ``nn.LayerNorm``), so the decay groups and 3 AdamW steps equal the single device's."""
+    for rank in pool.run(_decay_groups):
+        assert 0 < rank["decay"] < rank["all"], rank

@@ -57,6 +57,7 @@ from fxtp.cli import examples  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_activations  # noqa: E402
+import bench_fsdp  # noqa: E402
 from bench_models import Settings, builtins, dtensor_hand_plan, generation_model, megatron_collectives, reference_transformer  # noqa: E402
 from bench_report import goals, plot, tables  # noqa: E402
 
@@ -385,6 +386,12 @@ def run(s: Settings) -> dict[str, Any]:
         "activations": ranks[0]["activations"] | {"world_size": 2},
         "compile": timed("compile", bench_compile),
         "param_fraction": timed("memory", bench_memory),
+        # FSDP2 per block at dp 2 x tp 2 (4 gloo ranks): peak heap MiB per rank, fxtp vs torchtitan's plan by hand
+        # (not in --quick: 4 more ranks and inductor's C++ compiles; tests/test_fsdp_blocks.py asserts the bound)
+        "fsdp_blocks_peak": timed("fsdp_blocks", lambda _: bench_fsdp.bench()) if s.full_size else None,
+        # torch.compile per block (block.compile(fullgraph=True)), world size 1: first forward+backward seconds
+        "compile_per_block_s": timed("compile_per_block", lambda _: {str(n): bench_fsdp.compile_seconds(n)["first_call_s"]
+                                                                     for n in (2, 8)}) if s.full_size else None,
         "section_s": sections,
     }
     result["goals"] = goals(result)

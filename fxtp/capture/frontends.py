@@ -104,7 +104,7 @@ def _traced(model: nn.Module) -> torch.fx.GraphModule:
     """
     versions = {name: b._version for name, b in model.named_buffers()}  # torch's in-place write counter
     with recording_checkpoints(symbolic=True):  # NOTE: [checkpoint regions at capture]
-        tracer = torch.fx.Tracer()
+        tracer = _StackTracer()
         tracer.record_stack_traces = True  # the model's source lines reach the fixes (NOTE: [actionable fixes])
         graph = tracer.trace(model)
         traced = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
@@ -115,8 +115,54 @@ def _traced(model: nn.Module) -> torch.fx.GraphModule:
 
 
 def _fx(model: nn.Module, args: tuple, kwargs: dict, shapes: Any) -> tuple[torch.export.ExportedProgram, list[str]]:
-    first = [_traced(capture_copy(model))]  # a model fx cannot trace fails here, before any export
-    return _export_with(lambda: first.pop() if first else _traced(capture_copy(model)), args, kwargs, shapes, strict=False)
+    unused = [_traced(capture_copy(model))]  # a model fx cannot trace fails here, before any export
+    made: list[torch.fx.GraphModule] = []
+
+    def make() -> torch.fx.GraphModule:
+        made.append(unused.pop() if unused else _traced(capture_copy(model)))
+        return made[-1]
+
+    program, notes = _export_with(make, args, kwargs, shapes, strict=False)
+    _traced_module_stacks(program.graph, made[-1].graph)
+    return program, notes
+
+
+class _StackTracer(torch.fx.Tracer):
+    """``torch.fx.Tracer`` that records each node's module stack in ``meta["fxtp_module_stack"]``
+    (the tracer's own ``nn_module_stack`` is not written under ``preserve_node_meta``, which
+    the checkpoint regions need)."""
+
+    def create_node(self, *args: Any, **kwargs: Any) -> torch.fx.Node:
+        node = super().create_node(*args, **kwargs)
+        if self.module_stack:
+            node.meta["fxtp_module_stack"] = dict(self.module_stack)
+        return node
+
+
+def _traced_module_stacks(exported: torch.fx.Graph, traced: torch.fx.Graph) -> None:
+    """Give each op of ``exported`` (torch.export of the ``symbolic_trace``d module) the modules
+    it ran in. The export sees only the leaf modules the traced code still calls, so an op a
+    block's own ``forward`` makes (its residual add) would belong to no block; the trace recorded
+    every module (``node.meta["nn_module_stack"]``) and the export each op's traced node
+    (``meta["from_node"]``). NOTE: [rank program by block] in passes/regions/blocks.py needs them."""
+    stacks = {n.name: n.meta.get("fxtp_module_stack") for n in traced.nodes}
+    for node in exported.nodes:
+        sources = node.meta.get("from_node") or []
+        source = sources[0] if sources else None
+        while source is not None and source.from_node:
+            source = source.from_node[0]
+        recorded = stacks.get(source.name) if source is not None else None
+        if not recorded:
+            continue
+        own = dict(node.meta.get("nn_module_stack") or {})
+        paths = {path for path, _ in own.values()}
+        root = {k: v for k, v in own.items() if v[0] == ""}
+        merged = dict(root)
+        for path, cls in recorded.values():
+            if path not in paths:
+                merged[f"fxtp_traced_{path}"] = (path, f"{cls.__module__}.{cls.__qualname__}")
+        merged.update({k: v for k, v in own.items() if v[0] != ""})
+        node.meta["nn_module_stack"] = merged
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, shapes: Any) -> tuple[torch.export.ExportedProgram, list[str]]:

@@ -6,7 +6,7 @@ graph holds ``fn``'s ops inline and nothing says they were to be recomputed, so 
 would silently keep every activation. While :func:`recording_checkpoints` is active, each
 checkpoint call runs ``fn`` inside ``torch.fx.traceback.annotate({"fxtp_checkpoint": i})``, so
 torch.export writes ``node.meta["custom"]["fxtp_checkpoint"] = i`` on every op ``fn`` made;
-``passes/checkpointing.py`` turns the tags into regions and the rewrite runs each region under
+``passes/regions/checkpointing.py`` turns the tags into regions and the rewrite runs each region under
 ``torch.utils.checkpoint`` again (``fxtp.core.recompute``). A selective region's policy
 (``context_fn=``) is kept with its number (:attr:`Recorded.context_fns`) and applied again.
 

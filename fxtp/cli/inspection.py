@@ -32,6 +32,7 @@ from fxtp.core.errors import FxtpConfigError, FxtpError, FxtpInputError
 from fxtp.cli.examples import EXAMPLES, EXTRA, EXTRA_PACKAGES
 from fxtp.capture.hf_config import is_config_path, load_config_model
 from fxtp.explain.render import graph_dot, graph_text
+from fxtp.runtime.blocks import rank_graphs
 
 __all__ = [
     "InputSpec",
@@ -305,7 +306,11 @@ def render(what: "fxtp.ParallelModule | fxtp.Report", fmt: str, *, name: str = "
         return report.to_text(verbose=verbose, all_layers=all_layers) + "\n"
     assert isinstance(what, fxtp.ParallelModule), "graph and dot need a compiled rank"
     title = f"{name}: rank {what.report.rank} of world_size {what.report.world_size}"
-    return (graph_text if fmt == "graph" else graph_dot)(what.graph_module, title=title)
+    graphs = rank_graphs(what)  # the root graph, then each block's body (NOTE: [rank program by block])
+    root = graphs.pop("")
+    if fmt == "dot":
+        return graph_dot(root, title=title, blocks=graphs)
+    return "\n".join([graph_text(root, title=title), *(graph_text(g, title=f"{title}: block {fqn}") for fqn, g in graphs.items())])
 
 
 def write_output(text: str, out: Optional[str], fmt: str) -> None:

@@ -1,7 +1,7 @@
 """Activation checkpointing in the rank graph: a region run under ``torch.utils.checkpoint``.
 
 NOTE: [recomputed regions]
-A region (``passes/checkpointing.py``: a ``torch.utils.checkpoint`` call of the user's model,
+A region (``passes/regions/checkpointing.py``: a ``torch.utils.checkpoint`` call of the user's model,
 NOTE: [checkpoint regions at capture], or one repeated block under
 ``activation_checkpointing=``) becomes a submodule of the rank graph, :class:`Recompute`, that
 calls its body through ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: the

@@ -20,7 +20,7 @@ from fxtp.core import local_ops
 from fxtp.core.expert_dispatch import combine_from_experts, dispatch_to_experts
 from fxtp.core.recompute import Recompute
 from fxtp.explain.counts import CollectiveStat, nbytes_of
-from passes.checkpointing import Region
+from passes.regions.checkpointing import Region
 
 __all__ = ["recomputed", "add_recompute"]
 

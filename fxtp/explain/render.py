@@ -128,10 +128,11 @@ def _op_label(node: Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def graph_dot(gm: GraphModule, *, title: str) -> str:
+def graph_dot(gm: GraphModule, *, title: str, blocks: Optional[dict[str, GraphModule]] = None) -> str:
     """Graphviz DOT of the rank's graph: one box per value (parameters and inputs as ellipses),
     filled by placement (white R, blue S, orange P), collectives as red octagons naming the
-    Megatron operator. Render with ``dot -Tsvg``."""
+    Megatron operator; each block's body (``blocks``: FQN -> its graph, NOTE: [rank program by
+    block] in passes/regions/blocks.py) a cluster named by its FQN. Render with ``dot -Tsvg``."""
     legend = (
         f"{title}\\nwhite: replicated (R)   blue: sharded (S)   orange: partial sums (P)   "
         "red: collectives (f: all_reduce in backward, g: all_reduce in forward)"
@@ -142,6 +143,19 @@ def graph_dot(gm: GraphModule, *, title: str) -> str:
         '  node [shape=box, style="rounded,filled", fillcolor=white, fontname="Helvetica", fontsize=10];',
         '  edge [color="#636363", arrowsize=0.6];',
     ]
+    lines += _dot_nodes(gm, "", "  ")
+    for index, (fqn, body) in enumerate((blocks or {}).items()):
+        lines.append(f"  subgraph cluster_{index} {{")
+        lines.append(f'    label={_quote("block " + fqn)}; style=rounded; color="#636363";')
+        lines += _dot_nodes(body, fqn + "/", "    ")
+        lines.append("  }")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _dot_nodes(gm: GraphModule, prefix: str, indent: str) -> list[str]:
+    """The DOT lines of ``gm``'s values and edges, their ids prefixed with ``prefix``."""
+    lines = []
     for node in gm.graph.nodes:
         placement = node.meta.get("fxtp_placement", "")
         shape = _describe_val(_val(node)) or ""
@@ -157,9 +171,8 @@ def graph_dot(gm: GraphModule, *, title: str) -> str:
         else:
             label = f"{node.name}\n{_op_label(node)}\n{placement}  {shape}"
             attrs = f'fillcolor="{_FILL.get(placement[:1], "white")}"'
-        lines.append(f"  {_quote(node.name)} [label={_quote(label.strip())}, {attrs}];")
+        lines.append(f"{indent}{_quote(prefix + node.name)} [label={_quote(label.strip())}, {attrs}];")
     for node in gm.graph.nodes:
         for inp in node.all_input_nodes:
-            lines.append(f"  {_quote(inp.name)} -> {_quote(node.name)};")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+            lines.append(f"{indent}{_quote(prefix + inp.name)} -> {_quote(prefix + node.name)};")
+    return lines

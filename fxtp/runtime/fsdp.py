@@ -3,27 +3,28 @@
 NOTE: [FSDP2 units inside a ParallelModule]
 torchtitan wraps each transformer block in FSDP2's ``fully_shard``, then the root
 (``torchtitan/models/llama3/infra/parallelize.py``, ``apply_fsdp``). FSDP2 gathers a unit's
-parameters in the unit's forward pre-hook and reduce-scatters its gradients from an autograd
-hook on the unit's inputs. A ``ParallelModule`` runs one rank graph over all its parameters:
-its submodules (``pm.get_submodule("model.layers.0")``) only hold parameters under the
-original FQNs, their ``forward`` is never called, so those hooks never fire and the graph would
-read the units' data-parallel shards (a shape error).
+parameters in the unit's forward pre-hook, reshards them after its forward
+(``reshard_after_forward=True``), gathers them again in a pre-backward hook on its outputs and
+reduce-scatters its gradients from an autograd hook on its inputs. A ``ParallelModule``'s blocks
+are submodules whose ``forward`` runs their body of the rank graph and reads their own
+parameters as attributes at call time (NOTE: [blocks of a ParallelModule] in
+fxtp/runtime/blocks.py), so every one of those hooks fires on them as on the model's blocks: a
+block is gathered when it runs, freed after, and gathered again in its backward; a rank holds
+one block's gathered parameters at a time, as torchtitan's plan does.
 
-So, before the graph reads its parameters, :func:`gathered_units` gathers every FSDP2 unit below the root with
-FSDP2's public ``FSDPModule.unshard()``; the units stay gathered through backward, and the
-root's end-of-backward callback, which runs each unit's post-backward when its own hooks did
-not ("in case forward inputs did not require gradient", ``_root_post_backward_final_callback``
-in ``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``), reduce-scatters their gradients and
+A unit that is not a block (a submodule inside a block, ``model.layers.0.mlp``; or one holding
+blocks and more, ``model``) is never called: the block's body or the root graph reads its
+parameters. So, before the root graph runs, :func:`gathered_units` gathers those units with
+FSDP2's public ``FSDPModule.unshard()``; they stay gathered through backward, and the root's
+end-of-backward callback, which runs each unit's post-backward when its own hooks did not ("in
+case forward inputs did not require gradient", ``_root_post_backward_final_callback`` in
+``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``), reduce-scatters their gradients and
 reshards them. Outside autograd (``no_grad``, ``inference_mode``) they are resharded after the
-graph with ``FSDPModule.reshard()`` (:func:`resharded_without_grad`). The root must be ``fully_shard``-ed too (torchtitan does):
-without it nobody queues that callback and the gradients would never be reduced, so a unit
-below an unwrapped root raises ``FxtpConfigError``.
-
-What that costs: one all_gather and one reduce_scatter per unit and step (as FSDP2's root unit
-with ``reshard_after_forward=False``), not the gather again in backward that
-``reshard_after_forward=True`` units would do; and, since one graph needs every parameter at
-once, the whole model's parameters are held gathered from the forward to the end of backward,
-as under a root unit alone. Per-block units keep FSDP2's grouping of collectives, not its memory.
+graph with ``FSDPModule.reshard()`` (:func:`resharded_without_grad`). For them the root must be
+``fully_shard``-ed too (torchtitan's order): without it nobody queues that callback and the
+gradients would never be reduced, so such a unit below an unwrapped root raises
+``FxtpConfigError``. Those units cost what a root unit does: held gathered from the forward to
+the end of backward.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from torch import nn
 
 from fxtp.core.errors import FxtpConfigError
 from fxtp.runtime import amp, clipping
+from fxtp.runtime.blocks import is_block
 
-__all__ = ["fsdp_units", "gathered_units", "resharded_without_grad"]
+__all__ = ["forward_dtypes", "fsdp_units", "gathered_units", "resharded_without_grad"]
 
 
 def fsdp_units(pm: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -70,7 +72,7 @@ def gathered_units(pm: nn.Module) -> list[nn.Module]:
         pm._fsdp_warned = clipping.warn_under_fsdp(pm)
         if pm._fsdp_warned:  # NOTE: [found-inf over dp x tp] in fxtp/runtime/amp.py
             amp.combine_found_inf_over_tp(pm)
-    units = fsdp_units(pm)
+    units = [(name, unit) for name, unit in fsdp_units(pm) if not is_block(unit)]  # blocks gather in their own hooks
     if not units:
         return []
     from torch.distributed.fsdp import FSDPModule
@@ -79,11 +81,10 @@ def gathered_units(pm: nn.Module) -> list[nn.Module]:
         name = units[0][0]
         raise FxtpConfigError(
             f"fully_shard was applied to {name!r} of this ParallelModule but not to the ParallelModule itself: "
-            f"fxtp runs one graph over all parameters, so the FSDP2 hooks of {name!r} never fire, and without a root "
+            f"{name!r} is not a block, so its FSDP2 hooks never fire (the rank graph reads its parameters), and without a root "
             "unit nothing would reduce-scatter its gradients (NOTE: [FSDP2 units inside a ParallelModule] in "
             "fxtp/runtime/fsdp.py). fix: after the blocks, also call fully_shard(pm, mesh=mesh['dp']) on the "
-            "ParallelModule, as torchtitan does; or wrap the ParallelModule alone: fully_shard(pm, mesh=mesh['dp'], "
-            "reshard_after_forward=True)"
+            "ParallelModule, as torchtitan does; or wrap the blocks (pm.get_submodule('<block fqn>')) instead"
         )
     for _, unit in units:
         unit.unshard()  # type: ignore[operator]  # FSDPModule.unshard: all_gather, waited
@@ -100,3 +101,26 @@ def resharded_without_grad(units: list[nn.Module]) -> Iterator[None]:
         if units and not torch.is_grad_enabled():
             for unit in units:
                 unit.reshard()  # type: ignore[operator]
+
+
+def forward_dtypes(pm: nn.Module) -> dict[str, torch.dtype]:
+    """``{fqn: dtype}`` of ``pm``'s parameters as the rank graph will read them: a parameter of
+    an FSDP2 unit whose ``MixedPrecisionPolicy`` has a ``param_dtype`` is cast to it when the
+    unit gathers, which for a block happens after the root graph has started (NOTE: [low-precision
+    graphs] in fxtp/runtime/variants.py picks the graph by these dtypes). Reads FSDP2's policy from
+    its private state (``_get_fsdp_state()._mp_policy``: ``FSDPModule`` has no public getter), here only."""
+    units = fsdp_units(pm)
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(pm, FSDPModule):
+        units = [("", pm), *units]
+    owner: dict[int, torch.dtype] = {}
+    for _, unit in sorted(units, key=lambda u: u[0].count(".") if u[0] else -1):  # inner units last: they win
+        state = unit._get_fsdp_state()  # type: ignore[operator]
+        dtype = getattr(getattr(state, "_mp_policy", None), "param_dtype", None)
+        for p in unit.parameters():
+            if dtype is not None and p.is_floating_point():
+                owner[id(p)] = dtype
+            else:
+                owner.pop(id(p), None)
+    return {fqn: owner.get(id(p), p.dtype) for fqn, p in pm.named_parameters()}

@@ -8,7 +8,6 @@ original model's structure (``torch.export``'s pytree specs).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
@@ -21,12 +20,14 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from fxtp.core import activations, collectives, rng
 from fxtp.runtime import checkpoint, clipping, fsdp, generation, layout, sharded
+from fxtp.runtime.blocks import Template, bind_blocks, new_module
+from fxtp.runtime.mode_graph import ModeGraph
 from fxtp.runtime.variants import SizeGraphs, differs_in_zero_one, held, static_refusal
 from fxtp.capture.frontends import written_state
 from fxtp.core.errors import FxtpInputError, FxtpRuntimeError
 from fxtp.core.placement import REPLICATE, Placement, Shard, shard_tensor
 from fxtp.explain.report import Report, parameter_placements
-from fxtp.capture.shapes import InputSpec, check_inputs, input_specs
+from fxtp.capture.shapes import check_inputs
 from passes.plan import ShardingPlan
 
 __all__ = ["ParallelModule", "ModeGraph"]
@@ -55,29 +56,6 @@ def _plain_containers(value: Any) -> Any:
 
 
 _RESERVED = ("graph_module", "report", "plan", "_fxtp_constants", "mode", "written_state")
-
-
-@dataclass(eq=False)
-class ModeGraph:
-    """One mode's rank graph and how to call it (NOTE: [modes] in fxtp/api.py). Holds no
-    reference to the captured program (whose state dict is the user's full weights)."""
-
-    gm: GraphModule
-    in_spec: pytree.TreeSpec
-    out_spec: pytree.TreeSpec
-    outputs: list[tuple[OutputKind, Optional[str]]]
-    specs: tuple[InputSpec, ...]  # the user inputs it runs on (fxtp.capture.shapes)
-    inputs: list[tuple[str, str]]  # (kind, key) per placeholder
-    slots: Optional[list[tuple[Optional[nn.Module], str]]] = None
-    draws_random: bool = False  # checks the generators before each call (NOTE: [dropout across ranks])
-    regathers: bool = False  # saves gathered token shards as shards (NOTE: [regathered activations])
-
-    @classmethod
-    def of(cls, program: ExportedProgram, gm: GraphModule, inputs: list[tuple[str, str]]) -> "ModeGraph":
-        outputs = [(spec.kind, spec.target) for spec in program.graph_signature.output_specs]
-        return cls(gm, program.call_spec.in_spec, program.call_spec.out_spec, outputs, input_specs(program), inputs,
-                   draws_random=rng.draws_random(program.graph),
-                   regathers=any(n.target is collectives.gather_from_sp for n in gm.graph.nodes))
 
 
 class ParallelModule(nn.Module):
@@ -112,8 +90,11 @@ class ParallelModule(nn.Module):
         group_name: Optional[str],
         graphs: Optional[Mapping[str, tuple[ExportedProgram, GraphModule]]] = None,
         mode: str = "train",
+        templates: Optional[Mapping[str, Template]] = None,
     ) -> None:
         super().__init__()
+        self._templates = dict(templates or {})  # fqn -> the model's class there (NOTE: [blocks of a ParallelModule])
+        self._running: Optional[ModeGraph] = None  # the graph a call runs now, for its blocks
         self.graph_module = graph_module
         self.report = report
         self.plan = report.plan
@@ -141,7 +122,8 @@ class ParallelModule(nn.Module):
             prog, gm = graphs[key]
             if id(gm) not in built:
                 placements = parameter_placements(prog, sharding) if prog is program else None  # tied FQNs share one
-                built[id(gm)] = ModeGraph.of(prog, gm, self._bind(prog, placements))
+                inputs, blocks = bind_blocks(self, gm, self._bind(prog, placements))
+                built[id(gm)] = ModeGraph.of(prog, gm, inputs, blocks)
             self._graphs[key] = built[id(gm)]
         self.register_state_dict_post_hook(layout.state_dict_hook)  # NOTE: [checkpoint layouts]
         self.register_load_state_dict_pre_hook(layout.load_state_dict_hook)
@@ -243,21 +225,29 @@ class ParallelModule(nn.Module):
     def bind_graph(self, program: ExportedProgram, gm: GraphModule) -> ModeGraph:
         """``gm`` (the rank graph of ``program``, captured from the model's ``meta`` copy) made a ``ModeGraph`` on
         this module's parameters, buffers and constants; ``FxtpInputError`` if it uses a parameter the compiled one does not."""
-        return ModeGraph.of(program, gm, self._bind(program, None, share_constants=True))
+        inputs, blocks = bind_blocks(self, gm, self._bind(program, None, share_constants=True))
+        return ModeGraph.of(program, gm, inputs, blocks)
 
     def _register(self, fqn: str, value: torch.Tensor, persistent: bool = True) -> None:
         *path, leaf = fqn.split(".")
         if path and path[0] in _RESERVED or not path and leaf in _RESERVED:
             raise FxtpInputError(f"parameter or buffer {fqn!r} clashes with a ParallelModule attribute; rename it")
-        owner: nn.Module = self
-        for part in path:
-            if part not in owner._modules:
-                owner.add_module(part, nn.Module())
-            owner = owner._modules[part]  # type: ignore[assignment]
+        owner = self._module_at(".".join(path))
         if isinstance(value, nn.Parameter):
             owner.register_parameter(leaf, value)
         else:
             owner.register_buffer(leaf, value, persistent=persistent)
+
+    def _module_at(self, fqn: str) -> nn.Module:
+        """The submodule at ``fqn``, made (with the model's classes, NOTE: [blocks of a ParallelModule])
+        where missing."""
+        owner: nn.Module = self
+        parts = fqn.split(".") if fqn else []
+        for i, part in enumerate(parts):
+            if part not in owner._modules:
+                owner.add_module(part, new_module(".".join(parts[: i + 1]), self._templates))
+            owner = owner._modules[part]  # type: ignore[assignment]
+        return owner
 
     def _flatten(self, graph: "ModeGraph", args: tuple, kwargs: dict) -> list[Any]:
         if self._call_defaults:  # NOTE: [Hugging Face call defaults] in fxtp/capture/hf_defaults.py
@@ -334,6 +324,7 @@ class ParallelModule(nn.Module):
         if graph.draws_random and self._world_size > 1 and not torch.compiler.is_compiling():
             self._check_generators(inputs)
         try:
+            self._running = graph  # its blocks run their bodies of it (NOTE: [blocks of a ParallelModule])
             with activations.saved_tensors(regather=graph.regathers), fsdp.resharded_without_grad(units):
                 outputs = graph.gm(*sharded.plain_inputs(inputs))
             collectives.release()  # NOTE: [gloo frees] in fxtp/core/collectives.py
@@ -350,6 +341,8 @@ class ParallelModule(nn.Module):
                 "inputs, parameters and process group are on one device type (gloo: cpu, nccl: cuda); if they are, "
                 "please report this"
             ) from exc
+        finally:
+            self._running = None
         user_outputs = []
         for (kind, target), value in zip(graph.outputs, outputs):
             if kind == OutputKind.BUFFER_MUTATION:

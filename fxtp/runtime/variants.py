@@ -142,9 +142,11 @@ def _cast_parameters(module: nn.Module, model: nn.Module) -> dict[str, torch.dty
     """``{fqn: dtype}`` of ``module``'s floating parameters whose dtype now is not the one of
     ``model``'s (the meta copy's, as compiled): FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``
     hands the forward parameters cast to that dtype (NOTE: [low-precision graphs])."""
+    from fxtp.runtime.fsdp import forward_dtypes  # a block's FSDP2 unit casts when the block runs
+
     compiled = dict(model.named_parameters())
-    return {fqn: p.dtype for fqn, p in module.named_parameters()
-            if fqn in compiled and p.dtype != compiled[fqn].dtype and p.dtype.is_floating_point}
+    return {fqn: dtype for fqn, dtype in forward_dtypes(module).items()
+            if fqn in compiled and dtype != compiled[fqn].dtype and dtype.is_floating_point}
 
 
 def _size_class(flat: list[Any]) -> tuple:

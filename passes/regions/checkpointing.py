@@ -56,7 +56,8 @@ from fxtp.core import collectives, rng
 from fxtp.core.errors import FxtpConfigError
 from fxtp.core.recompute import TAG, Recompute, selective_context
 
-__all__ = ["Region", "MODES", "checkpoint_regions", "recompute_regions", "region_of", "repeated_blocks"]
+__all__ = ["Region", "MODES", "Outlined", "checkpoint_regions", "outline_span", "recompute_regions", "region_context",
+           "region_of", "region_span", "may_draw_random", "repeated_blocks", "splice"]
 
 MODES = ("blocks", "selective")
 aten = torch.ops.aten
@@ -160,27 +161,28 @@ def recompute_regions(gm: GraphModule, regions: tuple[Region, ...],
     (``gm`` is fxtp's own rank graph); returns ``gm``. ``context_fns``: the user's selective
     policies by checkpoint tag."""
     for index, region in enumerate(regions):
-        span = _span(gm, region, regions)
+        span = region_span(gm, region, regions)
         if span:
-            _outline(gm, span, f"fxtp_recompute_{index}", _context(region, context_fns or {}), region.name)
+            _outline(gm, span, f"fxtp_recompute_{index}", region_context(region, context_fns or {}), region.name)
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
-def _context(region: Region, context_fns: dict[int, Callable[[], Any]]) -> Optional[Callable[[], Any]]:
+def region_context(region: Region, context_fns: dict[int, Callable[[], Any]]) -> Optional[Callable[[], Any]]:
     if region.source == "selective":
         return selective_context
     return context_fns.get(region.tag) if region.tag is not None else None
 
 
-def _span(gm: GraphModule, region: Region, regions: tuple[Region, ...]) -> list[Node]:
+def region_span(gm: GraphModule, region: Region, regions: tuple[Region, ...],
+                keep: Optional[Callable[[Node], bool]] = None) -> list[Node]:
     """The rank graph's ops from the region's first to its last. An op among them that is not
     the region's and reads only values from before it (the reduce_scatter of an embedding's
     partial sums, and the block's cast that NOTE: [deferred reduction] put before it; a slice of
     a parameter) moves ahead of the region instead: as an input its operand would be saved
     whole where its result is a shard. Random ops stay, so the generator draws in the captured
-    order."""
+    order; so do the ops ``keep`` names."""
     nodes = list(gm.graph.nodes)
     where = [i for i, n in enumerate(nodes) if region_of(n, regions) is region]
     if not where:
@@ -193,7 +195,7 @@ def _span(gm: GraphModule, region: Region, regions: tuple[Region, ...]) -> list[
         assert owner in (None, region), f"fxtp internal error: region {region.name} interleaves {owner}"
         inside = set(span)
         hoist = owner is None or _cast_before_collective(node)  # NOTE: [deferred reduction] moved it past the cast
-        if hoist and not _may_draw_random_node(node) and not any(i in inside for i in node.all_input_nodes):
+        if hoist and not (keep is not None and keep(node)) and not _may_draw_random_node(node) and not any(i in inside for i in node.all_input_nodes):
             if span:
                 span[0].prepend(node)
             continue
@@ -208,13 +210,38 @@ def _cast_before_collective(node: Node) -> bool:
     return node.target in _CASTS and all(getattr(u.target, "__module__", None) == collectives.__name__ for u in node.users)
 
 
-def _outline(gm: GraphModule, span: list[Node], name: str, context_fn: Optional[Callable[[], Any]], label: str) -> None:
+@dataclass
+class Outlined:
+    """A span of a rank graph copied into a graph of its own (:func:`outline_span`).
+
+    Attributes:
+        graph: the body: one placeholder per input, returns ``outputs`` (a tuple, or the one
+            value with ``single``).
+        inputs: the outer values it reads, in placeholder order.
+        outputs: the span's values read after it.
+        span: the outer ops it copies (erased by :func:`splice`).
+        recomputed: the outer size-only ops copied into it too (NOTE: [size-only region inputs]).
+    """
+
+    graph: Any
+    inputs: list[Node]
+    outputs: list[Node]
+    span: list[Node]
+    recomputed: list[Node]
+
+
+def outline_span(gm: GraphModule, span: list[Node], *, remake_sizes: bool = True, single: bool = False,
+                 order: Optional[Callable[[list[Node]], list[Node]]] = None) -> Outlined:
+    """Copy ``span`` (ops of ``gm``, in graph order) into a graph of its own. ``remake_sizes``:
+    tensors made from sizes alone are recomputed in it rather than read (NOTE: [size-only region
+    inputs]); ``single``: a body with one output returns it bare; ``order``: reorders the inputs
+    (the placeholders), given them in first-use order."""
     inside = set(span)
     inputs: list[Node] = []
     remade: dict[Node, bool] = {}
     for node in span:
         for inp in node.all_input_nodes:
-            if inp not in inside and inp not in inputs and not _from_sizes(inp, remade):
+            if inp not in inside and inp not in inputs and not (remake_sizes and _from_sizes(inp, remade)):
                 inputs.append(inp)
     needed: set[Node] = set()
     todo = [i for node in span for i in node.all_input_nodes if i not in inside and remade.get(i)]
@@ -226,6 +253,8 @@ def _outline(gm: GraphModule, span: list[Node], name: str, context_fn: Optional[
     recomputed = [n for n in gm.graph.nodes if n in needed]  # NOTE: [size-only region inputs]
     for node in recomputed:
         inputs.extend(i for i in node.all_input_nodes if not remade.get(i) and i not in inputs)
+    if order is not None:
+        inputs = order(inputs)
     outputs = [n for n in span if any(u not in inside for u in n.users)]
     body_graph = type(gm.graph)()
     env: dict[Node, Node] = {}
@@ -234,21 +263,39 @@ def _outline(gm: GraphModule, span: list[Node], name: str, context_fn: Optional[
         env[inp].meta = dict(inp.meta)
     for node in [*recomputed, *span]:
         env[node] = body_graph.node_copy(node, lambda n: env[n])
-    body_graph.output(tuple(env[n] for n in outputs))
-    preserve = _may_draw_random(body_graph)
-    gm.add_submodule(name, Recompute(GraphModule(gm, body_graph), context_fn, label, preserve_rng_state=preserve))
+    body_graph.output(env[outputs[0]] if single and len(outputs) == 1 else tuple(env[n] for n in outputs))
+    return Outlined(body_graph, inputs, outputs, span, recomputed)
+
+
+def splice(gm: GraphModule, outlined: Outlined, name: str, args: list[Node], single: bool = False,
+           at: Optional[Node] = None) -> Node:
+    """Replace ``outlined.span`` in ``gm`` with ``call_module(name, args)`` (the submodule at
+    ``name`` registered by the caller; inserted before ``at``, default the span's first op) and
+    its outputs read from the call; returns the call."""
+    inside = set(outlined.span)
     graph = gm.graph
-    with graph.inserting_before(span[0]):
-        call = graph.call_module(name, tuple(inputs))
-        items = [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
-    for out, item in zip(outputs, items):
+    with graph.inserting_before(at or outlined.span[0]):
+        call = graph.call_module(name, tuple(args))
+        if single and len(outlined.outputs) == 1:
+            items = [call]
+        else:
+            items = [graph.call_function(operator.getitem, (call, i)) for i in range(len(outlined.outputs))]
+    for out, item in zip(outlined.outputs, items):
         item.meta.update({k: out.meta[k] for k in ("val", "fxtp_placement") if k in out.meta})
         out.replace_all_uses_with(item, delete_user_cb=lambda user: user not in inside)
-    for node in reversed(span):
+    for node in reversed(outlined.span):
         graph.erase_node(node)
-    for node in reversed(recomputed):  # the ones no other op reads any more
+    for node in reversed(outlined.recomputed):  # the ones no other op reads any more
         if not node.users:
             graph.erase_node(node)
+    return call
+
+
+def _outline(gm: GraphModule, span: list[Node], name: str, context_fn: Optional[Callable[[], Any]], label: str) -> None:
+    outlined = outline_span(gm, span)
+    preserve = may_draw_random(outlined.graph)
+    gm.add_submodule(name, Recompute(GraphModule(gm, outlined.graph), context_fn, label, preserve_rng_state=preserve))
+    splice(gm, outlined, name, outlined.inputs)
 
 
 def _from_sizes(node: Node, memo: dict[Node, bool]) -> bool:
@@ -267,7 +314,7 @@ def _from_sizes(node: Node, memo: dict[Node, bool]) -> bool:
     return memo[node]
 
 
-def _may_draw_random(graph: Any) -> bool:
+def may_draw_random(graph: Any) -> bool:
     """Whether a body may draw random numbers: an ATen op that does (``rng.is_random``), or any
     call fxtp does not know to be deterministic (``fxtp.core.rng``'s draws on shards, emitted
     local ops). Else ``torch.utils.checkpoint`` need not keep the generators' states (5 KiB on

@@ -1,0 +1,192 @@
+"""FSDP2 per block on dp x tp: fxtp's blocks against torchtitan's plan written by hand.
+
+    python tools/bench_fsdp.py            # prints peak MiB per rank, dp 2 x tp 2 (4 gloo ranks)
+
+The model: 8 residual MLP blocks (512 -> 2048 -> 512, no bias; 64 MiB of fp32 weights), batch
+2 x 16 per dp rank. Both plans apply ``fully_shard`` to each block, then to the root, with
+``reshard_after_forward=True``, on ``mesh["dp"]`` of a dp 2 x tp 2 mesh:
+
+* ``fxtp``: ``fxtp.compile(model, 2, group=mesh["tp"])``, then ``fully_shard`` per block of
+  the ``ParallelModule`` (NOTE: [FSDP2 units inside a ParallelModule] in fxtp/runtime/fsdp.py);
+* ``hand``: torchtitan's way, ``parallelize_module`` with ``ColwiseParallel`` /
+  ``RowwiseParallel`` (``SequenceParallel`` on the norm with ``sequence_parallel``) per block.
+
+The instrument is glibc's ``mallinfo2`` sampled every 0.2 ms on a thread (``shared/tools/heap.py``,
+not fxtp's code), over one forward and backward after a warm-up step; the figure is the peak
+above the level at entry, the largest over the ranks. :func:`measure` runs on initialized gloo
+ranks (``tests/test_fsdp_blocks.py`` asserts the bound with it); :func:`bench` spawns them.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import gc
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for path in (ROOT, os.path.join(os.path.dirname(ROOT), "shared", "tools"), "/work/shared/tools"):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import fxtp  # noqa: E402
+
+__all__ = ["Block", "Net", "measure", "bench", "compile_seconds"]
+
+DIM, HIDDEN, BLOCKS, BATCH, SEQ = 512, 2048, 8, 2, 16
+
+
+class Block(nn.Module):
+    """A residual MLP block: ``x + down(relu(up(norm(x))))``."""
+
+    def __init__(self, dim: int = DIM, hidden: int = HIDDEN) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, blocks: int = BLOCKS, dim: int = DIM, hidden: int = HIDDEN) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(dim, hidden) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _hand_plan(model: Net, mesh: Any, sequence_parallel: bool) -> nn.Module:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    for block in model.layers:
+        if sequence_parallel:
+            plan = {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+                    "down": RowwiseParallel(output_layouts=Shard(1))}
+        else:
+            plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        parallelize_module(block, mesh, plan)
+    if sequence_parallel:  # the root takes and gives replicated activations
+        from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput
+
+        parallelize_module(model.layers[0], mesh, PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                                  use_local_output=True))
+        parallelize_module(model.layers[-1], mesh, PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),)))
+    return model
+
+
+def _peak(model: nn.Module, x: torch.Tensor) -> int:
+    from heap import Peak
+
+    for _ in range(2):  # the second is measured: lazy inits and first-call allocations done
+        gc.collect()
+        with Peak() as peak:
+            out = model(x)
+            (out.float() ** 2).mean().backward()
+            del out
+        for p in model.parameters():
+            p.grad = None
+    return peak.peak - peak.base
+
+
+def measure(sequence_parallel: bool = False, checkpointing: bool = False, blocks: int = BLOCKS) -> dict[str, int]:
+    """On 4 initialized gloo ranks: peak bytes above entry of one forward and backward, for fxtp
+    and the hand plan, each ``fully_shard`` per block then root; the max over the ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.checkpoint import checkpoint
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    ref = Net(blocks)
+    x = torch.randn(BATCH, SEQ, DIM, generator=torch.Generator().manual_seed(mesh["dp"].get_local_rank()))
+    peaks = {}
+    for name in ("fxtp", "hand"):
+        model = copy.deepcopy(ref)
+        if name == "fxtp":
+            model = fxtp.compile(model, 2, (x,), group=mesh["tp"], dynamic=False, sequence_parallel=sequence_parallel,
+                                 activation_checkpointing="blocks" if checkpointing else None)
+            units = [model.get_submodule(f"layers.{i}") for i in range(blocks)]
+        else:
+            model = _hand_plan(model, mesh["tp"], sequence_parallel)
+            units = list(model.layers)
+            if checkpointing:  # torchtitan's apply_ac: each block checkpointed, inside its FSDP2 unit
+                for block in units:
+                    block.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=False))(block.forward)
+        for unit in units:
+            fully_shard(unit, mesh=mesh["dp"], reshard_after_forward=True)
+        fully_shard(model, mesh=mesh["dp"], reshard_after_forward=True)
+        dist.barrier()
+        peaks[name] = _peak(model, x)
+        del model, units
+        gc.collect()
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, peaks)
+    return {k: max(p[k] for p in gathered) for k in peaks}
+
+
+def compile_seconds(blocks: int) -> dict[str, float]:
+    """Seconds of the first call of ``block.compile()``-d blocks of a ``ParallelModule`` (one
+    process, world size 1): torch.compile per block, torchtitan's ``apply_compile``."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net(blocks, 64, 256)
+    x = torch.randn(2, 8, 64)
+    pm = fxtp.compile(model, 1, (x,), dynamic=False)
+    for i in range(blocks):
+        pm.get_submodule(f"layers.{i}").compile(fullgraph=True)
+    start = time.perf_counter()
+    out = pm(x)
+    out.sum().backward()
+    first = time.perf_counter() - start
+    torch.testing.assert_close(out, model(x))
+    return {"first_call_s": first}
+
+
+def _rank(rank: int, port: int, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=300))
+    try:
+        result = {}
+        for label, kw in {"tp": {}, "sp": {"sequence_parallel": True}, "ac_blocks": {"checkpointing": True}}.items():
+            result[label] = measure(**kw)
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def bench() -> dict[str, Any]:
+    """``{config: {"fxtp": MiB, "hand": MiB, "ratio": x}}`` on 4 spawned gloo ranks (dp 2 x tp 2)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "out.json")
+        mp.spawn(_rank, args=(port, path), nprocs=4, join=True)
+        with open(path) as f:
+            raw = json.load(f)
+    return {k: {"fxtp_mib": v["fxtp"] / 2**20, "hand_mib": v["hand"] / 2**20, "ratio": v["fxtp"] / v["hand"]} for k, v in raw.items()}
+
+
+if __name__ == "__main__":
+    for config, row in bench().items():
+        print(f"{config:10s} fxtp {row['fxtp_mib']:7.1f} MiB  hand {row['hand_mib']:7.1f} MiB  ratio {row['ratio']:.2f}")
