@@ -30,8 +30,8 @@ all_reduce of the ``(tokens x top_k,)`` routing weights.
 
 A partial value is moved only into its single user (a value also used elsewhere is reduced
 where it is). The same holds for in-place ops (``mlp_output += attention_output`` in Falcon's
-parallel attention and MLP: the two partial outputs of a block are summed, then reduced once),
-a no-op dropout, and ``index_add`` (expert-choice MoE: each expert's partial rows are added
+parallel attention and MLP: the two partial outputs of a block are summed, then reduced once)
+and ``index_add`` (expert-choice MoE: each expert's partial rows are added
 into one output, whose zeros every rank holds alike: a zero is a summand too).
 
 NOTE: [bias share]
@@ -106,13 +106,6 @@ def _is_zeros(node: Node) -> bool:
     return node.target in _FILLS and isinstance(fill, (int, float)) and fill == 0
 
 
-def _dropout_is_identity(node: Node) -> bool:
-    """``dropout(x, p, train)`` with ``p == 0`` or ``train`` off (Falcon's ``dropout_add`` in eval
-    or with ``hidden_dropout=0``) returns ``x``."""
-    p, train = (list(node.args[1:3]) + [node.kwargs.get("p", 0.5), node.kwargs.get("train", True)])[:2]
-    return (isinstance(p, (int, float)) and p == 0) or train is False
-
-
 def _linear_in(node: Node, partial: set[Node], plan: ShardingPlan) -> bool:
     """Is ``node`` linear in its inputs that are in ``partial`` (the others replicated)?
 
@@ -149,8 +142,6 @@ def _linear_in(node: Node, partial: set[Node], plan: ShardingPlan) -> bool:
         return len(ins) == 2 and set(args[:2]) == set(ins) and node.kwargs.get("alpha", 1) == 1
     if target is aten.index_add.default:  # out.index_add(dim, ids, src): a sum of out and scattered rows of src
         return len(ins) == 2 and ins == [first, args[3]] and not args[2].meta["val"].is_floating_point()
-    if target is aten.dropout.default:
-        return ins == [first] and _dropout_is_identity(node)
     return False
 
 
@@ -167,17 +158,44 @@ def _cheaper_past(value: Node, weight: Any) -> bool:
 
 def defer_reductions(graph: Graph, plan: ShardingPlan) -> ShardingPlan:
     """Move each all_reduce of a ``Partial`` value past the ops linear in it (NOTE: [deferred
-    reduction]); returns the updated plan (placements, reductions, ``f`` entries).
+    reduction]); returns the updated plan (placements, reductions, ``f`` entries, bias shares).
+
+    A rowwise output with a bias is moved only where its reduction then merges with another
+    partial value's (one all_reduce fewer, NOTE: [bias share]); elsewhere it keeps its own.
 
     Reads ``node.meta["val"]`` and the plan; does not modify the graph.
     """
     nodes = {n.name: n for n in graph.nodes}
-    partial = {nodes[name] for name in plan.reduces}
-    if not partial:
+    biased = {nodes[name] for name, bias in plan.reduces.items() if bias is not None}
+    starts = {nodes[name] for name in plan.reduces}
+    while True:
+        partial, moved, into = _deferred(graph, starts, plan)
+        lone = {n for n in biased & moved if _merged_starts(n, into, starts) == {n}}
+        if not lone:
+            break
+        starts -= lone  # a share past ops that merge nothing would only add an op
+    if not moved:
         return plan
     placements: dict[str, Any] = dict(plan.placements)
     edges = dict(plan.edges)
-    moved: set[Node] = set()  # partial values whose reduction moved into their user
+    accepted = set(into.values())
+    for node in partial - starts:  # the ops the reductions moved past, and zero summands
+        placements[node.name] = Partial()
+    for node in accepted:
+        for a in node.all_input_nodes:
+            if a not in partial and is_tensor_node(a) and a.meta["val"].is_floating_point():
+                edges.setdefault((node.name, a.name), EdgeAction("enter"))
+    reduces = {name: bias for name, bias in plan.reduces.items() if nodes[name] not in moved}
+    reduces.update({n.name: None for n in partial if n not in moved and n.name not in reduces})
+    shares = {name: bias for name, bias in plan.reduces.items() if bias is not None and nodes[name] in moved}  # NOTE: [bias share]
+    return dataclasses.replace(plan, placements=placements, edges=edges, reduces=reduces, bias_shares={**plan.bias_shares, **shares})
+
+
+def _deferred(graph: Graph, starts: set[Node], plan: ShardingPlan) -> tuple[set[Node], set[Node], dict[Node, Node]]:
+    """From the partial values ``starts``: every partial value once the reductions move, the
+    moved ones, and each moved value's user that took its reduction."""
+    partial = set(starts)
+    into: dict[Node, Node] = {}
     for node in graph.nodes:
         if node.op != "call_function" or not any(a in partial for a in node.all_input_nodes):
             continue
@@ -185,17 +203,20 @@ def defer_reductions(graph: Graph, plan: ShardingPlan) -> ShardingPlan:
         ins = [a for a in node.all_input_nodes if a in partial or a in zeros]
         if any(len(_uses(a)) != 1 for a in ins) or not _linear_in(node, partial | zeros, plan):
             continue
-        partial.add(node)
-        partial.update(zeros)
-        moved.update(ins)
-        for a in zeros | {node}:
-            placements[a.name] = Partial()
-        for a in node.all_input_nodes:
-            if a not in partial and is_tensor_node(a) and a.meta["val"].is_floating_point():
-                edges.setdefault((node.name, a.name), EdgeAction("enter"))
-    if not moved:
-        return plan
-    reduces = {name: bias for name, bias in plan.reduces.items() if nodes[name] not in moved}
-    reduces.update({n.name: None for n in partial if n not in moved and n.name not in reduces})
-    shares = {name: bias for name, bias in plan.reduces.items() if bias is not None and nodes[name] in moved}  # NOTE: [bias share]
-    return dataclasses.replace(plan, placements=placements, edges=edges, reduces=reduces, bias_shares={**plan.bias_shares, **shares})
+        partial |= zeros | {node}
+        into.update((a, node) for a in ins)
+    return partial, set(into), into
+
+
+def _merged_starts(node: Node, into: dict[Node, Node], starts: set[Node]) -> set[Node]:
+    """The starting partial values whose reduction ends in the same all_reduce as ``node``'s."""
+    root = node
+    while root in into:
+        root = into[root]
+    out, todo = set(), [root]
+    while todo:
+        n = todo.pop()
+        if n in starts:
+            out.add(n)
+        todo.extend(a for a, user in into.items() if user is n)
+    return out
