@@ -106,6 +106,14 @@ def _is_zeros(node: Node) -> bool:
     return node.target in _FILLS and isinstance(fill, (int, float)) and fill == 0
 
 
+def _dropout_is_identity(node: Node) -> bool:
+    """``dropout(x, p, train)`` with ``p == 0`` or ``train`` off returns ``x`` (GPT-NeoX's
+    ``post_attention_dropout`` with ``hidden_dropout=0``)."""
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    return (isinstance(p, (int, float)) and p == 0) or train is False
+
+
 def _linear_in(node: Node, partial: set[Node], plan: ShardingPlan) -> bool:
     """Is ``node`` linear in its inputs that are in ``partial`` (the others replicated)?
 
@@ -140,6 +148,8 @@ def _linear_in(node: Node, partial: set[Node], plan: ShardingPlan) -> bool:
         return len(ins) == 1 and ins[0] in args[:2] and args[0] is not args[1] and _cheaper_past(ins[0], args[1] if ins[0] is first else first)
     if target in (aten.add.Tensor, aten.sub.Tensor):  # sum_r a_r + sum_r b_r == sum_r (a_r + b_r)
         return len(ins) == 2 and set(args[:2]) == set(ins) and node.kwargs.get("alpha", 1) == 1
+    if target is aten.dropout.default:
+        return ins == [first] and _dropout_is_identity(node)
     if target is aten.index_add.default:  # out.index_add(dim, ids, src): a sum of out and scattered rows of src
         return len(ins) == 2 and ins == [first, args[3]] and not args[2].meta["val"].is_floating_point()
     return False
@@ -170,10 +180,11 @@ def defer_reductions(graph: Graph, plan: ShardingPlan) -> ShardingPlan:
     starts = {nodes[name] for name in plan.reduces}
     while True:
         partial, moved, into = _deferred(graph, starts, plan)
-        lone = {n for n in biased & moved if _merged_starts(n, into, starts) == {n}}
+        # A bias share or a no-op dropout is taken only where the reduction then merges with another.
+        lone = {n for n in moved if _merged_starts(n, into, starts) == {n} and (n in biased or _through_dropout(n, into))}
         if not lone:
             break
-        starts -= lone  # a share past ops that merge nothing would only add an op
+        starts -= lone
     if not moved:
         return plan
     placements: dict[str, Any] = dict(plan.placements)
@@ -206,6 +217,14 @@ def _deferred(graph: Graph, starts: set[Node], plan: ShardingPlan) -> tuple[set[
         partial |= zeros | {node}
         into.update((a, node) for a in ins)
     return partial, set(into), into
+
+
+def _through_dropout(node: Node, into: dict[Node, Node]) -> bool:
+    while node in into:
+        node = into[node]
+        if node.target is aten.dropout.default:
+            return True
+    return False
 
 
 def _merged_starts(node: Node, into: dict[Node, Node], starts: set[Node]) -> set[Node]:
