@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 from _helpers import compare_training
+from cases import build_case
 
 import fxtp
 from fxtp.explain import examples
@@ -176,3 +177,29 @@ def test_eager_experts_are_refused_with_the_line_that_switches_them():
         examples.mixtral_config(experts_implementation="eager"))
     with pytest.raises(fxtp.FxtpCaptureError, match=r'model.get_submodule\("experts"\).config._experts_implementation = "grouped_mm"'):
         fxtp.analyze(block, 2, (torch.randn(2, 4, HIDDEN),), dynamic=False)
+
+
+def _train_expert_choice(name: str) -> dict:
+    model, inputs = build_case(name)
+    return compare_training(model, inputs)
+
+
+@pytest.mark.parametrize("name", ["expert-choice-moe", "expert-choice-moe-no-bias"])
+def test_expert_choice_moe_reduces_once_per_layer(pool, name):
+    """Expert-choice MoE (tests/cases.py: ``topk`` over tokens, ``index_select`` into 4
+    ``nn.Linear`` experts, ``index_add`` of their gated outputs into zeros, plus a shared expert),
+    2 layers: each expert's rowwise output is partial; the gate, the ``index_add`` chain and the
+    shared expert's sum keep it partial, so each layer all_reduces once (2, where there were 10).
+    The experts' biases enter as ``1/ws`` shares (NOTE: [bias share]). Backward: per layer the
+    5 inputs entering colwise layers and the 4 experts' gates (their gradients are partial
+    sums). compare_training: outputs, every gradient, 3 SGD steps, report == run."""
+    (r, *_) = pool.run(_train_expert_choice, name)
+    assert r["forward"] == {"all_reduce": 2}
+    assert r["forward_all_reduce_shapes"] == [(2, 8, 64)] * 2
+    assert r["backward"] == {"all_reduce": 18}
+    styles = {row["name"]: row["style"] for row in r["report"]["layers"]}
+    for i in range(2):
+        for expert in [f"experts.{e}" for e in range(4)] + ["shared"]:
+            assert (styles[f"moes.{i}.{expert}.up"], styles[f"moes.{i}.{expert}.down"]) == ("colwise", "rowwise")
+    if name == "expert-choice-moe":
+        assert "add_bias_share" in r["code"]
