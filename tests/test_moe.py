@@ -18,6 +18,7 @@ import pytest
 import torch
 from _helpers import compare_training
 from cases import build_case
+from expert_choice import EXPERT_CHOICE  # noqa: F401 - registers the expert-choice cases
 
 import fxtp
 from fxtp.explain import examples

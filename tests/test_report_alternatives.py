@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from cases import build_case
+from expert_choice import EXPERT_CHOICE  # noqa: F401 - registers the expert-choice cases
 
 import fxtp
 
