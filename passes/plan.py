@@ -25,7 +25,7 @@ from torch.fx import Graph, Node
 
 import passes.rules  # noqa: F401  (registers the op rules)
 from fxtp.core.errors import FxtpError, FxtpPlanError
-from fxtp.core.placement import REPLICATE, Partial, Placement, Shard
+from fxtp.core.placement import REPLICATE, Partial, Placement, Replicate, Shard
 from passes.layers import (
     MAX_SEGMENTS,
     RepeatedBlocks,
@@ -355,14 +355,38 @@ def _slice_inputs(res: Propagation, state: PlannerState, ws: int, param_names: f
 # replicated beside a rowwise base).
 
 
+# Ops that carry a reduced value to the merge unchanged but for a replicated factor (PEFT's
+# ``lora_B(lora_A(x)) * scaling``), a view or a no-op cast: the value sliced there is still the
+# all_reduced output of the layer before them.
+_CARRIERS = frozenset(
+    {aten.mul.Tensor, aten.div.Tensor, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+     aten.clone.default, aten.to.dtype, aten.neg.default, aten.unsqueeze.default}
+)
+
+
+def _reduced_source(value: Node, res: Propagation) -> Optional[Node]:
+    """The ``Partial`` node whose all_reduced value reaches ``value`` through single-use
+    ``_CARRIERS`` taking it as their only non-replicated-constant tensor; ``None`` if none."""
+    while not isinstance(res.placements.get(value), Partial):
+        if value.op != "call_function" or value.target not in _CARRIERS or not value.args or not isinstance(value.args[0], Node):
+            return None
+        first = value.args[0]
+        others = [a for a in value.all_input_nodes if a is not first]
+        if len(first.users) != 1 or any(not isinstance(res.placements.get(a), Replicate) or res.origins.get(a) for a in others):
+            return None
+        value = first
+    return value
+
+
 def _replicate_cheaper_side(res: Propagation, state: PlannerState, param_names: frozenset[str]) -> bool:
     changed = False
-    for (consumer, producer), action in res.edges.items():
-        if action.kind != "slice" or not isinstance(res.placements.get(producer), Partial):
+    for (consumer, sliced), action in res.edges.items():
+        producer = _reduced_source(sliced, res) if action.kind == "slice" else None
+        if producer is None:
             continue
         ops = layer_operands(producer, lambda a: param_root(a, param_names) is not None)
         fed_by = res.origins.get(ops.x, frozenset()) if ops is not None else frozenset()
-        meets = frozenset(o for a in consumer.all_input_nodes if a is not producer for o in res.origins.get(a, frozenset()))
+        meets = frozenset(o for a in consumer.all_input_nodes if a is not sliced for o in res.origins.get(a, frozenset()))
         sides = [side for side in (meets, fed_by) if side and not any(n.name in state.forced for n in side)]
         if not sides:
             continue

@@ -36,7 +36,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
-from fxtp.core import collectives, rng
+from fxtp.core import collectives, local_ops, rng
 from fxtp.core.placement import Shard, holder_layout, local_ranges
 from passes.moe.parallel import dispatch_experts
 from passes.plan import ShardingPlan
@@ -178,6 +178,12 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
             node.replace_all_uses_with(sliced, delete_user_cb=lambda user: user is not sliced)
             old_name[sliced] = name
             sliced.meta["fxtp_placement"] = str(plan.scatters[name])
+        if name in plan.bias_shares:  # NOTE: [bias share] in passes/moe/reductions.py
+            with graph.inserting_after(node):
+                shared = graph.call_function(local_ops.add_bias_share, (node, nodes[plan.bias_shares[name]], ws))
+            node.replace_all_uses_with(shared, delete_user_cb=lambda user: user is not shared)
+            old_name[shared] = name
+            shared.meta["fxtp_placement"] = node.meta.get("fxtp_placement", "P(sum)")
         if name in plan.reduces:
             scatter = plan.scatters.get(name)  # NOTE: [sequence parallelism]
             with graph.inserting_after(node):

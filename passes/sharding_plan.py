@@ -93,4 +93,7 @@ class ShardingPlan:
     holders: tuple[tuple[str, ...], ...] = ()
     # the experts blocks run expert parallel (NOTE: [expert parallelism], passes/moe/parallel.py)
     experts: tuple[ExpertBlock, ...] = ()
+    # rowwise node -> its bias, added as a 1/ws share on every rank before a deferred all_reduce
+    # (``local_ops.add_bias_share``; NOTE: [bias share] in passes/moe/reductions.py)
+    bias_shares: Mapping[str, str] = field(default_factory=dict)
 

@@ -341,6 +341,32 @@ class LoRAMLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
+class PeftLoRALinear(nn.Module):
+    """Case 20, as PEFT writes it (``peft.tuners.lora.layer.Linear``): ``base_layer`` plus
+    ``lora_B(lora_A(dropout(x))) * scaling`` (alpha 16, r 8), adapters in ``ModuleDict``s."""
+
+    def __init__(self, d_in: int, d_out: int, r: int = 8, alpha: int = 16, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.base_layer = nn.Linear(d_in, d_out)
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(d_in, r, bias=False)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(r, d_out, bias=False)})
+        self.lora_dropout = nn.ModuleDict({"default": nn.Dropout(dropout) if dropout else nn.Identity()})
+        self.scaling = alpha / r
+
+    def forward(self, x):
+        adapter = self.lora_B["default"](self.lora_A["default"](self.lora_dropout["default"](x)))
+        return self.base_layer(x) + adapter * self.scaling
+
+
+class PeftLoRAMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = PeftLoRALinear(64, 128), PeftLoRALinear(128, 64)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
 class LatentKV(nn.Module):
     """Case 22 (MLA-style): kv_a Linear(64, 48); its first 32 columns -> RMSNorm -> kv_b (colwise),
     the other 16 (the rope part) bypass kv_b."""
@@ -368,6 +394,7 @@ CASES.update(
         "20-lora": _seeded(lambda: (LoRAMLP(), _inputs((B, T, 64)))),
         # 64 tokens: B's 8 x 64 weight has no more elements than A's (64, 8) output (NOTE: [deferred reduction])
         "20b-lora-no-bias": _seeded(lambda: (LoRAMLP(bias=False), _inputs((B, 32, 64)))),
+        "20c-peft-lora": _seeded(lambda: (PeftLoRAMLP(), _inputs((B, T, 64)))),
         "22-latent-kv": _seeded(lambda: (LatentKV(), _inputs((B, T, 64)))),
         "23-seed-linear": _seeded(lambda: (nn.Linear(100, 10), _inputs((B, 100)))),
     }
@@ -409,3 +436,4 @@ CASES.update(
         ),
     }
 )
+

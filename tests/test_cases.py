@@ -292,6 +292,25 @@ def test_case20b_lora_beside_bias_free_layers_reduces_once(pool):
     assert r["backward"] == {"all_reduce": 2}  # up.A's output entering colwise up.B; down.B's weight gradient
 
 
+def test_case20c_peft_lora_scaled_adapters_at_megatron_floor(pool):
+    """PEFT's own form, ``base_layer(x) + lora_B(lora_A(x)) * scaling``: the scaling between B's
+    all_reduced output and the merge with the colwise base hid the merge from the cheaper-side
+    choice (up's A went colwise, B rowwise: 3 forward all_reduce). Now PEFT's Megatron plan:
+    beside the colwise base A replicated and B colwise, beside the rowwise base A rowwise and
+    B replicated, 2 forward all_reduce (compare_training: numbers and report == run)."""
+    (r, *_) = pool.run(_train, "20c-peft-lora")
+    assert _styles(r) == {
+        "up.base_layer": ("colwise", None),
+        "up.lora_A.default": ("replicate", "cheaper-replicated"),
+        "up.lora_B.default": ("colwise", None),
+        "down.base_layer": ("rowwise", None),
+        "down.lora_A.default": ("rowwise", None),
+        "down.lora_B.default": ("replicate", "cheaper-replicated"),
+    }
+    assert r["forward"] == {"all_reduce": 2}
+    assert r["backward"] == {"all_reduce": 1}  # up.A's output entering the colwise up.B
+
+
 def test_case22_report_counts_every_collective(pool):
     (r, *_) = pool.run(_train, "22-latent-kv")  # compare_training asserts report == run
     assert r["forward"] == {"all_reduce": 1} and r["backward"] == {"all_reduce": 1}

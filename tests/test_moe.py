@@ -17,6 +17,8 @@ import math
 import pytest
 import torch
 from _helpers import compare_training
+from cases import build_case
+from expert_choice import EXPERT_CHOICE  # noqa: F401 - registers the expert-choice cases
 
 import fxtp
 from fxtp.cli import examples
@@ -176,3 +178,63 @@ def test_eager_experts_are_refused_with_the_line_that_switches_them():
         examples.mixtral_config(experts_implementation="eager"))
     with pytest.raises(fxtp.FxtpCaptureError, match=r'model.get_submodule\("experts"\).config._experts_implementation = "grouped_mm"'):
         fxtp.analyze(block, 2, (torch.randn(2, 4, HIDDEN),), dynamic=False)
+
+
+def _train_expert_choice(name: str) -> dict:
+    model, inputs = build_case(name)
+    return compare_training(model, inputs)
+
+
+@pytest.mark.parametrize("name", ["expert-choice-moe", "expert-choice-moe-no-bias"])
+def test_expert_choice_moe_reduces_once_per_layer(pool, name):
+    """Expert-choice MoE (tests/cases.py: ``topk`` over tokens, ``index_select`` into 4
+    ``nn.Linear`` experts, ``index_add`` of their gated outputs into zeros, plus a shared expert),
+    2 layers: each expert's rowwise output is partial; the gate, the ``index_add`` chain and the
+    shared expert's sum keep it partial, so each layer all_reduces once (2, where there were 10).
+    The experts' biases enter as ``1/ws`` shares (NOTE: [bias share]). Backward: per layer the
+    5 inputs entering colwise layers and the 4 experts' gates (their gradients are partial
+    sums). compare_training: outputs, every gradient, 3 SGD steps, report == run."""
+    (r, *_) = pool.run(_train_expert_choice, name)
+    assert r["forward"] == {"all_reduce": 2}
+    assert r["forward_all_reduce_shapes"] == [(2, 8, 64)] * 2
+    assert r["backward"] == {"all_reduce": 18}
+    styles = {row["name"]: row["style"] for row in r["report"]["layers"]}
+    for i in range(2):
+        for expert in [f"experts.{e}" for e in range(4)] + ["shared"]:
+            assert (styles[f"moes.{i}.{expert}.up"], styles[f"moes.{i}.{expert}.down"]) == ("colwise", "rowwise")
+    if name == "expert-choice-moe":
+        assert "add_bias_share" in r["code"]
+
+
+def _train_llama4() -> dict:
+    """A tiny Llama-4 text model (random weights): layer 0 chunked attention (chunks of 4 of the
+    8 tokens) with Llama-4's complex rotary embedding (``view_as_complex``), layer 1 a NoPE
+    full attention; 4 query and 2 kv heads of 16; MoE with ``bmm`` experts (Llama4TextExperts)
+    and a shared expert in both layers."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Llama4TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+        moe_layers=[0, 1], no_rope_layers=[1, 0], attention_chunk_size=4, layer_types=["chunked_attention", "full_attention"],
+        max_position_embeddings=64, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+    r = compare_training(transformers.Llama4ForCausalLM(cfg).eval(), (ids,))
+    return {k: r[k] for k in ("forward", "backward", "report")}
+
+
+def test_llama4_chunked_rope_attention_sharded(pool):
+    """At ws 4 the 2 kv heads are held by the ranks that read them (NOTE: [grouped shards]);
+    Llama-4's rotary embedding views k as complex pairs (``view_as_complex``/``view_as_real``),
+    which had no rule that takes grouped shards: the planner split the heads and left layer 0's
+    attention replicated (``not-divisible``). Now both layers' attention are Megatron's
+    (q/k/v colwise, o rowwise), per layer one all_reduce for the attention and one for the
+    routed and shared experts together, plus the vocab-parallel lookup."""
+    (r, *_) = pool.run(_train_llama4)
+    styles = {row["name"]: row["style"] for row in r["report"]["layers"]}
+    for i in range(2):
+        p = f"model.layers.{i}.self_attn."
+        assert [styles[p + m] for m in ("q_proj", "k_proj", "v_proj", "o_proj")] == ["colwise"] * 3 + ["rowwise"], styles
+        assert styles[f"model.layers.{i}.feed_forward.experts.down_proj"] == "rowwise"
+    assert r["forward"] == {"all_reduce": 5, "all_gather": 1}

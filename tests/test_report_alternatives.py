@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from cases import build_case
+from expert_choice import EXPERT_CHOICE  # noqa: F401 - registers the expert-choice cases
 
 import fxtp
 
@@ -178,3 +180,19 @@ def test_chosen_alternatives_sum_to_the_report():
             assert f"  {down}: replicate: 0 B, 128.0 KiB;" in report.to_text(verbose=True)
         else:
             assert (chosen[gate_up]["style"], chosen[down]["style"]) == ("colwise (paired)", "rowwise (paired)")
+
+
+def test_chosen_alternatives_sum_to_the_report_where_reductions_fold():
+    """Where partial sums meet before one all_reduce (NOTE: [deferred reduction]): the
+    expert-choice MoE (4 experts and a shared one, ``index_add`` into zeros, biases as shares)
+    and PEFT's LoRA form (``lora_B(lora_A(x)) * scaling``), at ws 2 and 4: the chosen
+    alternatives sum to the report's bytes per phase (the report's counts are checked against
+    runs in tests/test_moe.py and tests/test_cases.py)."""
+    for name in ("expert-choice-moe", "20c-peft-lora"):
+        for ws in (2, 4):
+            model, inputs = build_case(name)
+            report = fxtp.analyze(model, ws, inputs, dynamic=False)
+            _, chosen, stats = _chosen_and_stats(report)
+            for phase in ("forward", "backward"):
+                total = sum(s["bytes"] for s in stats if s["phase"] == phase)
+                assert total and sum(c[f"{phase}_bytes"] for c in chosen.values()) == total, (name, ws, phase)

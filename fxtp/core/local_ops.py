@@ -12,6 +12,7 @@ from fxtp.core.placement import kv_unit_range
 
 __all__ = [
     "EMITTED_COLLECTIVES",
+    "add_bias_share",
     "EmittedCollectives",
     "vocab_parallel_embedding",
     "attention",
@@ -278,3 +279,36 @@ def repeat_kv_heads(x: torch.Tensor, dim: int, q_start: int, q_count: int, group
     """
     repeated = x.flatten(dim, dim + 1) if merged else torch.ops.aten.repeat_interleave.self_int(x, group, dim)
     return repeated.narrow(dim, q_start % group, q_count).contiguous()
+
+
+class _BiasShare(torch.autograd.Function):
+    """NOTE: [bias share]: ``x + bias / world_size`` forward; backward, ``bias``'s gradient is
+    the incoming gradient summed to its shape (not divided by ``world_size``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor, world_size: int) -> torch.Tensor:
+        ctx.bias_shape = bias.shape
+        return x + bias / world_size
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return grad, grad.sum_to_size(ctx.bias_shape), None
+
+
+def add_bias_share(x: torch.Tensor, bias: torch.Tensor, world_size: int) -> torch.Tensor:
+    """A rowwise layer's partial output with its bias folded in as one of ``world_size`` equal
+    summands, so that its all_reduce can move past more partial values (NOTE: [bias share] in
+    ``passes/moe/reductions.py``).
+
+    Args:
+        x: this rank's partial output ``(..., out)``. bias: the whole bias ``(out,)``.
+        world_size: the ranks whose summands the later all_reduce adds.
+
+    Returns:
+        ``x + bias / world_size``; the all_reduce of the ranks' results is ``sum_r x_r + bias``.
+        Backward: ``x``'s gradient is the incoming one; ``bias``'s is the incoming one summed
+        to the bias's shape, which is the single device's: the incoming gradient is whole on
+        every rank (it comes back through the all_reduce's identity backward and ops linear in
+        the value with replicated operands).
+    """
+    return _BiasShare.apply(x, bias, world_size)

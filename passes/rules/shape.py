@@ -369,3 +369,20 @@ def cat_rule(ctx: RuleContext) -> Decision:
     if any(p != shards[0] for p in shards):
         raise Conflict("layout-mismatch", "cat of tensors sharded differently", GATHER_INSTEAD)
     return Decision(shards[0], {t: shards[0] for t in tensors})
+
+
+@register_rule(aten.view_as_complex.default, aten.view_as_real.default)
+@overlap_ok
+@uneven_ok
+def complex_view_rule(ctx: RuleContext) -> Decision:
+    """``view_as_complex`` (``(..., 2)`` float pairs -> ``(...)`` complex) and ``view_as_real``
+    (the reverse), e.g. Llama-4's rotary embedding on ``(B, T, heads, head_dim / 2, 2)``: a shard
+    of any dim but the pairs' keeps its dim, segments and unit (heads sharded, or kv heads held
+    by the ranks that read them: NOTE: [grouped shards]), and the rank views its own block."""
+    x = ctx.node.args[0]
+    p = ctx.placement(x)
+    if not isinstance(p, Shard):
+        return Decision(REPLICATE)
+    if ctx.node.target is aten.view_as_complex.default and p.dim == ndim(x) - 1:
+        raise Conflict("splits-head", "view_as_complex of a value sharded on its (real, imaginary) pairs", GATHER_INSTEAD)
+    return Decision(p)
