@@ -259,7 +259,7 @@ def assert_model_unchanged(model: torch.nn.Module, before: dict[str, Any], what:
         new = after[key]
         if isinstance(old, tuple) and len(old) == 4 and isinstance(old[3], torch.Tensor):
             assert new[:3] == old[:3] and new[3] is not None, f"{what} changed the model's {key}: {old[:3]} -> {new[:3]}"
-            same = torch.equal(new[3].contiguous().view(torch.uint8), old[3].contiguous().view(torch.uint8)) if old[3].numel() else True
+            same = torch.equal(new[3].reshape(-1).view(torch.uint8), old[3].reshape(-1).view(torch.uint8)) if old[3].numel() else True
             assert same, f"{what} wrote to the model's {key}"
         else:
             assert new == old, f"{what} changed the model's {key}: {old} -> {new}"

@@ -132,17 +132,15 @@ class Spec:
     seed: int = 0
     sequence_parallel: bool = False  # compile with sequence_parallel=True (NOTE: [sequence parallelism])
     clip: bool = False  # the training loop clips: torch.nn.utils.clip_grad_norm_(parameters, 0.1) before each step
-    # the optimizer's parameter groups are built by module type (norms and embeddings without weight
-    # decay, at half the rate), as Hugging Face's Trainer and Megatron-style builders do
-    type_groups: bool = False
+    type_groups: bool = False  # parameter groups by module type (norms, embeddings: no decay), as HF's Trainer
     # "user": each block runs under torch.utils.checkpoint; "blocks" / "selective": compile with
     # activation_checkpointing= that (NOTE: [recomputed regions])
     checkpointing: str = "none"
     dynamic: bool = False  # compile with dynamic=True (symbolic batch/sequence); static: a third of its capture time
     expert_parallel: bool = False  # compile with expert_parallel=True: Moe blocks hold whole experts per rank
-    aliased: bool = False  # issue 35: compile on (ids, ids); a prompt-only micro-batch first; bf16 autocast
-    ignored: bool = False
-    autocast: bool = False
+    aliased: bool = False  # compile on (ids, ids), run on independent inputs (NOTE: [independent example inputs])
+    ignored: bool = False  # a prompt-only micro-batch (every target ignore_index) is accumulated first
+    autocast: bool = False  # every forward under bf16 autocast
 
 
 def features(spec: Spec) -> set[str]:
@@ -166,10 +164,7 @@ def features(spec: Spec) -> set[str]:
         out |= {f"embed.{f.name}" for f in dataclasses.fields(spec.embed) if getattr(spec.embed, f.name) not in (None, False)}
     if spec.head != "none":
         out.add(f"head:{spec.head}")
-    for flag in ("loss", "train", "also_hidden", "sequence_parallel", "clip", "type_groups", "dynamic", "expert_parallel",
-                 "aliased", "ignored", "autocast"):
-        if getattr(spec, flag):
-            out.add(flag)
+    out |= {f.name for f in dataclasses.fields(spec) if getattr(spec, f.name) is True}  # the flags that are on
     if spec.checkpointing != "none":
         out.add(f"checkpointing:{spec.checkpointing}")
     return out

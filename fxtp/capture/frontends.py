@@ -30,6 +30,7 @@ import inspect
 import io
 import logging
 import re
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -137,6 +138,13 @@ class _StackTracer(torch.fx.Tracer):
         if self.module_stack:
             node.meta["fxtp_module_stack"] = dict(self.module_stack)
         return node
+
+    def _filter_traceback_frames(self, user_stack_summary: traceback.StackSummary) -> traceback.StackSummary:
+        """torch.fx's filter (the hook its ``TracerBase`` offers for overriding), less this
+        module's own frames: the recorded stack trace ends at the model's line, not at
+        :meth:`create_node` above (NOTE: [actionable fixes] quotes that line)."""
+        frames = super()._filter_traceback_frames(user_stack_summary)
+        return traceback.StackSummary.from_list([f for f in frames if f.filename != __file__])
 
 
 def _traced_module_stacks(exported: torch.fx.Graph, traced: torch.fx.Graph) -> None:

@@ -21,8 +21,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 from fxtp.core import activations, collectives, rng
 from fxtp.runtime import checkpoint, clipping, fsdp, generation, layout, sharded
 from fxtp.runtime.blocks import Template, bind_blocks, new_module
-from fxtp.runtime.mode_graph import ModeGraph
-from fxtp.runtime.variants import SizeGraphs, differs_in_zero_one, held, static_refusal
+from fxtp.runtime.variants import ModeGraph, SizeGraphs, differs_in_zero_one, held, static_refusal
 from fxtp.capture.frontends import written_state
 from fxtp.core.errors import FxtpInputError, FxtpRuntimeError
 from fxtp.core.placement import REPLICATE, Placement, Shard, shard_tensor

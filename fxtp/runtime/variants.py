@@ -1,4 +1,5 @@
-"""Graphs for the input sizes torch.export specializes, captured on first use.
+"""A ``ParallelModule``'s graphs: one per mode (:class:`ModeGraph`), and those for the input sizes
+torch.export specializes, captured on first use.
 
 NOTE: [size-1 graphs]
 torch.export specializes sizes 0 and 1 (Ansel et al. 2024, "0/1 specialization"): a dim the
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Union
@@ -44,12 +46,44 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import ExportedProgram
+from torch.export.graph_signature import OutputKind
 from torch.fx import GraphModule
 
-from fxtp.capture.shapes import InputSpec, check_inputs
+from fxtp.capture.shapes import InputSpec, check_inputs, input_specs
+from fxtp.core import collectives, rng
 from fxtp.core.errors import FxtpError, FxtpInputError
+from fxtp.runtime.blocks import BlockBody
 
-__all__ = ["SizeGraphs", "meta_copy", "differs_in_zero_one", "held", "in_mode", "mode_of", "static_refusal"]
+__all__ = ["ModeGraph", "SizeGraphs", "meta_copy", "differs_in_zero_one", "held", "in_mode", "mode_of", "static_refusal"]
+
+
+@dataclass(eq=False)
+class ModeGraph:
+    """One mode's rank graph and how to call it (NOTE: [modes] in fxtp/api.py). Holds no
+    reference to the captured program (whose state dict is the user's full weights)."""
+
+    gm: GraphModule
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    outputs: list[tuple[OutputKind, Optional[str]]]
+    specs: tuple[InputSpec, ...]  # the user inputs it runs on (fxtp.capture.shapes)
+    inputs: list[tuple[str, str]]  # (kind, key) per placeholder
+    slots: Optional[list[tuple[Optional[nn.Module], str]]] = None
+    draws_random: bool = False  # checks the generators before each call (NOTE: [dropout across ranks])
+    regathers: bool = False  # saves gathered token shards as shards (NOTE: [regathered activations])
+    blocks: dict[str, BlockBody] = dataclasses.field(default_factory=dict)  # NOTE: [blocks of a ParallelModule]
+
+    @classmethod
+    def of(cls, program: ExportedProgram, gm: GraphModule, inputs: list[tuple[str, str]],
+           blocks: Optional[dict[str, BlockBody]] = None) -> "ModeGraph":
+        """``inputs``: ``(kind, key)`` per root placeholder; ``blocks``: the bodies of its blocks."""
+        outputs = [(spec.kind, spec.target) for spec in program.graph_signature.output_specs]
+        blocks = blocks or {}
+        graphs = [gm, *(b.module for b in blocks.values() if isinstance(b.module, GraphModule))]
+        return cls(gm, program.call_spec.in_spec, program.call_spec.out_spec, outputs, input_specs(program), inputs,
+                   draws_random=rng.draws_random(program.graph),
+                   regathers=any(n.target is collectives.gather_from_sp for g in graphs for n in g.graph.nodes),
+                   blocks=blocks)
 
 # fxtp.api's pipeline for one more graph: (meta model, args, kwargs, mode) -> (program, rank graph)
 Build = Callable[[nn.Module, tuple, dict, str], tuple[ExportedProgram, GraphModule]]
