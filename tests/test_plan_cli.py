@@ -167,6 +167,8 @@ def test_plan_reserve_header_and_one_unit_per_column(capsys, tmp_path):
     assert json.loads(capsys.readouterr().out)["reserve"] == 0
     assert main(argv + ["--reserve", "25%", "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["usable_memory"] == 75 * 10**7
+    assert main(argv + ["--reserve", "0.25", "--format", "json"]) == 0  # a share, as fxtp.plan(reserve=0.25)
+    assert json.loads(capsys.readouterr().out)["usable_memory"] == 75 * 10**7
     assert main(argv + ["--reserve", "512MiB"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("fxtp plan: LlamaForCausalLM on 4 devices of 953.7 MiB (A100-80GB SXM figures, 4 per node)")
@@ -180,9 +182,10 @@ def test_plan_reserve_header_and_one_unit_per_column(capsys, tmp_path):
     assert sizes <= {rows[0][5].split()[-1]} and times <= {rows[0][6].split()[-1]}, rows
     memory = next(line for line in out.splitlines() if line.startswith("memory per device: "))
     assert len(set(re.findall(r"\d (GiB|MiB|KiB|B)\b", memory))) == 1, memory
-    with pytest.raises(SystemExit):
-        main(argv + ["--reserve", "100%"])
-    assert "invalid reserve '100%'" in capsys.readouterr().err
+    for unclear in ("100%", "4"):  # a share of all, and a bare number: bytes or a share?
+        with pytest.raises(SystemExit):
+            main(argv + ["--reserve", unclear])
+        assert f"invalid reserve '{unclear}'" in capsys.readouterr().err
 
 
 def test_sizes_share_the_unit_of_their_column():

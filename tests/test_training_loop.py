@@ -398,6 +398,8 @@ def _decay_groups() -> dict:
     assert sorted(names) == sorted(Trainer.get_decay_parameter_names(None, ref))
     assert isinstance(pm.get_submodule("transformer.h.0.ln_1"), nn.LayerNorm)
     assert type(pm.get_submodule("transformer.h.0")) is type(ref.transformer.h[0])
+    tree = [(fqn, type(m)) for fqn, m in pm.named_modules() if fqn and not fqn.startswith(("graph_module", "_fxtp"))]
+    assert tree == [(fqn, type(m)) for fqn, m in ref.named_modules() if fqn]  # dropouts and activations too, in order
 
     def groups(m: nn.Module) -> list[dict]:
         decay = set(Trainer.get_decay_parameter_names(None, m))

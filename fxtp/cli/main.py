@@ -104,17 +104,22 @@ def _memory(text: str) -> int:
 
 
 def _reserve(text: str) -> "int | float":
-    """``--reserve``: a share of --device-memory (``10%``, a float in [0, 1)) or a size as
-    ``--device-memory`` takes it (``4GiB``; ``0`` keeps nothing back)."""
-    if text.strip().endswith("%"):
-        try:
-            share = float(text.strip()[:-1]) / 100
-        except ValueError:
+    """``--reserve``: a share of --device-memory (``10%``, or a bare number below 1 such as
+    ``0.1``, as ``fxtp.plan(reserve=0.1)`` reads it) or a size with a unit (``4GiB``; ``0``
+    keeps nothing back). A bare number of 1 or more is refused: bytes or a share, it is unclear."""
+    text = text.strip()
+    share = None
+    try:
+        share = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        if text.endswith("%"):
             share = -1.0
+    if share is not None:
         if not 0 <= share < 1:
-            raise argparse.ArgumentTypeError(f"invalid reserve {text!r}: a share in [0%, 100%), e.g. 10%")
+            raise argparse.ArgumentTypeError(f"invalid reserve {text!r}: a share in [0%, 100%) such as 10% or 0.1, "
+                                             "or a size with its unit such as 4GiB")
         return share
-    return 0 if text.strip() in ("0", "0B", "0b") else _memory(text)
+    return _memory(text)
 
 
 _reserve.__name__ = "SIZE"

@@ -136,6 +136,7 @@ def reserve_bytes(reserve: Union[int, float, None], device_memory: int) -> int:
         raise FxtpConfigError(f"reserve must be bytes (an int >= 0) or a share of device_memory in [0, 1), got {reserve!r}")
     held = int(device_memory * share) if isinstance(share, float) else share
     if held >= device_memory:
-        raise FxtpConfigError(f"reserve {held} bytes leaves nothing of device_memory {device_memory} bytes. "
-                              "fix: a smaller reserve (e.g. 0.1, a tenth) or more device memory")
+        raise FxtpConfigError(f"reserve {held / 2**30:.1f} GiB leaves nothing of device_memory {device_memory / 2**30:.1f} GiB. "
+                              "fix: a smaller reserve (a share: reserve=0.1 in Python, --reserve 10% on the command line) "
+                              "or more device memory")
     return held

@@ -111,6 +111,9 @@ class ParallelModule(nn.Module):
         self._fxtp_constants = nn.Module()
         self._constant_targets: dict[str, str] = {}  # fxtp's name of a constant -> the model's
         self._shared: dict[tuple[int, str], nn.Parameter] = {}  # tied parameters stay one Parameter
+        for fqn in self._templates:  # the model's module tree in its order, modules without state included
+            if fqn.split(".")[0] not in _RESERVED:
+                self._module_at(fqn)
         # NOTE: [modes] in fxtp/api.py: one graph per mode (``graphs``: mode -> (program, rank
         # graph), a graph shared by modes given once); ``mode`` is the compiled one, bound first.
         graphs = dict(graphs or {mode: (program, graph_module)})
