@@ -26,6 +26,7 @@ from fxtp.runtime.sharded import local_tensor
 __all__ = [
     "CollectiveLog",
     "collective_divergence",
+    "without_collective_log",
     "model_state",
     "assert_model_unchanged",
     "CollectiveCounter",
@@ -120,6 +121,19 @@ class CollectiveLog(TorchDispatchMode):
                 self._sink.write(f"{self.calls[-1]!r}\n")
                 self._sink.flush()
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def without_collective_log() -> Iterator[None]:
+    """Inside, no ``TorchDispatchMode`` is active (RankPool's :class:`CollectiveLog` of the task
+    leaves off): Dynamo compiles no frame while one is (``torch._dynamo.explain`` counts 0 graphs
+    and -1 breaks, ``torch.compile`` runs eagerly), so a test of ``torch.compile(pm)`` runs its
+    compiled calls here. Their collectives are not compared across ranks.
+    ``_disable_current_modes`` is private: the tests' one use."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
 
 
 def collective_divergence(logs: list[list[tuple]]) -> Optional[str]:

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from _helpers import graph_code, loss_of
+from _helpers import graph_code, loss_of, without_collective_log
 from cases import build_case
 from torch import nn
 
@@ -178,6 +178,11 @@ def test_dropout_train_mode_one_global_mask(pool):
 
 
 def _compiled():
+    with without_collective_log():  # Dynamo compiles nothing under the pool's CollectiveLog
+        return _compiled_unlogged()
+
+
+def _compiled_unlogged():
     import torch._dynamo
 
     ws = dist.get_world_size()
@@ -225,7 +230,13 @@ def _compiled_fullgraph(mode: str) -> dict:
     """``torch.compile(pm)`` of a tiny HF Llama (2 blocks) under ``mode``: a
     counting backend (aot_eager underneath) sees the graphs Dynamo makes over forward, backward
     and 3 SGD steps; outputs and every gradient at each step against the single device;
-    ``torch._dynamo.explain(pm)`` counts graphs and breaks."""
+    ``torch._dynamo.explain(pm)`` counts graphs and breaks. Outside the pool's CollectiveLog (a
+    dispatch mode: Dynamo would compile nothing, 0 graphs)."""
+    with without_collective_log():
+        return _compiled_fullgraph_unlogged(mode)
+
+
+def _compiled_fullgraph_unlogged(mode: str) -> dict:
     import torch._dynamo
     from fxtp.cli import examples
 

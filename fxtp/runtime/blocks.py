@@ -156,9 +156,21 @@ def run_block(pm: Any, fqn: str, block: nn.Module, args: tuple) -> Any:
         raise FxtpRuntimeError(f"{fqn}: the {pm.mode}-mode graph keeps this block in its root graph (a checkpoint "
                                "region spans it); fix: call the ParallelModule")
     state = body.read(block, fqn)
-    if any(isinstance(t, (sharded.ShardedTensor, DTensor)) for t in state):  # else nothing to convert: traceable by dynamo
+    if torch.compiler.is_compiling():  # NOTE: [blocks under torch.compile]
+        state = sharded.plain_views(state)
+    elif any(isinstance(t, (sharded.ShardedTensor, DTensor)) for t in state):
         state = sharded.plain_inputs(state)
     return body.module(*args, *state)
+
+
+# NOTE: [blocks under torch.compile]
+# A block reads its state at call time (FSDP2's gathered parameters), so under tensor parallelism
+# it reads ``ShardedParameter`` s inside the rank graph. ``sharded.plain_inputs`` makes them plain
+# eagerly, but it is ``torch.compiler.disable``d: called there under ``torch.compile(pm)`` it
+# broke the rank graph at every block (2 Llama blocks: 4 graphs, 3 breaks). While compiling, a
+# block takes ``sharded.plain_views`` instead, which Dynamo traces: the rank graph is one graph
+# again (NOTE: [hooks under torch.compile] in fxtp/core/activations.py), and ``block.compile()``
+# traces the same path. Eagerly, the aliases of ``plain_inputs`` (no autograd node) stay.
 
 
 def _make_block(pm: Any, fqn: str) -> nn.Module:

@@ -66,7 +66,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group  # NOTE: [
 from fxtp.core.errors import FxtpRuntimeError
 from fxtp.core.placement import Shard, owned_part
 
-__all__ = ["ShardLayout", "ShardedTensor", "ShardedParameter", "plain", "local_tensor", "layout_of", "like", "plain_inputs", "resolve_group"]
+__all__ = ["ShardLayout", "ShardedTensor", "ShardedParameter", "plain", "local_tensor", "layout_of", "like", "plain_inputs", "plain_views", "resolve_group"]
 
 _TENSOR_GRAD = torch._C.TensorBase.grad
 
@@ -134,6 +134,17 @@ def plain_inputs(inputs: list[Any]) -> list[Any]:
     as its ``to_local()``."""
     return [local_tensor(t) if isinstance(t, ShardedTensor) else t.to_local() if isinstance(t, DTensor) else t
             for t in inputs]
+
+
+def plain_views(inputs: list[Any]) -> list[Any]:
+    """:func:`plain_inputs` that Dynamo traces: a sharded tensor becomes a plain view of itself
+    (``view_as`` with ``__torch_function__`` off; Dynamo cannot trace ``as_subclass`` on it), a
+    DTensor its ``to_local()``. For a block's state read inside a compiled rank graph (NOTE:
+    [blocks under torch.compile] in fxtp/runtime/blocks.py); autograd reaches the parameters
+    through the views."""
+    with plain():
+        return [t.view_as(t) if isinstance(t, ShardedTensor) else t.to_local() if isinstance(t, DTensor) else t
+                for t in inputs]
 
 
 def _wrap(t: Any, layout: ShardLayout) -> Any:
