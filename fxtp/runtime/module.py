@@ -320,7 +320,8 @@ class ParallelModule(nn.Module):
             FxtpInputError: inputs whose structure differs from the example inputs, or a tensor
                 of another rank or dtype, or a size outside what the capture allows
                 (``fxtp.capture.shapes.check_inputs``); an index out of range (token id, position), as
-                the single-device model would raise ``IndexError``.
+                the single-device model would raise ``IndexError`` (an operator's; one raised by Python code,
+                a hook's, propagates as it is).
         """
         if self._world_size > 1 and self._group_name is None:
             raise FxtpRuntimeError(
