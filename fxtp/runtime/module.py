@@ -24,7 +24,7 @@ from fxtp.runtime.blocks import Template, bind_blocks, new_module
 from fxtp.runtime.mode_graph import ModeGraph
 from fxtp.runtime.variants import SizeGraphs, differs_in_zero_one, held, static_refusal
 from fxtp.capture.frontends import written_state
-from fxtp.core.errors import FxtpInputError, FxtpRuntimeError
+from fxtp.core.errors import FxtpInputError, FxtpRuntimeError, raised_by_an_op
 from fxtp.core.placement import REPLICATE, Placement, Shard, shard_tensor
 from fxtp.explain.report import Report, parameter_placements
 from fxtp.capture.shapes import check_inputs
@@ -56,19 +56,6 @@ def _plain_containers(value: Any) -> Any:
 
 
 _RESERVED = ("graph_module", "report", "plan", "_fxtp_constants", "mode", "written_state")
-
-
-def _raised_by_an_op(exc: BaseException) -> bool:
-    """Whether ``exc`` came from an operator the graph called (an embedding or index lookup: its
-    innermost Python frame is the generated graph code or torch's op dispatch), not from Python code
-    such as a hook or fxtp's own (NOTE: [block bodies run without module hooks] in fxtp/runtime/blocks.py)."""
-    tb = exc.__traceback__
-    if tb is None:
-        return False
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    filename = tb.tb_frame.f_code.co_filename
-    return filename.startswith("<eval_with_key>") or filename.endswith(os.path.join("torch", "_ops.py"))
 
 
 class ParallelModule(nn.Module):
@@ -343,7 +330,7 @@ class ParallelModule(nn.Module):
                 outputs = graph.gm(*sharded.plain_inputs(inputs))
             collectives.release()  # NOTE: [gloo frees] in fxtp/core/collectives.py
         except IndexError as exc:  # a lookup the single device would refuse too (ids, positions)
-            if not _raised_by_an_op(exc):  # an IndexError of Python code (fxtp's, a hook's) is no input error
+            if not raised_by_an_op(exc):  # an IndexError of Python code (fxtp's, a hook's) is no input error
                 raise
             raise FxtpInputError(
                 f"rank {self._rank}: an index in the inputs is out of range: {str(exc).splitlines()[0]}. fix: keep "
