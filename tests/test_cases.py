@@ -387,11 +387,22 @@ def _out_of_range_inputs():
         messages.append(str(exc))
     else:
         messages.append("no error")
+
+    def hook(module, args):  # Python code's IndexError (a user's hook here, or fxtp's own) is no input error
+        raise IndexError("a hook's own bug")
+
+    handle = pg.get_submodule("transformer.h.0").register_forward_pre_hook(hook)
+    try:
+        pg(gids)
+    except IndexError as exc:
+        messages.append(f"{type(exc).__name__}: {exc}")
+    handle.remove()
     return messages
 
 
 def test_out_of_range_ids_raise_as_on_one_device(pool):
-    for embedding_high, embedding_negative, target, ok, positions in pool.run(_out_of_range_inputs):
+    for embedding_high, embedding_negative, target, ok, positions, hooked in pool.run(_out_of_range_inputs):
+        assert hooked == "IndexError: a hook's own bug", hooked
         assert "embedding at emb got an id outside [0, 64)" in embedding_high and "first bad id: 64" in embedding_high
         assert "first bad id: -1" in embedding_negative
         assert "cross_entropy" in target and "outside [0, 64)" in target and "first bad id: 64" in target

@@ -355,8 +355,13 @@ def _fsdp_tp_clipping():
             o.step()
             o.zero_grad()
     full = pm.full_state_dict()
+    # float32 rounding, amplified by AdamW: the clipped norms above equal torch's within 2 ulp every step, but
+    # fc1.weight[381]'s gradient (5e-6, then 1e-6) is ~1000x below the median (7e-3), so the summation order of
+    # the sharded run (tp partial sums, dp mean) changes its rounding by ~1e-3 relative, which Adam's m/sqrt(v)
+    # turns into 1.21e-5 after 3 steps at lr 0.05 (measured); the same run in float64 differs by 1.7e-8 (from
+    # pm.clip_grad_norm_'s float32 norm), so no term is missed or duplicated. 3e-5: 2.5x the measured figure.
     for key, value in ref.state_dict().items():
-        torch.testing.assert_close(full[key], value, msg=lambda m, key=key: f"{key}: {m}")
+        torch.testing.assert_close(full[key], value, rtol=1.3e-6, atol=3e-5, msg=lambda m, key=key: f"{key}: {m}")
     return calls, warned
 
 

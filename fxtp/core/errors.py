@@ -7,6 +7,8 @@ FX node, the module FQN, the source line when known) and say what the user can d
 
 from __future__ import annotations
 
+import os
+
 __all__ = [
     "FxtpError",
     "FxtpConfigError",
@@ -14,6 +16,7 @@ __all__ = [
     "FxtpCaptureError",
     "FxtpPlanError",
     "FxtpRuntimeError",
+    "raised_by_an_op",
 ]
 
 
@@ -39,3 +42,18 @@ class FxtpPlanError(FxtpError):
 
 class FxtpRuntimeError(FxtpError, RuntimeError):
     """The parallel module was run in a setting it cannot run in (e.g. no process group)."""
+
+
+def raised_by_an_op(exc: BaseException) -> bool:
+    """Whether ``exc`` came from an operator the graph called (an embedding or index lookup: its
+    innermost Python frame is the generated graph code or torch's op dispatch), not from Python code
+    such as a hook or fxtp's own (NOTE: [block bodies run without module hooks] in
+    fxtp/runtime/blocks.py). ``ParallelModule.forward`` reports only the former as the user's
+    ``FxtpInputError``."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    filename = tb.tb_frame.f_code.co_filename
+    return filename.startswith("<eval_with_key>") or filename.endswith(os.path.join("torch", "_ops.py"))

@@ -68,11 +68,12 @@ class Recompute(nn.Module):
         self.preserve_rng_state = preserve_rng_state
 
     def forward(self, *args: Any) -> Any:
+        # the graph through forward: NOTE: [block bodies run without module hooks] in fxtp/runtime/blocks.py
         if not torch.is_grad_enabled():
-            return self.body(*args)
+            return self.body.forward(*args)
         extra = {"context_fn": self.context_fn} if self.context_fn is not None else {}
         if self.preserve_rng_state and not torch.compiler.is_compiling():  # checkpoint keeps the CPU generator's state
             activations.count_held(torch.get_rng_state())
-        return checkpoint(self.body, *args, use_reentrant=False, early_stop=False,
+        return checkpoint(self.body.forward, *args, use_reentrant=False, early_stop=False,
                           preserve_rng_state=self.preserve_rng_state, **extra)
 

@@ -160,7 +160,14 @@ def run_block(pm: Any, fqn: str, block: nn.Module, args: tuple) -> Any:
         state = sharded.plain_views(state)
     elif any(isinstance(t, (sharded.ShardedTensor, DTensor)) for t in state):
         state = sharded.plain_inputs(state)
-    return body.module(*args, *state)
+    # NOTE: [block bodies run without module hooks]: a body is no submodule of ``pm`` (its
+    # ``BlockCall`` stands in the root graph), so tools that name modules by their place in the tree
+    # see every body as ``GraphModule``; torch's ``CommDebugMode`` keys the forward hooks it adds per
+    # call by that name, so all bodies but one keep a hook after its exit, which pops from the closed
+    # tracker's empty stack on the next forward (``IndexError``). The block itself (``pm``'s submodule,
+    # what users hook) is called through ``__call__``; its body is an implementation detail, called
+    # through ``forward`` (a checkpointed body's ``Recompute`` calls its graph the same way).
+    return body.module.forward(*args, *state)
 
 
 # NOTE: [blocks under torch.compile]

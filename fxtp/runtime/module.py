@@ -23,7 +23,7 @@ from fxtp.runtime import checkpoint, clipping, fsdp, generation, layout, sharded
 from fxtp.runtime.blocks import Template, bind_blocks, new_module
 from fxtp.runtime.variants import ModeGraph, SizeGraphs, differs_in_zero_one, held, static_refusal
 from fxtp.capture.frontends import written_state
-from fxtp.core.errors import FxtpInputError, FxtpRuntimeError
+from fxtp.core.errors import FxtpInputError, FxtpRuntimeError, raised_by_an_op
 from fxtp.core.placement import REPLICATE, Placement, Shard, shard_tensor
 from fxtp.explain.report import Report, parameter_placements
 from fxtp.capture.shapes import check_inputs
@@ -309,7 +309,8 @@ class ParallelModule(nn.Module):
             FxtpInputError: inputs whose structure differs from the example inputs, or a tensor
                 of another rank or dtype, or a size outside what the capture allows
                 (``fxtp.capture.shapes.check_inputs``); an index out of range (token id, position), as
-                the single-device model would raise ``IndexError``.
+                the single-device model would raise ``IndexError`` (an operator's; one raised by Python code,
+                a hook's, propagates as it is).
         """
         if self._world_size > 1 and self._group_name is None:
             raise FxtpRuntimeError(
@@ -331,6 +332,8 @@ class ParallelModule(nn.Module):
                 outputs = graph.gm(*sharded.plain_inputs(inputs))
             collectives.release()  # NOTE: [gloo frees] in fxtp/core/collectives.py
         except IndexError as exc:  # a lookup the single device would refuse too (ids, positions)
+            if not raised_by_an_op(exc):  # an IndexError of Python code (fxtp's, a hook's) is no input error
+                raise
             raise FxtpInputError(
                 f"rank {self._rank}: an index in the inputs is out of range: {str(exc).splitlines()[0]}. fix: keep "
                 "token ids below the vocabulary size and sequence lengths within the position table (a dynamic "
