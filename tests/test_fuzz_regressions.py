@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 from fuzz_check import check_outcomes, differential
-from fuzz_models import Attn, Embed, Mlp, Moe, Spec
+from fuzz_models import Attn, Einsum, Embed, Mlp, Moe, Spec
 
 REGRESSIONS: dict[str, tuple[Spec, dict[int, str]]] = {
     # name: (spec, {world_size: symptom today}); a world size not listed passes today
@@ -47,6 +47,13 @@ REGRESSIONS: dict[str, tuple[Spec, dict[int, str]]] = {
         # the recomputed block reruns its 2 all_to_all in backward; the report counted 1, not 3
         Spec(hidden=16, blocks=(Moe(ffn=16),), checkpointing="user", expert_parallel=True),
         {},  # fixed: fxtp/explain/recompute.py counts a region's dispatch and combine
+    ),
+    "sp-autocast-regather": (
+        # bf16 autocast: blocks.0.up (colwise, sequence parallel) saved linear's bf16 copy of its
+        # gathered float32 input, not the value itself: kept whole, not regathered (report 4, ran 3)
+        Spec(hidden=16, blocks=(Einsum(form="bmm_heads", ffn=16, heads=1),), embed=Embed(), vocab=16,
+             sequence_parallel=True, autocast=True),
+        {},  # fixed: saved_tensors' pack regathers autocast's copy of a gathered value (NOTE: [regathered activations])
     ),
 }
 

@@ -143,6 +143,31 @@ def test_saved_activations_per_rank(rank_pools, ws, build):
         assert figures[True] < figures[False] - 0.1, figures
 
 
+def _saved_under_autocast():
+    ws = dist.get_world_size()
+    model, inputs = _reference()
+    model.train()
+    figures = {}
+    for sp in (False, True):
+        pm = fxtp.compile(model, ws, inputs, sequence_parallel=sp, dynamic=False)
+        with torch.autocast("cpu", dtype=torch.bfloat16), activations.measure() as saved:
+            out = pm(*inputs)
+        with CollectiveCounter() as backward:
+            loss_of(out).backward()
+        assert backward.counts.get("all_gather", 0) == pm.report.count("backward", "all_gather"), backward.counts
+        figures[sp] = (saved.total, saved.regathered)
+    return figures
+
+
+def test_regathers_under_autocast(pool):
+    """Under bf16 autocast a colwise layer saves autocast's bf16 copy of its gathered float32
+    input; that copy is saved as the shard too and regathered, once per value: the backward's
+    all_gathers are the report's, and a rank saves less than without sequence parallelism
+    (NOTE: [regathered activations])."""
+    for figures in pool.run(_saved_under_autocast):
+        assert figures[True][1] > 0 and figures[True][0] < figures[False][0], figures
+
+
 def _uneven_tokens():
     model, inputs = _reference()
     pm = fxtp.compile(model, dist.get_world_size(), inputs, sequence_parallel=True)

@@ -13,6 +13,15 @@ value is stored as a token holding the shard, and the first unpack in backward g
 once more, shared by all the layers that saved it (q, k and v save one input). Each rank runs
 the same graph, so the backward's all_gathers come in the same order on every rank.
 
+Under autocast a layer casts its input first (``linear`` of a float32 value under bf16 autocast
+saves a bf16 copy, not the gathered value nor a view of it): ``pack`` recognizes such a copy by
+its autograd node (``ToCopyBackward0`` of the gathered value or of a whole-tensor ``view`` of
+it) and saves it as the same token; the unpack gathers the float32 shard once, as for the
+other layers that saved the value, and casts it (a cast of a gather is the gather of the cast,
+bit for bit). One regather per value whatever the dtypes its layers save: the count
+``fxtp/explain/counts.py`` reports. A copy without an autograd node (a value no gradient flows
+through) cannot be traced to its gather and is saved as is.
+
 :func:`measure` counts the bytes a forward saves for backward (parameters excluded, a storage
 counted once, a regathered value as its shard): the figure ``tools/bench.py`` reports.
 """
@@ -73,16 +82,50 @@ def gathered(full: torch.Tensor, shard: torch.Tensor, gather: Callable[[torch.Te
 
 
 class _Regathered:
-    """A gathered value saved as its shard; gathered again at its first unpack."""
+    """A gathered value saved as its shard; gathered again at its first unpack, and cast once
+    per dtype a layer saved it in (autocast's copies, NOTE: [regathered activations])."""
 
     def __init__(self, shard: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.shard, self.gather, self.root = shard, gather, None
+        self.casts: dict[tuple[torch.dtype, tuple[int, ...]], torch.Tensor] = {}
 
     def view(self, size, stride, offset) -> torch.Tensor:
+        return self._root().as_strided(size, stride, offset)
+
+    def cast_view(self, dtype: torch.dtype, shape: tuple[int, ...], size, stride, offset) -> torch.Tensor:
+        """A view of ``root.view(shape).to(dtype)`` (contiguous, as autocast's copy was)."""
+        key = (dtype, shape)
+        if key not in self.casts:
+            with torch.no_grad():
+                self.casts[key] = self._root().view(shape).to(dtype).contiguous()
+        return self.casts[key].as_strided(size, stride, offset)
+
+    def _root(self) -> torch.Tensor:
         if self.root is None:
             with torch.no_grad():
                 self.root = _root(self.gather(self.shard))
-        return self.root.as_strided(size, stride, offset)
+        return self.root
+
+
+_VIEWS = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0")
+
+
+def _cast_source(copy: torch.Tensor, table: dict[int, "_Entry"]) -> Optional["_Entry"]:
+    """The entry whose gathered value ``copy`` is a dtype cast of (of the whole value, or of a
+    whole-tensor view of it), or None (NOTE: [regathered activations], under autocast)."""
+    node = copy.grad_fn
+    if node is None or type(node).__name__ != "ToCopyBackward0" or not copy.is_contiguous() or copy.storage_offset():
+        return None
+    source = node.next_functions[0][0] if node.next_functions else None
+    while source is not None and type(source).__name__ in _VIEWS:
+        source = source.next_functions[0][0]
+    if source is None:
+        return None
+    for entry in table.values():
+        root = entry.root()
+        if root is not None and root.grad_fn is source and root.is_contiguous() and root.numel() == copy.numel():
+            return entry
+    return None
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -104,21 +147,25 @@ def saved_tensors(regather: bool) -> Iterator[None]:
     def pack(t: torch.Tensor) -> Any:
         root = _root(t)
         entry = table.get(id(root)) if regather else None
+        cast = None
         if entry is None or entry.root() is not root:
-            if counter is not None and not _is_parameter(t):
-                counter.add(t)
-            return t
+            entry = _cast_source(root, table) if regather and table else None
+            if entry is None:
+                if counter is not None and not _is_parameter(t):
+                    counter.add(t)
+                return t
+            cast = (root.dtype, tuple(root.shape))
         if entry.token is None:
             entry.token = _Regathered(entry.shard, entry.gather)
         if counter is not None:
             counter.add(entry.shard, regathered=True)
-        return entry.token, tuple(t.shape), t.stride(), t.storage_offset()
+        return entry.token, cast, tuple(t.shape), t.stride(), t.storage_offset()
 
     def unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        token, size, stride, offset = packed
-        return token.view(size, stride, offset)
+        token, cast, size, stride, offset = packed
+        return token.view(size, stride, offset) if cast is None else token.cast_view(*cast, size, stride, offset)
 
     _GATHERED.append(table)
     try:  # NOTE: [hooks under torch.compile]
