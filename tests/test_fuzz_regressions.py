@@ -55,6 +55,19 @@ REGRESSIONS: dict[str, tuple[Spec, dict[int, str]]] = {
              sequence_parallel=True, autocast=True),
         {},  # fixed: saved_tensors' pack regathers autocast's copy of a gathered value (NOTE: [regathered activations])
     ),
+    "autocast-bias-share": (
+        # bf16 autocast: a LoRA's base bias folded into the deferred all_reduce (NOTE: [bias share])
+        # was added in float32, so the output was float32 where the single device's is bf16
+        Spec(hidden=16, blocks=(Mlp(ffn=16, act="relu", gate="none", bias=True, lora=True),), autocast=True),
+        {},  # fixed: add_bias_share adds the bias in the partial sum's dtype
+    ),
+    "autocast-mlp-then-moe": (
+        Spec(hidden=48, blocks=(Mlp(ffn=16, act="relu", gate="swiglu", bias=True),
+                                Moe(ffn=48, experts=4, top_k=1, shared=True, impl="grouped_mm", residual=True)),
+             train=True, seq=5, seed=2, autocast=True),
+        # the experts' .to(hidden.dtype) was a no-op at capture (float32), so the graph has no cast
+        {ws: "output float32 where the single device's is bf16 under autocast" for ws in (2, 4)},
+    ),
 }
 
 

@@ -287,12 +287,14 @@ class _BiasShare(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor, world_size: int) -> torch.Tensor:
-        ctx.bias_shape = bias.shape
-        return x + bias / world_size
+        ctx.bias_shape, ctx.bias_dtype = bias.shape, bias.dtype
+        # in x's dtype: under autocast the linear's output (and so the single device's sum with its
+        # bias) is in the autocast dtype (NOTE: [autocast policy of replaced ops])
+        return x + (bias / world_size).to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        return grad, grad.sum_to_size(ctx.bias_shape), None
+        return grad, grad.sum_to_size(ctx.bias_shape).to(ctx.bias_dtype), None
 
 
 def add_bias_share(x: torch.Tensor, bias: torch.Tensor, world_size: int) -> torch.Tensor:
