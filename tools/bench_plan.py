@@ -9,6 +9,10 @@ capture: normalize, the plan at tp 8, the report), CPU seconds (``time.process_t
 machine is shared) from one capture per depth, and the capture's wall seconds (torch.export's).
 
     python tools/bench_plan.py --json docs/bench_plan.json --passes
+
+``--published`` prints the planner's predicted/measured step time for the published runs in
+tools/published_runs.py (issue 34), as the markdown table docs/plan_command.md shows, with the
+median and worst |log ratio|, and times a plan's close-call search on the big configs.
 """
 
 from __future__ import annotations
@@ -76,12 +80,30 @@ def passes(layers: tuple[int, ...]) -> list[dict]:
     return rows
 
 
+def published(path: str | None) -> None:
+    """The published runs' predicted/measured table, its median and worst |log ratio|."""
+    import published_runs
+
+    t = published_runs.table()
+    print(published_runs.markdown(t))
+    if path:
+        with open(path) as f:
+            data = json.load(f)
+        data["published"] = {"rows": t.rows, "median_abs_log_ratio": t.median, "worst_abs_log_ratio": t.worst,
+                             "not_expressed": list(published_runs.NOT_EXPRESSED), "date": time.strftime("%Y-%m-%d")}
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="FILE", help="write the rows to FILE")
     parser.add_argument("--repeats", type=int, default=3, help="plans per depth (the median is reported)")
     parser.add_argument("--passes", action="store_true", help="also time the passes at full depth (minutes: one capture each)")
+    parser.add_argument("--published", action="store_true", help="only the published runs' table (tools/published_runs.py)")
     args = parser.parse_args()
+    if args.published:
+        return published(args.json)
     fxtp.plan(_model(2 + 1), 8, device_memory=80 * 2**30, batch=8, seq=8192)  # warm-up: imports, first capture
     rows = run(LAYERS, args.repeats)
     out: dict = {"rows": rows}

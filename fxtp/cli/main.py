@@ -303,6 +303,9 @@ def _add_plan_parser(sub: Any) -> None:
     plan.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw", help="its state is priced (default: adamw)")
     plan.add_argument("--tp", metavar="T", type=_world_size, default=None,
                       help="pin the tensor-parallel degree; the other degrees are still priced, to show what the pin costs")
+    plan.add_argument("--tp-overlap", choices=("async-tp", "megatron"), default=None,
+                      help="price tp collectives under sequence parallelism as hidden behind the matmuls, as torch's async TP "
+                      "or Megatron-LM's --tp-comm-overlap run them (default: not overlapped; docs/plan_command.md)")
     plan.add_argument("--inference", action="store_true", help="price a forward with a KV cache instead of a training step")
     plan.add_argument("--format", "-f", choices=("table", "json"), default="table", help="table (default) or the plan's JSON")
     plan.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr (it shows only on a terminal)")
@@ -328,7 +331,7 @@ def _plan(args: argparse.Namespace) -> int:
         loaded.model, args.devices, device_memory=args.device_memory, example_inputs=loaded.inputs,
         example_kwargs=loaded.kwargs, batch=args.batch, seq=args.seq, devices_per_node=args.devices_per_node,
         hardware=args.hardware, optimizer=args.optimizer, training=not args.inference, tp=args.tp,
-        reserve=args.reserve, progress=progress.stage,
+        reserve=args.reserve, tp_overlap=args.tp_overlap, progress=progress.stage,
     )
     progress.done()
     print(json.dumps(result.to_dict(), indent=2) if args.format == "json" else result)

@@ -21,9 +21,13 @@ NOTE: [cost model]
 Step time = compute + tensor-parallel communication + the FSDP communication compute does
 not hide.
 
-- compute: model FLOPs (NOTE: [FLOPs]) over all devices at ``mfu`` of the dense BF16 peak
-  (``mfu = 0.5``, sourced in NOTE: [hardware table] in fxtp/planner/hardware.py: Narayanan et
-  al. 2021 sustain 52% of peak counting recomputation, as this model does).
+- compute: model FLOPs (NOTE: [FLOPs]) over all devices at the achieved share of the dense
+  BF16 peak, by hardware and GEMM size (:func:`compute_efficiency`): the hardware's ``mfu``
+  (sourced in NOTE: [hardware table] in fxtp/planner/hardware.py) times the wave
+  quantization of the block's GEMMs on a rank (NOTE: [GEMM efficiency]), averaged over them by
+  FLOPs: q/k/v and the MLP's up (and gate) projections ``(b s, h) @ (h, n / tp)``, the output
+  and down projections ``(b s, n / tp) @ (n / tp, h)``. The same share for their backward
+  GEMMs, the attention and the head.
 - tensor parallelism: per block and micro-batch, in all_reduces of ``(b, s, h)`` bf16: 2
   forward and 2 backward (Megatron's floor, Shoeybi et al. 2019, section 3), 1 more under
   sequence parallelism (the backward's 2 all_gathers of saved shards, NOTE: [regathered
@@ -41,15 +45,34 @@ not hide.
   activations' dtype), timed as one all_reduce of those bytes (one latency for the handful
   of them); and per block and backward, the weight-gradient all_reduce of grouped kv shards
   when the kv heads do not divide ``tp`` (``ParamShapes.block_weight_sent``, NOTE: [grouped
-  shards] in fxtp/core/placement.py). Not overlapped: Megatron's tensor-parallel collectives
-  sit between dependent matmuls (Narayanan et al. 2021, section 3.3).
+  shards] in fxtp/core/placement.py). Not overlapped by default: Megatron's tensor-parallel
+  collectives sit between dependent matmuls (Narayanan et al. 2021, section 3.3). With
+  ``tp_overlap`` (NOTE: [tp overlap]) and sequence parallelism, a block's collectives are
+  hidden behind its projection matmuls up to their time.
 - FSDP2: per micro-batch (gradient accumulation does not skip its reduce_scatter by default)
   an all_gather of each unit's bf16 parameters in forward and again in backward
   (``reshard_after_forward=True``) and a reduce_scatter of its fp32 gradients, each a ring
   collective over the ``dp`` group (NOTE: [collective time]: over the network once the group
   spans nodes, one NIC per member on a node); what compute does not hide is computed per
   unit (NOTE: [fsdp overlap] in fxtp/planner/comm.py).
-Not modelled: kernels slowed by small shards, NVLink shared by tensor-parallel and FSDP
+NOTE: [tp overlap]
+Two runtimes hide sequence parallelism's all_gather/reduce_scatter pairs behind the matmuls
+that consume or produce them, by splitting each into chunks and pipelining chunk ``i``'s
+communication with chunk ``i-1``'s matmul: torch's async TP (micro-pipeline TP,
+``torch._inductor.config._micro_pipeline_tp``; torchtitan's
+``parallelism.enable_async_tensor_parallel``) and Megatron-LM's ``--tp-comm-overlap``
+(Transformer Engine's userbuffers; Megatron-LM README, "Communication optimizations"; Wang et
+al. 2023, "Overlap Communication with Dependent Computation via Decomposition in Large Deep
+Learning Models"). ``Workload.tp_overlap`` names which (``TP_OVERLAP``): the pricing is the
+same, per block and micro-batch ``max(0, tp_s - matmul_s)`` is exposed, ``matmul_s`` the
+block's projection matmuls forward and backward (``6 x block_params / tp`` FLOPs a token) at
+the achieved rate. Without sequence parallelism nothing is hidden (both need it). Default:
+``None``, every collective exposed. Not modelled: the matmuls slowed by sharing SMs with the
+communication kernels (torchtitan measured async TP at 1.09-1.10 x vanilla TP's throughput in
+bf16 on H100, benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md: a bound to check the
+option against, docs/plan_command.md "Published runs").
+
+Not modelled: NVLink shared by tensor-parallel and FSDP
 collectives inside a node, NCCL's tree and NVLS algorithms, pipeline parallelism.
 """
 
@@ -59,15 +82,20 @@ from dataclasses import dataclass
 from typing import Optional
 
 from fxtp.planner.comm import Group, Unit, fsdp_exposed, ring_time
-from fxtp.planner.hardware import Hardware
+from fxtp.planner.hardware import Hardware, gemm_efficiency
 from fxtp.planner.model import TransformerShape
 from fxtp.planner.params import ParamShapes
 
-__all__ = ["Choice", "Estimate", "OPTIMIZER_BYTES", "estimate"]
+__all__ = ["Choice", "Estimate", "OPTIMIZER_BYTES", "TP_OVERLAP", "compute_efficiency", "estimate"]
 
 # Bytes of optimizer state per parameter element, fp32 (NOTE: [mixed precision])
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 0}
 _MASTER, _GRAD, _COMPUTE = 4, 4, 2
+# the runtimes that overlap tensor-parallel collectives with matmuls (NOTE: [tp overlap])
+TP_OVERLAP = {
+    "async-tp": "torch async TP (micro-pipeline TP; torchtitan enable_async_tensor_parallel)",
+    "megatron": "Megatron-LM --tp-comm-overlap (Transformer Engine userbuffers)",
+}
 
 
 @dataclass(frozen=True)
@@ -109,6 +137,21 @@ class Workload:
     # bytes of a parameter element FSDP2 all_gathers: bf16, ``MixedPrecisionPolicy(param_dtype=
     # torch.bfloat16)`` (NOTE: [mixed precision]); 4 prices a run without a policy (fp32 gathers)
     gather_bytes: int = _COMPUTE
+    tp_overlap: Optional[str] = None  # a key of TP_OVERLAP: collectives hidden behind matmuls
+
+
+def compute_efficiency(hw: Hardware, shape: TransformerShape, tokens: int, tp: int) -> float:
+    """The share of ``hw.peak_flops`` a rank's matmuls run at on a micro-batch of ``tokens``
+    tokens at tensor-parallel degree ``tp``: :func:`~fxtp.planner.hardware.gemm_efficiency`
+    of the block's projections, averaged by their FLOPs (their times add up; NOTE: [cost model])."""
+    qkv = (shape.heads + 2 * shape.kv_heads) * (shape.hidden // max(1, shape.heads))
+    mlp = shape.intermediate * (2 if shape.gated_mlp else 1)
+    gemms = ((max(1, qkv // tp), shape.hidden * qkv),  # (output columns on a rank, FLOPs weight)
+             (shape.hidden, shape.hidden * shape.hidden),
+             (max(1, mlp // tp), shape.hidden * mlp),
+             (shape.hidden, shape.hidden * shape.intermediate))
+    weight = sum(w for _, w in gemms)
+    return weight / sum(w / gemm_efficiency(hw, tokens, n) for n, w in gemms)
 
 
 def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: Hardware, work: Workload) -> Estimate:
@@ -118,7 +161,8 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
     memory = _memory(choice, shape, params, work)
     tokens = work.batch * work.seq
     devices = tp * dp
-    rate = devices * hw.peak_flops * hw.mfu
+    efficiency = compute_efficiency(hw, shape, b * work.seq, tp)
+    rate = devices * hw.peak_flops * efficiency
     if work.training:
         compute = shape.flops_per_token(work.seq, ac) * tokens / rate
         recompute = compute - shape.flops_per_token(work.seq) * tokens / rate
@@ -140,6 +184,10 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
     outside_s = ring_time("all_reduce", outside * payload * tp / (2 * (tp - 1)), tp_group, hw) if tp > 1 and outside else 0.0
     if params.block_weight_sent and work.training:
         block_s += ring_time("all_reduce", params.block_weight_sent * tp / (2 * (tp - 1)), tp_group, hw)
+    tp_all_s = choice.accumulation * (shape.layers * block_s + outside_s)
+    if work.tp_overlap and sp and tp > 1:  # NOTE: [tp overlap]
+        matmul_s = 6 * shape.block_params / tp * b * work.seq / (hw.peak_flops * efficiency) if work.training else 0.0
+        block_s = max(0.0, block_s - matmul_s)
     tp_s = choice.accumulation * (shape.layers * block_s + outside_s)
     fsdp_bytes, fsdp_s, fsdp_exposed_s = 0, 0.0, 0.0
     if work.training and dp > 1:
@@ -154,6 +202,7 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
         "recompute": recompute,
         "comm": tp_s + fsdp_exposed_s,
         "tp_comm": tp_s,
+        "tp_comm_hidden": tp_all_s - tp_s,
         "fsdp_comm": fsdp_s,
         "fsdp_exposed": fsdp_exposed_s,
         "total": compute + tp_s + fsdp_exposed_s,

@@ -2,8 +2,8 @@
 
 NOTE: [hardware table]
 Every bandwidth and FLOP rate is the vendor's datasheet peak; the latencies are NCCL's own
-cost model's; the one efficiency factor is ``mfu`` (NOTE: [cost model] in
-fxtp/planner/costs.py). Each is the user's to override:
+cost model's; the achieved compute rate is ``mfu`` by hardware and GEMM size (NOTE: [GEMM
+efficiency]; NOTE: [cost model] in fxtp/planner/costs.py). Each is the user's to override:
 ``dataclasses.replace(HARDWARE["h100"], mfu=0.35)``.
 
 - Dense BF16 tensor-core peak (without the 2:4 sparsity the datasheets also quote, which
@@ -24,13 +24,30 @@ fxtp/planner/costs.py). Each is the user's to override:
   ``src/graph/tuning.cc`` (NVIDIA/nccl): ``baseLat`` 8.4 us a collective, ``hwLat`` 3.4 us a
   step over NVLink and 14.0 us a step over the network. The same for every device in the
   table: NCCL's table does not tell them apart.
-- ``mfu = 0.5``: the fraction of the dense peak a step's FLOPs run at, recomputation counted.
-  Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters Using
-  Megatron-LM", abstract and section 5.1) sustain 52% of A100 peak end to end, counting the
-  recomputed forward in their FLOPs (their eq. 3, a factor 4 = forward, backward, recompute);
-  Meta reports 38-43% model-FLOPs MFU for Llama-3-405B on 8K-16K H100s, communication
-  included and recomputation not counted (Dubey et al. 2024, "The Llama 3 Herd of Models",
-  table 4). The planner prices communication on its own, so it takes the first figure.
+- ``mfu``, by hardware: the fraction of the dense peak a step's FLOPs (recomputation counted)
+  run at with large GEMMs, from the largest published run on that device whose layout the
+  planner cannot express (pipeline parallelism), so it is not one of the published runs the
+  planner is compared with (docs/plan_command.md, "Published runs"): A100 0.52, Narayanan et
+  al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters Using
+  Megatron-LM", table 1, the 1T model: 163 TFLOP/s per GPU, 52% of peak, their FLOPs counting
+  the recomputed forward); H100 0.47, Megatron-LM's README ("up to 47% Model FLOP Utilization
+  (MFU) on H100 clusters", 2B-462B models, TP, PP and DP communication overlapped); H200 the
+  H100's (the same tensor cores; no report of its own). Meta reports 38-43% for Llama-3-405B
+  on 8K-16K H100s (Dubey et al. 2024, "The Llama 3 Herd of Models", table 4).
+
+NOTE: [GEMM efficiency]
+A GEMM whose output has few tiles runs slower than the peak by wave quantization: cuBLAS
+splits the ``m x n`` output into tiles, one thread block each, and runs them in waves of one
+tile per SM; the last wave is partly empty (NVIDIA Deep Learning Performance Guide, "Matrix
+Multiplication Background", sections "Dimension Quantization Effects" and "Wave
+Quantization", its example tile 256 x 128). :func:`gemm_efficiency` is ``mfu`` times the
+filled share of the waves, ``tiles / (waves x sms)``, with 256 x 128 tiles and the SM count of
+the device (A100 108, H100 SXM and H200 132 SMs: the NVIDIA A100 and H100 architecture
+whitepapers); ``sms = 0`` (a device of the user's) turns it off. Small per-rank shards (high
+``tp``, one short sequence) lose most; a 8192-token micro-batch against a 14336-wide MLP
+loses 3%. Not modelled: tile shapes cuBLAS picks other than 256 x 128, memory-bound GEMMs
+(the shapes priced here are compute-bound on the roofline: their arithmetic intensity, in the
+hundreds of FLOPs a byte, is above the datasheets' peak over HBM bandwidth).
 
 NOTE: [runtime reserve]
 What a training process holds besides the tensors the cost model prices: the CUDA context
@@ -53,7 +70,7 @@ from typing import Union
 
 from fxtp.core.errors import FxtpConfigError
 
-__all__ = ["Hardware", "HARDWARE", "DEFAULT_RESERVE", "resolve_hardware", "reserve_bytes"]
+__all__ = ["Hardware", "HARDWARE", "DEFAULT_RESERVE", "gemm_efficiency", "resolve_hardware", "reserve_bytes"]
 
 GiB = 1 << 30
 DEFAULT_RESERVE = 0.10  # of device_memory, kept for the runtime (NOTE: [runtime reserve])
@@ -70,7 +87,10 @@ class Hardware:
         intra_node_bw: NVLink bandwidth per GPU and direction, bytes/s.
         inter_node_bw: network bandwidth per GPU and direction (one NIC per GPU), bytes/s.
         devices_per_node: GPUs one NVLink domain holds (8 in a DGX/HGX node).
-        mfu: the fraction of ``peak_flops`` a step's FLOPs (recomputation included) run at.
+        mfu: the fraction of ``peak_flops`` a step's FLOPs (recomputation included) run at
+            with large GEMMs (NOTE: [hardware table]).
+        sms: streaming multiprocessors, for wave quantization (NOTE: [GEMM efficiency]);
+            0 turns it off.
         collective_latency: seconds a collective costs whatever its size (NCCL ``baseLat``).
         nvlink_step_latency: seconds a ring step inside a node adds (NCCL ``hwLat`` NVLink).
         network_step_latency: seconds a ring step across nodes adds (NCCL ``hwLat`` NET).
@@ -86,6 +106,7 @@ class Hardware:
     collective_latency: float = 8.4e-6
     nvlink_step_latency: float = 3.4e-6
     network_step_latency: float = 14.0e-6
+    sms: int = 0
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "memory_bytes", "intra_node_bw", "inter_node_bw", "devices_per_node"):
@@ -93,6 +114,8 @@ class Hardware:
                 raise FxtpConfigError(f"Hardware {self.name!r}: {field} must be > 0, got {getattr(self, field)!r}")
         if not 0 < self.mfu <= 1:
             raise FxtpConfigError(f"Hardware {self.name!r}: mfu must be in (0, 1], got {self.mfu!r}")
+        if isinstance(self.sms, bool) or not isinstance(self.sms, int) or self.sms < 0:
+            raise FxtpConfigError(f"Hardware {self.name!r}: sms must be an int >= 0, got {self.sms!r}")
         for field in ("collective_latency", "nvlink_step_latency", "network_step_latency"):
             if not getattr(self, field) >= 0:
                 raise FxtpConfigError(f"Hardware {self.name!r}: {field} must be >= 0 seconds, got {getattr(self, field)!r}")
@@ -102,10 +125,28 @@ class Hardware:
 
 
 HARDWARE: dict[str, Hardware] = {
-    "a100": Hardware("A100-80GB SXM", 312e12, 80 * GiB, 300e9, 25e9),
-    "h100": Hardware("H100-80GB SXM", 989e12, 80 * GiB, 450e9, 50e9),
-    "h200": Hardware("H200-141GB SXM", 989e12, 141 * GiB, 450e9, 50e9),
+    "a100": Hardware("A100-80GB SXM", 312e12, 80 * GiB, 300e9, 25e9, mfu=0.52, sms=108),
+    "h100": Hardware("H100-80GB SXM", 989e12, 80 * GiB, 450e9, 50e9, mfu=0.47, sms=132),
+    "h200": Hardware("H200-141GB SXM", 989e12, 141 * GiB, 450e9, 50e9, mfu=0.47, sms=132),
 }
+
+TILE_M, TILE_N = 256, 128  # cuBLAS's large tile (NOTE: [GEMM efficiency])
+
+
+def gemm_efficiency(hw: Hardware, m: int, n: int) -> float:
+    """The fraction of ``hw.peak_flops`` an ``(m, k) @ (k, n)`` GEMM runs at: ``hw.mfu`` times
+    the filled share of its waves of tiles (NOTE: [GEMM efficiency]); ``hw.mfu`` when
+    ``hw.sms`` is 0.
+
+    Args:
+        m: output rows (tokens of a micro-batch on the rank).
+        n: output columns (a weight's columns on the rank).
+    """
+    if hw.sms <= 0 or m <= 0 or n <= 0:
+        return hw.mfu
+    tiles = -(-m // TILE_M) * -(-n // TILE_N)
+    waves = -(-tiles // hw.sms)
+    return hw.mfu * tiles / (waves * hw.sms)
 
 
 def resolve_hardware(hardware: Union[str, Hardware]) -> Hardware:

@@ -133,6 +133,9 @@ class ParallelPlan:
     block_kinds: int = 1  # kinds of block in the stack (NOTE: [block kinds] in fxtp/planner/params.py)
     pinned_tp: Optional[int] = None  # the caller's fxtp.plan(..., tp=): chosen is then that degree's best
     reserve: int = 0  # bytes of device_memory kept for the runtime: CUDA context, NCCL, fragmentation
+    # where the runner-up is within the model's error or an assumption flips the winner (NOTE: [close calls])
+    close_calls: tuple[str, ...] = ()
+    tp_overlap: Optional[str] = None  # the runtime priced as overlapping tp collectives (NOTE: [tp overlap])
 
     @property
     def usable_memory(self) -> int:
@@ -200,6 +203,8 @@ class ParallelPlan:
             "block_kinds": self.block_kinds,
             "layer_styles": dict(self.layer_styles),
             "pinned_tp": self.pinned_tp,
+            "tp_overlap": self.tp_overlap,
+            "close_calls": list(self.close_calls),
             "notes": list(self.notes),
             "alternatives": [a.to_dict(self.usable_memory) for a in self.alternatives],
             "skipped": [dict(s) for s in self.skipped],
@@ -218,6 +223,7 @@ class ParallelPlan:
             f"chosen: tp {c.tp} x dp {c.dp}{sp}, activation checkpointing: {_ac_name(c.activation_checkpointing)}, {micro}"
             + (" (tp pinned by the caller)" if self.pinned_tp is not None else ""),
             self._verdict(),
+            *(f"close call: {line}" for line in self.close_calls),
             "memory per device: " + " + ".join(f"{k.replace('_', ' ')} {fmt_size(m[k], like=m['total'])}" for k in _MEMORY_KEYS[:-1] if m[k])
             + f" = {fmt_size(m['total'])}",
             self._step_line(),
@@ -272,7 +278,8 @@ class ParallelPlan:
         def t(key: str) -> str:
             return fmt_time(s[key], like=s["total"])
 
-        return (f"step: {t('total')} = compute {t('compute')} (recompute {t('recompute')}) + tp comm {t('tp_comm')} "
+        hidden = f" ({t('tp_comm_hidden')} more hidden by {self.tp_overlap})" if s.get("tp_comm_hidden") else ""
+        return (f"step: {t('total')} = compute {t('compute')} (recompute {t('recompute')}) + tp comm {t('tp_comm')}{hidden} "
                 f"+ fsdp comm not hidden {t('fsdp_exposed')} (of {t('fsdp_comm')})")
 
     def _params_line(self) -> str:

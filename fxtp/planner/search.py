@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from fxtp.core.errors import FxtpConfigError, FxtpInputError
-from fxtp.planner.costs import OPTIMIZER_BYTES, Choice, Estimate, Workload, estimate
+from fxtp.planner.close_call import close_calls
+from fxtp.planner.costs import OPTIMIZER_BYTES, TP_OVERLAP, Choice, Estimate, Workload, estimate
 from fxtp.planner.experts import MoeShape, choose_experts
 from fxtp.planner.hardware import Hardware, reserve_bytes, resolve_hardware
 from fxtp.planner.model import AC_POLICIES, TransformerShape
@@ -45,6 +46,7 @@ def plan(
     training: bool = True,
     tp: Optional[int] = None,
     reserve: Union[int, float, None] = None,
+    tp_overlap: Optional[str] = None,
     progress: Optional[Callable[[str], None]] = None,
 ) -> ParallelPlan:
     """Choose how to run ``model`` on ``devices`` devices: fastest predicted step that fits.
@@ -74,11 +76,17 @@ def plan(
             NOTE: [runtime reserve] in fxtp/planner/hardware.py): bytes (an int), or a share
             of ``device_memory`` (a float in ``[0, 1)``); default 10%. A configuration fits
             when its predicted peak fits ``device_memory`` less the reserve.
+        tp_overlap: price tensor-parallel collectives as hidden behind the block's matmuls
+            (under sequence parallelism), as the named runtime runs them: ``"async-tp"``
+            (torch's async TP) or ``"megatron"`` (Megatron-LM ``--tp-comm-overlap``); NOTE:
+            [tp overlap] in fxtp/planner/costs.py. Default ``None``: not overlapped.
         progress: called with each stage's name as it starts (the CLI prints them).
 
     Returns:
         A :class:`ParallelPlan`; ``fits`` False (with the smallest configuration's memory)
-        when nothing fits ``device_memory`` less the reserve.
+        when nothing fits ``device_memory`` less the reserve. ``close_calls`` says when the
+        runner-up is within the model's measured error or the winner flips within an
+        assumption's plausible range (NOTE: [close calls] in fxtp/planner/close_call.py).
 
     Raises:
         FxtpConfigError: bad arguments, a model the cost model does not cover; a pinned
@@ -93,6 +101,8 @@ def plan(
     memory = _positive("device_memory", device_memory)
     held = reserve_bytes(reserve, memory)
     budget = memory - held  # what the priced tensors may use (NOTE: [runtime reserve])
+    if tp_overlap is not None and tp_overlap not in TP_OVERLAP:
+        raise FxtpConfigError(f"tp_overlap must be None or one of {', '.join(TP_OVERLAP)}, got {tp_overlap!r}")
     if optimizer not in OPTIMIZER_BYTES:
         raise FxtpConfigError(f"optimizer must be one of {', '.join(OPTIMIZER_BYTES)}, got {optimizer!r}")
     blocks = repeated_blocks(model)
@@ -105,7 +115,7 @@ def plan(
     shape = TransformerShape.of(model, blocks.fqn)
     args, kwargs = _inputs(model, example_inputs, example_kwargs)
     batch, seq = _workload_sizes(args, kwargs, batch, seq)
-    work = Workload(batch, seq, training, optimizer, per_node)
+    work = Workload(batch, seq, training, optimizer, per_node, tp_overlap=tp_overlap)
     inside = [t for t in range(1, per_node + 1) if per_node % t == 0 and devices % t == 0]
     across = [t for t in range(per_node + 1, devices + 1) if devices % t == 0][:1]
     pin = None if tp is None else check_pinned_tp(tp, devices, batch if training else None)
@@ -118,20 +128,36 @@ def plan(
         params, notes = _experts_plans(moe, params, inside + across, devices, work, shape, blocks.fqn)
     say("search")
     estimates, skipped = [], []
+
+    def rows(tp: int, hw: Hardware) -> list[Estimate]:
+        dp = devices // tp
+        return [_best_micro_batch(tp, dp, sp, ac, shape, params[tp], hw, work, budget)
+                for sp in ((False, True) if tp > 1 and seq % tp == 0 else (False,)) for ac in (AC_POLICIES if training else (None,))]
+
     for tp in inside + across:
         dp = devices // tp
         if training and batch % dp:
             skipped.append({"tp": tp, "dp": dp, "reason": f"global batch {batch} is not divisible by dp {dp}"})
             continue
-        for sp in (False, True) if tp > 1 and seq % tp == 0 else (False,):
-            for ac in AC_POLICIES if training else (None,):
-                estimates.append(_best_micro_batch(tp, dp, sp, ac, shape, params[tp], hw, work, budget))
+        estimates += rows(tp, hw)
     if not estimates:
         raise FxtpConfigError(f"no mesh of {devices} devices divides the global batch {batch}: " + "; ".join(s["reason"] for s in skipped))
     candidates = [e for e in estimates if (e.choice.tp == pin if pin is not None else e.choice.tp <= per_node)]
     fitting = [e for e in candidates if e.peak <= budget]
     best = min(fitting, key=_rank) if fitting else min(candidates, key=lambda e: (e.peak, _rank(e)))
     units = Units.of(estimates)
+    close: tuple[str, ...] = ()
+    others: dict[int, float] = {}
+    for e in fitting:  # each other degree's fastest row
+        if e.choice.tp != best.choice.tp and e.choice.tp <= per_node:
+            others[e.choice.tp] = min(others.get(e.choice.tp, e.step["total"]), e.step["total"])
+    if pin is None and others:
+
+        def price(moved: Hardware, tp: int) -> Optional[float]:
+            fit = [e.step["total"] for e in rows(tp, moved) if e.peak <= budget]
+            return min(fit) if fit else None
+
+        close = close_calls(hw, price, best.choice.tp, best.step["total"], others)
     alternatives = tuple(Alternative.of(e, _why(e, best, budget, per_node, units, pin)) for e in sorted(estimates, key=_rank) if e is not best)
     return ParallelPlan(
         model=type(model).__name__,
@@ -156,6 +182,8 @@ def plan(
         notes=notes,
         layer_styles=dict(params[best.choice.tp].styles),
         pinned_tp=pin,
+        close_calls=close,
+        tp_overlap=tp_overlap,
     )
 
 
