@@ -124,7 +124,7 @@ def test_a_close_call_says_which_assumption_flips_the_winner_and_where():
     lines = close_calls(hw, price, 1, best, {8: other})
     # 0.5 / mfu = 1.3 at mfu = 0.385: below it, tp 8 is faster
     assert lines[0].startswith(f"tp 8 is {other / best - 1:.1%} slower than tp 1, within the model's measured error")
-    assert lines[1] == "tp 1 wins while achieved efficiency (mfu) is above 0.38; below, tp 8 (the table's: 0.47)"
+    assert lines[1] == "tp 1 wins while achieved efficiency (mfu) is above 0.38; below, tp 8 (the hardware table's: 0.47)"
     assert len(lines) == 2  # the bandwidths do not enter this price
 
 

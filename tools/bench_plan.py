@@ -109,10 +109,15 @@ def main() -> None:
     out: dict = {"rows": rows}
     if args.passes:
         out["passes"] = passes(PASSES_LAYERS)
-    if args.json:
+    if args.json:  # the file's other sections (--passes, --published from an earlier run) are kept
         meta = {"torch": torch.__version__, "machine": platform.machine(), "date": time.strftime("%Y-%m-%d")}
+        try:
+            with open(args.json) as f:
+                kept = json.load(f)
+        except FileNotFoundError:
+            kept = {}
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, **out}, f, indent=2)
+            json.dump({**kept, "meta": meta, **out}, f, indent=2)
 
 
 if __name__ == "__main__":

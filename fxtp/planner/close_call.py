@@ -99,5 +99,5 @@ def close_calls(hw: Hardware, price: Price, best: int, best_s: float, others: di
             value, above, flipped = found
             side, other_side = ("below", "above") if above else ("above", "below")
             lines.append(f"tp {best} wins while {name} is {side} {_fmt(field, value)}; {other_side}, tp {flipped} "
-                         f"(the table's: {_fmt(field, here)})")
+                         f"(the hardware table's: {_fmt(field, here)})")
     return tuple(lines)
