@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 
 import pytest
@@ -162,6 +163,21 @@ def test_a_pinned_tp_is_that_degrees_best_and_prices_the_others(plans):
         fxtp.plan(llama31("8b"), 64, device_memory=H100, batch=64, seq=8192, tp=3)
     with pytest.raises(fxtp.FxtpConfigError, match="does not divide the global batch 12"):
         fxtp.plan(llama31("8b"), 16, device_memory=H100, batch=12, seq=8192, tp=2)
+
+
+def test_a_close_call_flips_where_it_says(plans):
+    """70B on 64: tp 1 wins, but the plan says below which achieved efficiency tp 8 would; planned
+    again just below that figure, tp 8 is the choice (NOTE: [close calls])."""
+    plan = plans["70b"]
+    line = next(x for x in plan.close_calls if "achieved efficiency" in x)
+    found = re.search(r"tp 1 wins while achieved efficiency \(mfu\) is above ([0-9.]+); below, tp (\d+)", line)
+    value, other = float(found[1]), int(found[2])
+    assert plan.tp == 1 and 0.6 * 0.47 <= value < 0.47 and other != 1
+    below = fxtp.plan(llama31("70b"), 64, device_memory=H100, batch=64, seq=8192,
+                      hardware=dataclasses.replace(HARDWARE["h100"], mfu=value - 0.02))
+    assert below.tp == other
+    assert f"close call: {line}" in str(plan) and plan.to_dict()["close_calls"] == list(plan.close_calls)
+    assert plans["405b-64"].close_calls == ()  # nothing fits: no call to make
 
 
 def test_llama31_405b_on_64_devices_does_not_fit_and_says_how_much_it_needs(plans):
