@@ -195,3 +195,15 @@ def test_sizes_share_the_unit_of_their_column():
         "742.5 MiB", "0.7 GiB", "2.9e-06 GiB"]
     units = Units(slowest=1.2, largest=40 * 2**30)
     assert (units.time(0.86187), units.size(2**29)) == ("0.86 s", "0.5 GiB")
+
+
+def test_plan_tp_overlap_names_the_runtime(capsys, tmp_path):
+    """``--tp-overlap`` reaches the plan (its JSON names the runtime priced); another name is bad usage."""
+    argv = ["plan", _config(tmp_path, TINY), "-n", "4", "-m", "1GB", "--batch", "8", "--seq", "64", "--devices-per-node", "4",
+            "--tp", "4", "--format", "json"]
+    assert main(argv + ["--tp-overlap", "megatron"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["tp_overlap"] == "megatron" and plan["step_s"]["tp_comm_hidden"] >= 0 and plan["close_calls"] == []
+    with pytest.raises(SystemExit) as exc:
+        main(argv + ["--tp-overlap", "nccl"])
+    assert exc.value.code == 2 and "invalid choice: 'nccl'" in capsys.readouterr().err
