@@ -24,6 +24,9 @@ not hide.
 - compute: model FLOPs (NOTE: [FLOPs]) over all devices at ``mfu`` of the dense BF16 peak
   (``mfu = 0.5``, sourced in NOTE: [hardware table] in fxtp/planner/hardware.py: Narayanan et
   al. 2021 sustain 52% of peak counting recomputation, as this model does).
+  A calibrated ``Hardware`` (NOTE: [calibration] in fxtp/planner/calibrate.py) gives the rate
+  measured at each ``tp``'s GEMMs instead (``Hardware.flops``), and on CPU ranks prices FSDP2's
+  collectives as exposed (``overlap_fsdp=False``: no streams to overlap on).
 - tensor parallelism: per block and micro-batch, in all_reduces of ``(b, s, h)`` bf16: 2
   forward and 2 backward (Megatron's floor, Shoeybi et al. 2019, section 3), 1 more under
   sequence parallelism (the backward's 2 all_gathers of saved shards, NOTE: [regathered
@@ -118,7 +121,7 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
     memory = _memory(choice, shape, params, work)
     tokens = work.batch * work.seq
     devices = tp * dp
-    rate = devices * hw.peak_flops * hw.mfu
+    rate = devices * hw.flops(tp)  # peak x mfu, or the calibrated rate at tp's GEMMs
     if work.training:
         compute = shape.flops_per_token(work.seq, ac) * tokens / rate
         recompute = compute - shape.flops_per_token(work.seq) * tokens / rate
@@ -148,7 +151,7 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
         fsdp_bytes = choice.accumulation * (2 * work.gather_bytes + _GRAD) * (dp - 1) * params.elements(dp)
         units = _fsdp_units(choice, shape, params, hw, work, compute / choice.accumulation)
         fsdp_s = choice.accumulation * sum(2 * u.all_gather + u.reduce_scatter for u in units)
-        fsdp_exposed_s = choice.accumulation * fsdp_exposed(units)
+        fsdp_exposed_s = choice.accumulation * fsdp_exposed(units) if hw.overlap_fsdp else fsdp_s
     step = {
         "compute": compute,
         "recompute": recompute,
