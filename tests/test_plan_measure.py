@@ -2,7 +2,7 @@
 gloo ranks: a tiny Llama (hidden 128, 2 blocks, 4 heads) at 8 x 64 tokens a step, its three
 meshes (tp 4, dp 4, dp 2 x tp 2) planned with a calibration of the same ranks and run with
 ``fxtp.compile`` on the tp group and FSDP2 per block on dp (NOTE: [calibration] in
-fxtp/planner/calibrate.py, NOTE: [predicted against measured] in fxtp/planner/measure.py).
+fxtp/planner/calibration.py, NOTE: [predicted against measured] in fxtp/planner/measurement.py).
 
 The calibration and the runs happen once for the module (the ranks' session pool); the tests
 read them. Step time within 15% and the measured order of the meshes equal to the predicted
@@ -39,8 +39,8 @@ def _model():
 def _calibrate_and_measure() -> dict:
     """On each rank: a calibration and its seconds; the measurement; the measured Hardware's
     prediction of each row (from the same estimate the plan uses)."""
-    from fxtp.planner.calibrate import calibrate_on_ranks
-    from fxtp.planner.measure import _estimates_on_rank0, measure_on_ranks
+    from fxtp.planner.calibration import calibrate_on_ranks
+    from fxtp.planner.measurement import _estimates_on_rank0, measure_on_ranks
 
     model = _model()
     start = time.perf_counter()

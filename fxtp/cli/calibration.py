@@ -1,6 +1,6 @@
 """``fxtp plan --calibrate`` and ``--measure``: the plan with figures measured on the local ranks
-(NOTE: [calibration] in fxtp/planner/calibrate.py), and its predictions against a run
-(NOTE: [predicted against measured] in fxtp/planner/measure.py)."""
+(NOTE: [calibration] in fxtp/planner/calibration.py), and its predictions against a run
+(NOTE: [predicted against measured] in fxtp/planner/measurement.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def check_measuring(args: argparse.Namespace) -> None:
 
 def calibrated(args: argparse.Namespace, loaded: Any, progress: Any) -> Any:
     """The ``Hardware`` of ``--devices`` local ranks at the model's shapes."""
-    from fxtp.planner.calibrate import calibrate
+    from fxtp.planner.calibration import calibrate
 
     progress.stage(f"calibrate {args.devices} local ranks")
     return calibrate(loaded.model, args.devices, batch=args.batch, seq=args.seq)
@@ -39,7 +39,7 @@ def run_measure(args: argparse.Namespace, loaded: Any, progress: Any) -> int:
     the predicted-against-measured table (or both as JSON); returns the exit status."""
     import torch
 
-    from fxtp.planner.measure import measure
+    from fxtp.planner.measurement import measure
 
     model = loaded.model
     if loaded.on_meta:  # a config.json: the same model with random weights, on the CPU

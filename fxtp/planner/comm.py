@@ -107,7 +107,7 @@ def ring_time(kind: str, payload: float, group: Group, hw: Hardware) -> float:
     if n <= 1:
         return 0.0
     steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
-    measured = hw.collective(kind, n)  # NOTE: [calibration] in fxtp/planner/calibrate.py
+    measured = hw.collective(kind, n)  # NOTE: [calibration] in fxtp/planner/calibration.py
     if measured is not None:
         return measured[0] + payload * steps / n / measured[1]
     nodes = group.nodes

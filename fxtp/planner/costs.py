@@ -24,7 +24,7 @@ not hide.
 - compute: model FLOPs (NOTE: [FLOPs]) over all devices at ``mfu`` of the dense BF16 peak
   (``mfu = 0.5``, sourced in NOTE: [hardware table] in fxtp/planner/hardware.py: Narayanan et
   al. 2021 sustain 52% of peak counting recomputation, as this model does).
-  A calibrated ``Hardware`` (NOTE: [calibration] in fxtp/planner/calibrate.py) gives the rate
+  A calibrated ``Hardware`` (NOTE: [calibration] in fxtp/planner/calibration.py) gives the rate
   measured at each ``tp``'s GEMMs instead (``Hardware.flops``), and on CPU ranks prices FSDP2's
   collectives as exposed (``overlap_fsdp=False``: no streams to overlap on).
 - tensor parallelism: per block and micro-batch, in all_reduces of ``(b, s, h)`` bf16: 2

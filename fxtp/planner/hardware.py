@@ -75,7 +75,7 @@ class Hardware:
         nvlink_step_latency: seconds a ring step inside a node adds (NCCL ``hwLat`` NVLink).
         network_step_latency: seconds a ring step across nodes adds (NCCL ``hwLat`` NET).
         achieved_flops: measured FLOP/s per device at the model's own GEMMs, ``((tp, rate), ...)``
-            (NOTE: [calibration] in fxtp/planner/calibrate.py); a degree listed here replaces
+            (NOTE: [calibration] in fxtp/planner/calibration.py); a degree listed here replaces
             ``peak_flops * mfu``. Empty for the datasheet table.
         collectives: measured ``((kind, ranks, latency_s, bus_bytes_per_s), ...)``; a collective
             of a listed kind and group size is timed with them (NOTE: [collective time] in

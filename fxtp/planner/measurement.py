@@ -2,9 +2,9 @@
 local ranks, term by term, and the plan made again with the measured figures.
 
 NOTE: [predicted against measured]
-On ``devices`` local ranks (spawned, as :func:`fxtp.planner.calibrate.spawn_ranks` starts
+On ``devices`` local ranks (spawned, as :func:`fxtp.planner.calibration.spawn_ranks` starts
 them), with a calibrated :class:`~fxtp.planner.hardware.Hardware` (NOTE: [calibration] in
-fxtp/planner/calibrate.py) unless one is given:
+fxtp/planner/calibration.py) unless one is given:
 
 1. ``fxtp.plan`` plans the model; for each tensor-parallel degree its best row (the plan's
    choice, or that degree's fastest configuration that fits) is run: ``fxtp.compile`` on the
@@ -56,7 +56,7 @@ import torch.distributed as dist
 from tabulate import tabulate
 from torch import nn
 
-from fxtp.planner.calibrate import calibrate_on_ranks, spawn_ranks
+from fxtp.planner.calibration import calibrate_on_ranks, spawn_ranks
 from fxtp.planner.costs import Choice, Estimate, Workload, estimate
 from fxtp.planner.hardware import Hardware
 from fxtp.planner.parallel_plan import ParallelPlan, fmt_size, fmt_time
@@ -116,8 +116,8 @@ class Measurement:
             predicted = [e.step[k] for k in TERMS] + [e.peak]
             measured = [m[k] for k in TERMS] + [m["peak"]]
             table.append([layout, "predicted"] + [fmt_time(v, like=slowest) for v in predicted[:-1]] + [fmt_size(predicted[-1], like=largest)])
-            table.append(["", "measured"] + [fmt_time(v, like=slowest) for v in measured[:-1]] + [fmt_size(measured[-1], like=largest)])
-            table.append(["", "measured / predicted"] + [f"{b / a:.2f}" if a else "-" for a, b in zip(predicted, measured)])
+            table.append([layout, "measured"] + [fmt_time(v, like=slowest) for v in measured[:-1]] + [fmt_size(measured[-1], like=largest)])
+            table.append([layout, "measured / predicted"] + [f"{b / a:.2f}" if a else "-" for a, b in zip(predicted, measured)])
         names = lambda order: " < ".join(f"tp {tp}" for tp in order)  # noqa: E731
         new = _layout(self.replan.chosen.choice)
         lines = [
