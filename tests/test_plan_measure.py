@@ -46,7 +46,7 @@ def _calibrate_and_measure() -> dict:
     start = time.perf_counter()
     hw = calibrate_on_ranks(model, batch=BATCH, seq=SEQ)
     seconds = time.perf_counter() - start
-    m = measure_on_ranks(model, batch=BATCH, seq=SEQ, steps=3)
+    m = measure_on_ranks(model, batch=BATCH, seq=SEQ, steps=2)
     again = _estimates_on_rank0(model, [e.choice for e, _ in m.rows], m.measured_hardware, BATCH, SEQ, "adamw")
     return {"hardware": hw, "calibrate_s": seconds, "measurement": m, "again": again}
 

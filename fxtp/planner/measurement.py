@@ -40,12 +40,15 @@ Hardware prices it as exposed; on GPUs the overlap term is the one priced.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import dataclasses
 import functools
 import gc
+import os
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -328,7 +331,7 @@ class _Layout:
         from torch.profiler import ProfilerActivity, profile
 
         dist.barrier()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with _stderr_muted(), profile(activities=[ProfilerActivity.CPU]) as prof:
             self.step()
             _sync(self.device)
         tp, fsdp = [], []
@@ -351,6 +354,21 @@ class _Layout:
     def close(self) -> None:
         del self.pm, self.opt
         gc.collect()
+
+
+@contextlib.contextmanager
+def _stderr_muted() -> Any:
+    """File descriptor 2 to /dev/null while inside: the profiler's kineto writes a line there at
+    each start and stop, on every rank, past Python's ``sys.stderr``."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _union(spans: list[tuple[float, float]]) -> float:
