@@ -15,14 +15,15 @@ fxtp/planner/calibration.py) unless one is given:
 2. Step time: one warm-up step, then the median over ``steps`` steps of the slowest rank's
    seconds, each step started after a barrier.
 3. Per term, from one more step under ``torch.profiler`` (CPU op times on the ranks' own
-   thread): tensor-parallel communication is the union of fxtp's collectives' intervals
+   thread), as shares of that step's seconds applied to the median step (a step the host's
+   load slows as a whole keeps its shares): tensor-parallel communication is the union of
+   fxtp's collectives' intervals
    (``_c10d_functional::*`` ops, ``wait_tensor`` included: fxtp issues its collectives through
    them, fxtp/core/collectives.py); FSDP communication is the union of FSDP2's own
    ``record_function`` ranges around its collectives (``FSDP::all_gather``,
    ``FSDP::all_gather_copy_out``, ``FSDP::post_backward_reduce``, ``FSDP::post_backward_rs_wait``);
    both are time the computing thread spends in them, so exposed time, and each includes
-   waiting for a slower peer. Compute is the step time less both. Each figure is the mean over
-   the ranks.
+   waiting for a slower peer. Compute is the rest. Each share is the mean over the ranks.
 4. Peak memory, from one more step: glibc's heap in use (``mallinfo2``: arena blocks plus
    mmap'd blocks, which hold torch's CPU tensors), sampled every 0.2 ms on a thread, the most
    seen above the level before the rank built its model; the largest rank's. It is glibc's
@@ -192,11 +193,11 @@ def measure_on_ranks(model: nn.Module, *, batch: int, seq: int, device_memory: O
             seconds.append(layout.timed())
     figures = []
     for layout, seconds in zip(layouts, times):
-        tp_s, fsdp_s = layout.profiled()
-        figures.append({"total": statistics.median(seconds), "tp_comm": tp_s, "fsdp_exposed": fsdp_s, "peak": layout.peak()})
+        tp_share, fsdp_share = layout.profiled()
+        total = statistics.median(seconds)
+        figures.append({"total": total, "compute": total * (1 - tp_share - fsdp_share), "tp_comm": total * tp_share,
+                        "fsdp_exposed": total * fsdp_share, "peak": layout.peak()})
         layout.close()
-    for f in figures:
-        f["compute"] = f["total"] - f["tp_comm"] - f["fsdp_exposed"]
     run_s, calibrate_s = time.perf_counter() - start - interleaved, calibrate_s + interleaved
     hw = pooled(found)
     final = _plan_on_rank0(model, memory, batch, seq, hw, optimizer) if len(found) > 1 else first
@@ -326,14 +327,16 @@ class _Layout:
         return _slowest(time.perf_counter() - start, self.device)
 
     def profiled(self) -> tuple[float, float]:
-        """Seconds of one step spent in fxtp's collectives and in FSDP2's, the ranks' mean
-        (NOTE: [predicted against measured], 3)."""
+        """The shares of one step's seconds spent in fxtp's collectives and in FSDP2's, the
+        ranks' mean (NOTE: [predicted against measured], 3)."""
         from torch.profiler import ProfilerActivity, profile
 
         dist.barrier()
         with _stderr_muted(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
             self.step()
             _sync(self.device)
+            seconds = time.perf_counter() - start
         tp, fsdp = [], []
         for event in prof.events():
             span = (event.time_range.start, event.time_range.end)
@@ -341,7 +344,7 @@ class _Layout:
                 tp.append(span)
             elif event.name.startswith(_FSDP_RANGES):
                 fsdp.append(span)
-        return _mean(_union(tp) / 1e6, self.device), _mean(_union(fsdp) / 1e6, self.device)
+        return _mean(_union(tp) / 1e6 / seconds, self.device), _mean(_union(fsdp) / 1e6 / seconds, self.device)
 
     def peak(self) -> int:
         """Peak bytes of a step above the level before the rank built this layout, the largest rank's."""
@@ -386,18 +389,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _reduce(value: float, device: torch.device, op: Any) -> float:
+def _slowest(value: float, device: torch.device, op: Any = dist.ReduceOp.MAX) -> float:
     t = torch.tensor([float(value)], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op)
     return float(t.item())
 
 
-def _slowest(value: float, device: torch.device) -> float:
-    return _reduce(value, device, dist.ReduceOp.MAX)
-
-
 def _mean(value: float, device: torch.device) -> float:
-    return _reduce(value, device, dist.ReduceOp.SUM) / dist.get_world_size()
+    return _slowest(value, device, dist.ReduceOp.SUM) / dist.get_world_size()
 
 
 class _MallInfo2(ctypes.Structure):
