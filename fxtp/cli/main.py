@@ -273,7 +273,7 @@ examples:
   fxtp plan llama-3-8b --devices 8 --device-memory 80GiB --batch 16 --seq 8192 --format json
   fxtp plan llama-3.1-405b --devices 512 --device-memory 80GiB --batch 512 --seq 8192
   fxtp plan path/to/config.json --devices 16 --device-memory 141GiB --hardware h200 --batch 32 --seq 4096
-  fxtp plan llama --devices 4 --batch 8 --seq 64 --measure     # predicted against measured, on 4 local ranks
+  fxtp plan path/to/config.json --devices 4 --batch 8 --seq 128 --measure
 """
 
 
