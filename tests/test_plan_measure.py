@@ -87,7 +87,8 @@ def test_measure_runs_each_mesh_and_prices_it_again(measured):
         assert (got["tp_comm"] > 0) == (e.choice.tp > 1) and (got["fsdp_exposed"] > 0) == (e.choice.dp > 1), got
         for term in ("compute", "tp_comm", "fsdp_exposed"):
             assert again.step[term] == pytest.approx(got[term], rel=1e-6, abs=1e-9), (e.choice, term)
-    assert m.replan.chosen.choice.tp == min(m.rows, key=lambda r: measured["again"][m.rows.index(r)].step["total"])[0].choice.tp
+    # the re-plan is at least as fast, priced with the measured figures, as every row that ran
+    assert m.replan.fits and m.replan.chosen.step["total"] <= min(a.step["total"] for a in measured["again"]) * (1 + 1e-9)
     text = str(m)
     assert "measured / predicted" in text and ("the choice changes" in text or "the choice does not change" in text)
 
