@@ -273,6 +273,7 @@ examples:
   fxtp plan llama-3-8b --devices 8 --device-memory 80GiB --batch 16 --seq 8192 --format json
   fxtp plan llama-3.1-405b --devices 512 --device-memory 80GiB --batch 512 --seq 8192
   fxtp plan path/to/config.json --devices 16 --device-memory 141GiB --hardware h200 --batch 32 --seq 4096
+  fxtp plan path/to/config.json --devices 4 --batch 8 --seq 128 --measure
 """
 
 
@@ -290,8 +291,9 @@ def _add_plan_parser(sub: Any) -> None:
     )
     plan.add_argument("model", metavar="MODEL", type=_model, help="as for fxtp inspect")
     plan.add_argument("--devices", "-n", metavar="N", type=_world_size, required=True, help="devices in the job (tp x dp)")
-    plan.add_argument("--device-memory", "-m", metavar="SIZE", type=_memory, required=True,
-                      help="memory each device may use, e.g. 80GiB (GiB = 2**30 bytes, GB = 10**9)")
+    plan.add_argument("--device-memory", "-m", metavar="SIZE", type=_memory, default=None,
+                      help="memory each device may use, e.g. 80GiB (GiB = 2**30 bytes, GB = 10**9); "
+                      "required unless --calibrate or --measure, which measure it")
     plan.add_argument("--reserve", metavar="SIZE", type=_reserve, default=None,
                       help="memory kept for the runtime (CUDA context, NCCL buffers, fragmentation) out of --device-memory: "
                       "a size (4GiB) or a share (10%%); a plan fits when it fits the rest (default: 10%%, docs/plan_command.md)")
@@ -307,6 +309,11 @@ def _add_plan_parser(sub: Any) -> None:
                       help="price tp collectives under sequence parallelism as hidden behind the matmuls, as torch's async TP "
                       "or Megatron-LM's --tp-comm-overlap run them (default: not overlapped; docs/plan_command.md)")
     plan.add_argument("--inference", action="store_true", help="price a forward with a KV cache instead of a training step")
+    plan.add_argument("--calibrate", action="store_true",
+                      help="measure --devices local ranks (GPUs, else gloo CPU ranks) at the model's GEMMs and collectives "
+                      "and plan with those figures instead of --hardware's (docs/plan_command.md)")
+    plan.add_argument("--measure", action="store_true", help="calibrate, run each tp's best row on the local ranks, "
+                      "print predicted against measured by term, and plan again with the measured figures")
     plan.add_argument("--format", "-f", choices=("table", "json"), default="table", help="table (default) or the plan's JSON")
     plan.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr (it shows only on a terminal)")
     plan.add_argument("--verbose", "-v", action="store_true", help="print the traceback of an fxtp error")
@@ -324,13 +331,19 @@ def _plan(args: argparse.Namespace) -> int:
         from fxtp.planner.search import check_pinned_tp
 
         check_pinned_tp(args.tp, args.devices, None if args.inference else args.batch)
+    from fxtp.cli.calibration import calibrated, check_measuring, run_measure
+
+    check_measuring(args)
     progress = Progress(quiet=args.quiet)
     progress.stage("load model")
     loaded = load_model(args.model)
+    if args.measure:
+        return run_measure(args, loaded, progress)
+    hardware = calibrated(args, loaded, progress) if args.calibrate else args.hardware
     result = fxtp.plan(
-        loaded.model, args.devices, device_memory=args.device_memory, example_inputs=loaded.inputs,
+        loaded.model, args.devices, device_memory=args.device_memory or hardware.memory_bytes, example_inputs=loaded.inputs,
         example_kwargs=loaded.kwargs, batch=args.batch, seq=args.seq, devices_per_node=args.devices_per_node,
-        hardware=args.hardware, optimizer=args.optimizer, training=not args.inference, tp=args.tp,
+        hardware=hardware, optimizer=args.optimizer, training=not args.inference, tp=args.tp,
         reserve=args.reserve, tp_overlap=args.tp_overlap, progress=progress.stage,
     )
     progress.done()

@@ -8,6 +8,8 @@ fastest under a memory budget (``fxtp.plan``).
 - ``costs``: predicted memory and step time of one configuration.
 - ``search``: the search, ``plan``.
 - ``parallel_plan``: the frozen result, ``ParallelPlan``.
+- ``calibration``: a ``Hardware`` measured on the local ranks (``calibrate``).
+- ``measurement``: predicted against measured on the local ranks (``measure``, ``Measurement``).
 
 ``plan`` and ``ParallelPlan`` load on first use (as ``fxtp``'s own names do), so the CLI's
 parser can read ``HARDWARE`` without importing torch.
@@ -20,9 +22,10 @@ from typing import Any
 
 from fxtp.planner.hardware import HARDWARE, Hardware
 
-__all__ = ["plan", "ParallelPlan", "Hardware", "HARDWARE"]
+__all__ = ["plan", "ParallelPlan", "Hardware", "HARDWARE", "calibrate", "measure", "Measurement"]
 
-_LAZY = {"plan": "fxtp.planner.search", "ParallelPlan": "fxtp.planner.parallel_plan"}
+_LAZY = {"plan": "fxtp.planner.search", "ParallelPlan": "fxtp.planner.parallel_plan", "calibrate": "fxtp.planner.calibration",
+         "measure": "fxtp.planner.measurement", "Measurement": "fxtp.planner.measurement"}
 
 
 def __getattr__(name: str) -> Any:

@@ -16,6 +16,9 @@ Simple protocol, the one NCCL picks for the MB-sized payloads priced here):
   ``N > 1`` (0 in a node). NCCL's table: ``baseLat`` ring Simple 8.4 us, ``hwLat`` ring
   Simple NVLink 3.4 us and NET 14.0 us a step (the :class:`~fxtp.planner.hardware.Hardware`
   fields ``collective_latency``, ``nvlink_step_latency``, ``network_step_latency``).
+- A calibrated :class:`~fxtp.planner.hardware.Hardware` (``fxtp.planner.calibrate``) carries
+  a measured ``latency`` and ``bus_bw`` per kind and group size, fitted to this same formula
+  on the local ranks; they replace the table's for those groups.
 - ``bus_bw``: NVLink's per-direction bandwidth inside a node. A group spanning nodes is
   limited by the network: its ``k`` ranks on a node run ``k`` rings, each through the NIC of
   its GPU (DGX H100: one ConnectX-7 per GPU; NCCL's ring bandwidth is ``nChannels x
@@ -103,6 +106,10 @@ def ring_time(kind: str, payload: float, group: Group, hw: Hardware) -> float:
     n = group.ranks
     if n <= 1:
         return 0.0
+    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    measured = hw.collective(kind, n)  # NOTE: [calibration] in fxtp/planner/calibration.py
+    if measured is not None:
+        return measured[0] + payload * steps / n / measured[1]
     nodes = group.nodes
     if kind == "all_reduce":
         steps, inter = 2 * (n - 1), (2 * nodes if nodes > 1 else 0)

@@ -28,6 +28,9 @@ not hide.
   FLOPs: q/k/v and the MLP's up (and gate) projections ``(b s, h) @ (h, n / tp)``, the output
   and down projections ``(b s, n / tp) @ (n / tp, h)``. The same share for their backward
   GEMMs, the attention and the head.
+  A calibrated ``Hardware`` (NOTE: [calibration] in fxtp/planner/calibration.py) gives the rate
+  measured at each ``tp``'s GEMMs instead (``Hardware.flops``), and on CPU ranks prices FSDP2's
+  collectives as exposed (``overlap_fsdp=False``: no streams to overlap on).
 - tensor parallelism: per block and micro-batch, in all_reduces of ``(b, s, h)`` bf16: 2
   forward and 2 backward (Megatron's floor, Shoeybi et al. 2019, section 3), 1 more under
   sequence parallelism (the backward's 2 all_gathers of saved shards, NOTE: [regathered
@@ -161,8 +164,8 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
     memory = _memory(choice, shape, params, work)
     tokens = work.batch * work.seq
     devices = tp * dp
-    efficiency = compute_efficiency(hw, shape, b * work.seq, tp)
-    rate = devices * hw.peak_flops * efficiency
+    # the calibrated rate at tp's GEMMs, else the peak at the efficiency by hardware and GEMM size
+    rate = devices * (hw.flops(tp) if hw.achieved_flops else hw.peak_flops * compute_efficiency(hw, shape, b * work.seq, tp))
     if work.training:
         compute = shape.flops_per_token(work.seq, ac) * tokens / rate
         recompute = compute - shape.flops_per_token(work.seq) * tokens / rate
@@ -196,7 +199,7 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
         fsdp_bytes = choice.accumulation * (2 * work.gather_bytes + _GRAD) * (dp - 1) * params.elements(dp)
         units = _fsdp_units(choice, shape, params, hw, work, compute / choice.accumulation)
         fsdp_s = choice.accumulation * sum(2 * u.all_gather + u.reduce_scatter for u in units)
-        fsdp_exposed_s = choice.accumulation * fsdp_exposed(units)
+        fsdp_exposed_s = choice.accumulation * fsdp_exposed(units) if hw.overlap_fsdp else fsdp_s
     step = {
         "compute": compute,
         "recompute": recompute,

@@ -94,6 +94,17 @@ class Hardware:
         collective_latency: seconds a collective costs whatever its size (NCCL ``baseLat``).
         nvlink_step_latency: seconds a ring step inside a node adds (NCCL ``hwLat`` NVLink).
         network_step_latency: seconds a ring step across nodes adds (NCCL ``hwLat`` NET).
+        achieved_flops: measured FLOP/s per device at the model's own GEMMs, ``((tp, rate), ...)``
+            (NOTE: [calibration] in fxtp/planner/calibration.py); a degree listed here replaces
+            ``peak_flops * mfu``. Empty for the datasheet table.
+        collectives: measured ``((kind, ranks, latency_s, bus_bytes_per_s), ...)``; a collective
+            of a listed kind and group size is timed with them (NOTE: [collective time] in
+            fxtp/planner/comm.py). Empty for the datasheet table.
+        overlap_fsdp: FSDP2's collectives run beside compute (separate CUDA streams, NOTE:
+            [fsdp overlap]); False prices them all as exposed (a CPU: one stream).
+        compute_bytes: bytes of an activation and of a gathered parameter element in the dtype
+            the step computes in: 2 (bf16, NOTE: [mixed precision]); a CPU calibration measures
+            and prices fp32, 4.
     """
 
     name: str
@@ -107,6 +118,10 @@ class Hardware:
     nvlink_step_latency: float = 3.4e-6
     network_step_latency: float = 14.0e-6
     sms: int = 0
+    achieved_flops: tuple[tuple[int, float], ...] = ()
+    collectives: tuple[tuple[str, int, float, float], ...] = ()
+    overlap_fsdp: bool = True
+    compute_bytes: int = 2
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "memory_bytes", "intra_node_bw", "inter_node_bw", "devices_per_node"):
@@ -119,6 +134,19 @@ class Hardware:
         for field in ("collective_latency", "nvlink_step_latency", "network_step_latency"):
             if not getattr(self, field) >= 0:
                 raise FxtpConfigError(f"Hardware {self.name!r}: {field} must be >= 0 seconds, got {getattr(self, field)!r}")
+        if any(not rate > 0 for _, rate in self.achieved_flops) or any(not (lat >= 0 and bw > 0) for *_, lat, bw in self.collectives):
+            raise FxtpConfigError(f"Hardware {self.name!r}: achieved_flops must be > 0 and collectives' latency >= 0, "
+                                  f"bandwidth > 0, got {self.achieved_flops!r}, {self.collectives!r}")
+
+    def flops(self, tp: int) -> float:
+        """FLOP/s a device runs a step's FLOPs at, at tensor-parallel degree ``tp``: the measured
+        rate at that degree's GEMMs if calibrated, else ``peak_flops * mfu``."""
+        return dict(self.achieved_flops).get(tp, self.peak_flops * self.mfu)
+
+    def collective(self, kind: str, ranks: int) -> "tuple[float, float] | None":
+        """The measured ``(latency_s, bus_bytes_per_s)`` of ``kind`` over ``ranks`` ranks, or None."""
+        found = [(lat, bw) for k, n, lat, bw in self.collectives if k == kind and n == ranks]
+        return found[0] if found else None
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)

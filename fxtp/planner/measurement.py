@@ -1,0 +1,449 @@
+"""``fxtp.planner.measure`` / ``fxtp plan --measure``: the plan's predictions against a run on the
+local ranks, term by term, and the plan made again with the measured figures.
+
+NOTE: [predicted against measured]
+On ``devices`` local ranks (spawned, as :func:`fxtp.planner.calibration.spawn_ranks` starts
+them), with a calibrated :class:`~fxtp.planner.hardware.Hardware` (NOTE: [calibration] in
+fxtp/planner/calibration.py) unless one is given:
+
+1. ``fxtp.plan`` plans the model; for each tensor-parallel degree its best row (the plan's
+   choice, or that degree's fastest configuration that fits) is run: ``fxtp.compile`` on the
+   mesh's ``tp`` group with the row's sequence parallelism and checkpointing, then FSDP2's
+   ``fully_shard`` on each block and on the root over the ``dp`` group, as torchtitan wraps
+   them (NOTE: [FSDP2 units inside a ParallelModule] in fxtp/runtime/fsdp.py); the row's
+   micro-batches of random token ids, a cross entropy, ``backward`` and the optimizer's step.
+2. Step time: one warm-up step, then the median over ``steps`` steps of the slowest rank's
+   seconds, each step started after a barrier.
+3. Per term, from one more step under ``torch.profiler`` (CPU op times on the ranks' own
+   thread), as shares of that step's seconds applied to the median step (a step the host's
+   load slows as a whole keeps its shares): tensor-parallel communication is the union of
+   fxtp's collectives' intervals
+   (``_c10d_functional::*`` ops, ``wait_tensor`` included: fxtp issues its collectives through
+   them, fxtp/core/collectives.py); FSDP communication is the union of FSDP2's own
+   ``record_function`` ranges around its collectives (``FSDP::all_gather``,
+   ``FSDP::all_gather_copy_out``, ``FSDP::post_backward_reduce``, ``FSDP::post_backward_rs_wait``);
+   both are time the computing thread spends in them, so exposed time, and each includes
+   waiting for a slower peer. Compute is the rest. Each share is the mean over the ranks.
+4. Peak memory, from one more step: glibc's heap in use (``mallinfo2``: arena blocks plus
+   mmap'd blocks, which hold torch's CPU tensors), sampled every 0.2 ms on a thread, the most
+   seen above the level before the rank built its model; the largest rank's. It is glibc's
+   counter, not fxtp's accounting (the instrument of the repository's ``shared/tools/heap.py``,
+   its few lines kept here so the package carries it). On GPUs, ``torch.cuda.max_memory_allocated``.
+5. The measured figures make a second ``Hardware``: each degree's achieved rate scaled by
+   predicted over measured compute, each all_reduce of a group size by its tp layout's measured
+   over predicted tensor-parallel time, each all_gather and reduce_scatter by its dp layout's
+   FSDP time, and ``fxtp.plan`` runs again with it: the result says whether the choice changes.
+
+On CPU ranks FSDP2 has no streams to overlap on (NOTE: [calibration]), so the run cannot show
+NOTE: [fsdp overlap]'s hiding of FSDP communication behind compute, and the calibrated
+Hardware prices it as exposed; on GPUs the overlap term is the one priced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import ctypes
+import dataclasses
+import functools
+import gc
+import os
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from tabulate import tabulate
+from torch import nn
+
+from fxtp.planner.calibration import calibrate_on_ranks, spawn_ranks
+from fxtp.planner.costs import Choice, Estimate, Workload, estimate
+from fxtp.planner.hardware import Hardware
+from fxtp.planner.parallel_plan import ParallelPlan, fmt_size, fmt_time
+from fxtp.planner.model import TransformerShape
+from fxtp.planner.params import parameter_shapes, repeated_blocks
+
+__all__ = ["measure", "measure_on_ranks", "Measurement", "TERMS"]
+
+# the step's terms, as Estimate.step names them, and the measured ones' names
+TERMS = ("total", "compute", "tp_comm", "fsdp_exposed")
+_FSDP_RANGES = ("FSDP::all_gather", "FSDP::post_backward_reduce", "FSDP::post_backward_rs_wait")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A plan's rows, predicted and measured (NOTE: [predicted against measured]).
+
+    Attributes:
+        plan: ``fxtp.plan``'s plan with ``hardware``; ``replan``: with ``measured_hardware``.
+        rows: per tensor-parallel degree, ``(estimate, measured)``: the predicted
+            :class:`~fxtp.planner.costs.Estimate` and ``{"total", "compute", "tp_comm",
+            "fsdp_exposed"}`` seconds per step and ``"peak"`` bytes per rank, measured.
+        calibrate_s: seconds the calibration took (0 when a Hardware was given); ``run_s``: the runs'.
+    """
+
+    plan: ParallelPlan
+    replan: ParallelPlan
+    hardware: Hardware
+    measured_hardware: Hardware
+    rows: tuple[tuple[Estimate, dict[str, float]], ...]
+    steps: int
+    calibrate_s: float
+    run_s: float
+
+    @property
+    def choice_changed(self) -> bool:
+        return self.plan.chosen.choice != self.replan.chosen.choice
+
+    def order(self, measured: bool) -> list[int]:
+        """The degrees ``tp`` from fastest to slowest, predicted or measured."""
+        return [e.choice.tp for e, m in sorted(self.rows, key=lambda r: r[1]["total"] if measured else r[0].step["total"])]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"hardware": self.hardware.to_dict(), "measured_hardware": self.measured_hardware.to_dict(),
+                "rows": [{"mesh": {"tp": e.choice.tp, "dp": e.choice.dp}, "choice": dataclasses.asdict(e.choice),
+                          "predicted": {**{k: e.step[k] for k in TERMS}, "peak": e.peak}, "measured": dict(m)} for e, m in self.rows],
+                "predicted_order": self.order(False), "measured_order": self.order(True), "chosen": dataclasses.asdict(self.plan.chosen.choice),
+                "replanned": dataclasses.asdict(self.replan.chosen.choice), "choice_changed": self.choice_changed,
+                "steps": self.steps, "calibrate_s": self.calibrate_s, "run_s": self.run_s}
+
+    def __str__(self) -> str:
+        slowest = max(max(e.step["total"], m["total"]) for e, m in self.rows)
+        largest = max(max(e.peak, m["peak"]) for e, m in self.rows)
+        table = []
+        for e, m in self.rows:
+            layout = _layout(e.choice)
+            predicted = [e.step[k] for k in TERMS] + [e.peak]
+            measured = [m[k] for k in TERMS] + [m["peak"]]
+            table.append([layout, "predicted"] + [fmt_time(v, like=slowest) for v in predicted[:-1]] + [fmt_size(predicted[-1], like=largest)])
+            table.append([layout, "measured"] + [fmt_time(v, like=slowest) for v in measured[:-1]] + [fmt_size(measured[-1], like=largest)])
+            table.append([layout, "measured / predicted"] + [f"{b / a:.2f}" if a else "-" for a, b in zip(predicted, measured)])
+        names = lambda order: " < ".join(f"tp {tp}" for tp in order)  # noqa: E731
+        new = _layout(self.replan.chosen.choice)
+        lines = [
+            f"fxtp plan --measure: {self.plan.model} on {self.plan.devices} local ranks ({self.hardware.name}), "
+            f"{self.plan.batch} x {self.plan.seq} tokens a step, median of {self.steps} steps "
+            f"(calibrated in {self.calibrate_s:.1f} s, ran in {self.run_s:.1f} s)",
+            tabulate(table, headers=["layout", "", "step", "compute", "tp comm", "fsdp exposed", "peak memory"],
+                     colalign=("left", "left", "right", "right", "right", "right", "right")),
+            f"fastest first: predicted {names(self.order(False))}; measured {names(self.order(True))}"
+            + (" (the same order)" if self.order(False) == self.order(True) else " (the order differs)"),
+            f"re-planned with the measured figures: {new}"
+            + (" (the choice changes)" if self.choice_changed else " (the choice does not change)"),
+        ]
+        return "\n".join(lines)
+
+
+def _layout(c: Choice) -> str:
+    """``tp 2 x dp 2`` and what else the configuration sets (sequence parallelism, checkpointing,
+    micro-batches)."""
+    return f"tp {c.tp} x dp {c.dp}" + (", sp" if c.sequence_parallel else "") + (
+        f", {c.activation_checkpointing}" if c.activation_checkpointing else "") + (
+        f", micro-batch {c.micro_batch} x {c.accumulation}" if c.accumulation > 1 else "")
+
+
+def measure(model: nn.Module, devices: int, *, batch: int, seq: int, device_memory: Optional[int] = None,
+            hardware: Optional[Hardware] = None, optimizer: str = "adamw", steps: int = 3, timeout_s: int = 600) -> Measurement:
+    """Plan ``model`` for ``devices`` local ranks, run each degree's best row on them, and compare
+    (NOTE: [predicted against measured]).
+
+    Args:
+        model: a Hugging Face decoder with weights (it runs); never mutated.
+        devices: local ranks to spawn (GPUs with NCCL when the host has them, else gloo CPU ranks).
+        batch: global batch, sequences per step; ``seq``: tokens per sequence.
+        device_memory: bytes per rank the plan may use; default the calibrated usable memory.
+        hardware: the figures to predict with; default :func:`fxtp.planner.calibrate` on the same ranks.
+        optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"``, priced and run.
+        steps: timed steps per layout (after one warm-up; two more run for the profile and the memory).
+        timeout_s: the process groups' timeout, seconds.
+
+    Returns:
+        A :class:`Measurement`: ``str()`` prints predicted and measured side by side.
+
+    Raises:
+        FxtpConfigError: as ``fxtp.plan`` and :func:`fxtp.planner.calibrate` raise.
+    """
+    return spawn_ranks(measure_on_ranks, devices, timeout_s, model, batch=batch, seq=seq, device_memory=device_memory,
+                       hardware=hardware, optimizer=optimizer, steps=steps)
+
+
+def measure_on_ranks(model: nn.Module, *, batch: int, seq: int, device_memory: Optional[int] = None,
+                     hardware: Optional[Hardware] = None, optimizer: str = "adamw", steps: int = 3) -> Measurement:
+    """:func:`measure` on the initialized default process group (every rank calls it; each gets
+    the result)."""
+    start = time.perf_counter()
+    found = [hardware if hardware is not None else calibrate_on_ranks(model, batch=batch, seq=seq)]
+    calibrate_s = time.perf_counter() - start if hardware is None else 0.0
+    memory = device_memory or found[0].memory_bytes
+    first = _plan_on_rank0(model, memory, batch, seq, found[0], optimizer)
+    start = time.perf_counter()
+    layouts = [_Layout(model, e.choice, seq, optimizer) for e in _rows(first)]
+    times: list[list[float]] = [[] for _ in layouts]
+    interleaved = 0.0
+    for round_ in range(steps):  # NOTE: [predicted against measured], 2: rounds against the host's drift
+        if hardware is None and round_:
+            lap = time.perf_counter()
+            found.append(calibrate_on_ranks(model, batch=batch, seq=seq))
+            interleaved += time.perf_counter() - lap
+        for layout, seconds in zip(layouts, times):
+            seconds.append(layout.timed())
+    figures = []
+    for layout, seconds in zip(layouts, times):
+        tp_share, fsdp_share = layout.profiled()
+        total = statistics.median(seconds)
+        figures.append({"total": total, "compute": total * (1 - tp_share - fsdp_share), "tp_comm": total * tp_share,
+                        "fsdp_exposed": total * fsdp_share, "peak": layout.peak()})
+        layout.close()
+    run_s, calibrate_s = time.perf_counter() - start - interleaved, calibrate_s + interleaved
+    hw = pooled(found)
+    final = _plan_on_rank0(model, memory, batch, seq, hw, optimizer) if len(found) > 1 else first
+    priced = {e.choice: e for e in [final.chosen] + [a.estimate for a in final.alternatives]}
+    choices = [layout.choice for layout in layouts]
+    predicted = ([priced[c] for c in choices] if all(c in priced for c in choices)
+                 else _estimates_on_rank0(model, choices, hw, batch, seq, optimizer))
+    rows = tuple(zip(predicted, figures))
+    again = measured_hardware(hw, rows)
+    return Measurement(final, _plan_on_rank0(model, memory, batch, seq, again, optimizer), hw, again, rows, steps,
+                       calibrate_s, run_s)
+
+
+def pooled(found: list[Hardware]) -> Hardware:
+    """One :class:`Hardware` from calibrations of the same ranks: each measured figure's median,
+    the least memory (NOTE: [predicted against measured], 2)."""
+    if len(found) == 1:
+        return found[0]
+    rates = {tp: statistics.median(dict(h.achieved_flops)[tp] for h in found) for tp, _ in found[0].achieved_flops}
+    collectives = tuple((kind, n, statistics.median(h.collective(kind, n)[0] for h in found),
+                         statistics.median(h.collective(kind, n)[1] for h in found)) for kind, n, _, _ in found[0].collectives)
+    widest = [c for c in collectives if c[0] == "all_reduce"][-1:]
+    links = dict(intra_node_bw=widest[0][3], inter_node_bw=widest[0][3], collective_latency=widest[0][2]) if widest else {}
+    return dataclasses.replace(found[0], achieved_flops=tuple(sorted(rates.items())), collectives=collectives,
+                               peak_flops=max(rates.values()), memory_bytes=min(h.memory_bytes for h in found), **links)
+
+
+def measured_hardware(hw: Hardware, rows: tuple[tuple[Estimate, dict[str, float]], ...]) -> Hardware:
+    """``hw`` with the figures the rows measured (NOTE: [predicted against measured], 5)."""
+    rates = dict(hw.achieved_flops)
+    tp_factor, fsdp_factor = {}, {}
+    for e, m in rows:
+        c = e.choice
+        if m["compute"] > 0:
+            rates[c.tp] = hw.flops(c.tp) * e.step["compute"] / m["compute"]
+        if e.step["tp_comm"] > 0 and m["tp_comm"] > 0:
+            tp_factor[c.tp] = m["tp_comm"] / e.step["tp_comm"]
+        if e.step["fsdp_exposed"] > 0 and m["fsdp_exposed"] > 0:
+            fsdp_factor[c.dp] = m["fsdp_exposed"] / e.step["fsdp_exposed"]
+    collectives = []
+    for kind, n, latency, bw in hw.collectives:
+        f = (tp_factor if kind == "all_reduce" else fsdp_factor).get(n, 1.0)
+        collectives.append((kind, n, latency * f, bw / f))
+    return dataclasses.replace(hw, name=f"{hw.name}, measured", achieved_flops=tuple(sorted(rates.items())),
+                               collectives=tuple(collectives))
+
+
+def _plan_on_rank0(model: nn.Module, memory: int, batch: int, seq: int, hw: Hardware, optimizer: str) -> ParallelPlan:
+    """``fxtp.plan`` on rank 0 (its analysis runs once), sent to every rank."""
+    from fxtp.planner.search import plan
+
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        box[0] = plan(model, dist.get_world_size(), device_memory=memory, batch=batch, seq=seq,
+                      devices_per_node=dist.get_world_size(), hardware=hw, optimizer=optimizer)
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _rows(p: ParallelPlan) -> list[Estimate]:
+    """Each degree's best row: the choice, and every other degree's (NOTE: [predicted against measured])."""
+    return sorted([p.chosen] + [a.estimate for a in p._per_tp().values()], key=lambda e: e.choice.tp)
+
+
+def _estimates_on_rank0(model: nn.Module, choices: list[Choice], hw: Hardware, batch: int, seq: int,
+                        optimizer: str) -> list[Estimate]:
+    """The cost model's figures for ``choices`` with ``hw`` (as ``fxtp.plan`` prices them), sent to every rank."""
+    from fxtp.planner.search import _inputs
+
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        blocks = repeated_blocks(model)
+        shape = TransformerShape.of(model, blocks.fqn)
+        args, kwargs = _inputs(model, None, None)
+        params = parameter_shapes(model, tuple(sorted({c.tp for c in choices})), args, kwargs)
+        ranks = dist.get_world_size()
+        work = Workload(batch, seq, True, optimizer, ranks, activation_bytes=hw.compute_bytes, gather_bytes=hw.compute_bytes)
+        box[0] = [estimate(c, shape, params[c.tp], hw, work) for c in choices]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class _Layout:
+    """One row's configuration built on this rank (NOTE: [predicted against measured], 1): its
+    step, timed, profiled and its memory."""
+
+    def __init__(self, model: nn.Module, choice: Choice, seq: int, optimizer: str) -> None:
+        import fxtp
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        c, cuda = choice, dist.get_backend() == "nccl"
+        self.choice, self.device = c, torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        gc.collect()
+        base = _in_use(self.device)
+        mesh = init_device_mesh(self.device.type, (c.dp, c.tp), mesh_dim_names=("dp", "tp"))
+        g = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
+        self.ids = torch.randint(0, model.config.vocab_size, (c.accumulation, c.micro_batch, seq + 1), generator=g).to(self.device)
+        self.pm = fxtp.compile(copy.deepcopy(model).to(self.device).train(), c.tp, (self.ids[0, :, :-1],),
+                               group=mesh["tp"] if c.tp > 1 else None, dynamic=False,
+                               sequence_parallel=c.sequence_parallel, activation_checkpointing=c.activation_checkpointing)
+        if c.dp > 1:  # torchtitan's wrapping: each block, then the root
+            blocks = repeated_blocks(model)
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
+            for i in range(blocks.count):
+                fully_shard(self.pm.get_submodule(f"{blocks.fqn}.{i}" if blocks.fqn else str(i)), mesh=mesh["dp"], mp_policy=policy)
+            fully_shard(self.pm, mesh=mesh["dp"], mp_policy=policy)
+        self.opt = {"sgd": torch.optim.SGD}.get(optimizer, torch.optim.AdamW)(self.pm.parameters(), lr=1e-4)
+        self.step()  # warm-up: lazy state, the optimizer's included
+        gc.collect()
+        self.held = _in_use(self.device) - base  # parameters, optimizer state, fxtp's and FSDP2's own
+
+    def step(self) -> None:
+        for micro in self.ids:
+            logits = self.pm(micro[:, :-1]).logits
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), micro[:, 1:].flatten()).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def timed(self) -> float:
+        """Seconds of one step, the slowest rank's, started after a barrier."""
+        dist.barrier()
+        _sync(self.device)
+        start = time.perf_counter()
+        self.step()
+        _sync(self.device)
+        return _slowest(time.perf_counter() - start, self.device)
+
+    def profiled(self) -> tuple[float, float]:
+        """The shares of one step's seconds spent in fxtp's collectives and in FSDP2's, the
+        ranks' mean (NOTE: [predicted against measured], 3)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        dist.barrier()
+        with _stderr_muted(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            self.step()
+            _sync(self.device)
+            seconds = time.perf_counter() - start
+        tp, fsdp = [], []
+        for event in prof.events():
+            span = (event.time_range.start, event.time_range.end)
+            if event.name.startswith("_c10d_functional::"):
+                tp.append(span)
+            elif event.name.startswith(_FSDP_RANGES):
+                fsdp.append(span)
+        return _mean(_union(tp) / 1e6 / seconds, self.device), _mean(_union(fsdp) / 1e6 / seconds, self.device)
+
+    def peak(self) -> int:
+        """Peak bytes of a step above the level before the rank built this layout, the largest rank's."""
+        gc.collect()
+        before = _in_use(self.device)
+        with _Peak(self.device) as peak:
+            self.step()
+        return int(_slowest(self.held + peak.peak - before, self.device))
+
+    def close(self) -> None:
+        del self.pm, self.opt
+        gc.collect()
+
+
+@contextlib.contextmanager
+def _stderr_muted() -> Any:
+    """File descriptor 2 to /dev/null while inside: the profiler's kineto writes a line there at
+    each start and stop, on every rank, past Python's ``sys.stderr``."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of intervals (nested and overlapping events counted once)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest(value: float, device: torch.device, op: Any = dist.ReduceOp.MAX) -> float:
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return float(t.item())
+
+
+def _mean(value: float, device: torch.device) -> float:
+    return _slowest(value, device, dist.ReduceOp.SUM) / dist.get_world_size()
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+@functools.lru_cache(maxsize=None)
+def _libc() -> Any:
+    libc = ctypes.CDLL("libc.so.6")  # glibc only (Linux): another C library raises OSError
+    libc.mallinfo2.restype = _MallInfo2
+    return libc
+
+
+def _in_use(device: torch.device) -> int:
+    """Bytes in use: glibc's heap (``mallinfo2().uordblks + hblkhd``, shared/tools/heap.py's
+    instrument), or the CUDA caching allocator's allocated bytes on a GPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    m = _libc().mallinfo2()
+    return m.uordblks + m.hblkhd
+
+
+class _Peak:
+    """The most bytes in use while inside, sampled every 0.2 ms on a thread (CPU; a GPU's
+    allocator keeps its own peak)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __enter__(self) -> "_Peak":
+        gc.collect()
+        self.peak, self._stop = _in_use(self.device), False
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop:
+            self.peak = max(self.peak, _in_use(self.device))
+            time.sleep(0.0002)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop = True
+        self._thread.join()
+        self.peak = max(self.peak, _in_use(self.device))
+        if self.device.type == "cuda":
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))

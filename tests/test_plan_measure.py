@@ -1,0 +1,114 @@
+"""``fxtp.planner.calibrate`` and ``fxtp.planner.measure`` (issue 34, items 1 and 2) on 4 real
+gloo ranks: a tiny Llama (hidden 128, 2 blocks, 4 heads) at 8 x 64 tokens a step, its three
+meshes (tp 4, dp 4, dp 2 x tp 2) planned with a calibration of the same ranks and run with
+``fxtp.compile`` on the tp group and FSDP2 per block on dp (NOTE: [calibration] in
+fxtp/planner/calibration.py, NOTE: [predicted against measured] in fxtp/planner/measurement.py).
+
+The calibration and the runs happen once for the module (the ranks' session pool); the tests
+read them. Step time within 15% and the measured order of the meshes equal to the predicted
+one are asserted only where ``FXTP_TIMING_BOUNDS=1`` (a host whose cores are the ranks' own):
+on the shared 2-core CI host the same step varies by more than that from run to run (see
+docs/plan_command.md, "Calibration and measurement").
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from fxtp.cli.main import main
+
+pytest.importorskip("transformers")
+
+BATCH, SEQ = 8, 64
+
+
+def _model():
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ,
+                                      use_cache=False)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _calibrate_and_measure() -> dict:
+    """On each rank: the measurement (2 rounds, each calibrating once) and the measured
+    Hardware's prediction of each row (the re-plan's figures, as the plan prices them)."""
+    from fxtp.planner.measurement import _estimates_on_rank0, measure_on_ranks
+
+    model = _model()
+    m = measure_on_ranks(model, batch=BATCH, seq=SEQ, steps=2)
+    priced = {e.choice: e for e in [m.replan.chosen] + [a.estimate for a in m.replan.alternatives]}
+    again = [priced.get(e.choice) for e, _ in m.rows]
+    if None in again:  # a row the re-plan did not price as such (another micro-batch)
+        again = _estimates_on_rank0(model, [e.choice for e, _ in m.rows], m.measured_hardware, BATCH, SEQ, "adamw")
+    return {"measurement": m, "again": again}
+
+
+@pytest.fixture(scope="module")
+def measured(rank_pools):
+    start = time.perf_counter()
+    result = rank_pools(4).run(_calibrate_and_measure)[0]
+    print(f"\ncalibrate and measure on 4 gloo ranks: {time.perf_counter() - start:.1f} s\n{result['measurement']}")
+    return result
+
+
+def test_calibration_measures_every_degree_and_group(measured):
+    """A rate for each tp degree of 4 ranks, a latency and bandwidth for each collective kind
+    over groups of 2 and 4, the host's memory shared by the ranks; each calibration within a
+    minute."""
+    m = measured["measurement"]
+    hw = m.hardware  # the median of the rounds' calibrations
+    assert [tp for tp, _ in hw.achieved_flops] == [1, 2, 4], hw
+    assert all(1e8 < rate < 1e13 for _, rate in hw.achieved_flops), hw  # FLOP/s of one CPU thread
+    assert sorted((kind, n) for kind, n, _, _ in hw.collectives) == sorted(
+        (kind, n) for kind in ("all_reduce", "all_gather", "reduce_scatter") for n in (2, 4)), hw
+    assert all(0 <= lat < 1.0 and bw > 1e6 for _, _, lat, bw in hw.collectives), hw
+    with open("/proc/meminfo") as f:
+        total = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
+    assert 0 < hw.memory_bytes <= total // 4
+    assert (hw.compute_bytes, hw.overlap_fsdp) == (4, False)  # fp32, one stream on a CPU
+    assert m.calibrate_s / m.steps < 60, m.calibrate_s  # a calibration a round
+
+
+def test_measure_runs_each_mesh_and_prices_it_again(measured):
+    """The three meshes ran (each term measured, the peak by glibc's heap); re-planned with the
+    measured figures, the cost model reproduces each mesh's measured compute, tensor-parallel
+    and exposed FSDP seconds: the measured Hardware is the run's."""
+    m = measured["measurement"]
+    assert [(e.choice.tp, e.choice.dp) for e, _ in m.rows] == [(1, 4), (2, 2), (4, 1)]
+    for (e, got), again in zip(m.rows, measured["again"]):
+        assert got["total"] > 0 and got["compute"] > 0 and got["peak"] > 0, got
+        assert (got["tp_comm"] > 0) == (e.choice.tp > 1) and (got["fsdp_exposed"] > 0) == (e.choice.dp > 1), got
+        for term in ("compute", "tp_comm", "fsdp_exposed"):
+            assert again.step[term] == pytest.approx(got[term], rel=1e-6, abs=1e-9), (e.choice, term)
+    # the re-plan is at least as fast, priced with the measured figures, as every row that ran
+    assert m.replan.fits and m.replan.chosen.step["total"] <= min(a.step["total"] for a in measured["again"]) * (1 + 1e-9)
+    text = str(m)
+    assert "measured / predicted" in text and ("the choice changes" in text or "the choice does not change" in text)
+
+
+@pytest.mark.skipif(os.environ.get("FXTP_TIMING_BOUNDS") != "1", reason="timing bounds need cores the ranks do not share "
+                    "with other jobs: FXTP_TIMING_BOUNDS=1 asserts them")
+def test_predicted_step_time_within_15_percent_and_the_order_kept(measured):
+    m = measured["measurement"]
+    for e, got in m.rows:
+        assert got["total"] / e.step["total"] == pytest.approx(1, abs=0.15), (e.choice, got["total"], e.step["total"])
+    assert m.order(measured=True) == m.order(measured=False)
+
+
+def test_calibrate_and_measure_usage(capsys):
+    """They time a training step of --batch x --seq: both are needed; --device-memory is needed
+    only without them."""
+    base = ["plan", "llama", "--devices", "4"]
+    for argv, message in [(base + ["--calibrate", "--batch", "8"], "give both"),
+                          (base + ["--measure", "--batch", "8", "--seq", "16", "--inference"], "without --inference"),
+                          (base + ["--batch", "8", "--seq", "16"], "--device-memory")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err, argv
