@@ -64,7 +64,7 @@ def parallelize(
             (``init_device_mesh(device_type, (plan.dp, plan.tp), mesh_dim_names=("dp", "tp"))``),
             or a 1-D mesh named ``("tp",)`` (no FSDP2) or ``("dp",)`` (tp 1, FSDP2 only).
         example_inputs: positional inputs of one dp rank's micro-batch, for the capture
-            (``fxtp.compile``'s).
+            (``fxtp.compile``'s), e.g. ``(ids,)`` of shape ``(plan.micro_batch, seq)``.
         strategy: a ``fxtp.ParallelPlan`` (``fxtp.plan``) or its ``tensor_parallel``: its tp and
             dp must be the mesh's; its sequence parallelism, activation checkpointing and layer
             styles are applied (``fxtp.compile``'s ``strategy=``). ``None``: ``fxtp.compile``'s
@@ -72,7 +72,8 @@ def parallelize(
         example_kwargs: keyword inputs, likewise.
         mp_policy: FSDP2's ``MixedPrecisionPolicy`` for every unit, e.g.
             ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
-            (what ``fxtp.plan`` prices); ``None``: the parameters' dtypes.
+            (what ``fxtp.plan`` prices); ``None``: the parameters' dtypes. At dp 1 there is no
+            unit, and no policy applies.
         reshard_after_forward: FSDP2's option for every unit: ``True`` (default) frees a unit's
             gathered parameters after its forward and gathers them again in its backward.
         compile_blocks: ``True``: ``block.compile(fullgraph=True)`` on each block before FSDP2;
@@ -82,14 +83,15 @@ def parallelize(
             ``world_size``, ``group`` or ``rank`` (the mesh's).
 
     Returns:
-        A :class:`ParallelModule` whose blocks (:func:`block_names`) and itself are FSDP2 units
+        A :class:`ParallelModule` whose blocks (:func:`block_names`; none in a model without an
+        ``nn.ModuleList`` of blocks) and itself are FSDP2 units
         (``torch.distributed.fsdp.FSDPModule``) when dp > 1. Outputs are each dp rank's
         micro-batch's, full on every tp rank; ``pm.parameters()`` are this rank's shards.
 
     Raises:
         FxtpConfigError: a mesh without dims named ``"dp"``/``"tp"``, a mesh whose sizes are not
-            the strategy's ``dp x tp``, ``world_size``/``group``/``rank`` given, or a bad
-            ``compile_blocks``; and what ``fxtp.compile`` raises.
+            the strategy's ``dp x tp``, ``world_size``/``group``/``rank`` given, a bad
+            ``compile_blocks`` or one for a model without blocks; and what ``fxtp.compile`` raises.
 
     Example::
 
@@ -152,7 +154,11 @@ def _compile_blocks_options(compile_blocks: Any) -> Optional[dict[str, Any]]:
 def _apply_compile(pm: nn.Module, options: dict[str, Any]) -> None:
     """torchtitan's ``apply_compile``, in place: each block's calls go through ``torch.compile``
     and the block stays at its FQN (``nn.Module.compile``), an FSDP2 unit as any block."""
-    for fqn in block_names(pm):
+    blocks = block_names(pm)
+    if not blocks:
+        raise FxtpConfigError("compile_blocks: this model has no repeated blocks (no nn.ModuleList of blocks) to compile "
+                              "one by one; fix: drop compile_blocks and call torch.compile(pm)")
+    for fqn in blocks:
         pm.get_submodule(fqn).compile(**options)
 
 

@@ -7,8 +7,8 @@
   gradient, the clipped norm and 3 AdamW steps equal the single device's on the global batch.
 * The 2-block MLP of tests/test_fsdp_blocks.py: a 1-D ``("dp",)`` mesh (tp 1, FSDP2 only) and a
   1-D ``("tp",)`` mesh (no FSDP2) train as the single device; ``compile_blocks`` (``aot_eager``)
-  on dp 2 x tp 2 too; a mesh the plan does not fit, a mesh without the dims and the mesh's own
-  options given again are one-line ``FxtpConfigError`` s.
+  on dp 2 x tp 2 too; a mesh the plan does not fit, a mesh without the dims, the mesh's own
+  options given again and ``compile_blocks`` without blocks are one-line ``FxtpConfigError`` s.
 
 The user's own ``fully_shard`` calls on a ``ParallelModule``: tests/test_fsdp_blocks.py.
 """
@@ -171,6 +171,7 @@ def _run_meshes(plan) -> dict:
         "group": lambda: fxtp.parallelize(ref, mesh, (x,), group=mesh["tp"]),
         "compile": lambda: fxtp.parallelize(ref, mesh, (x,), compile_blocks="yes"),
         "mesh": lambda: fxtp.parallelize(ref, 4, (x,)),
+        "no_blocks": lambda: fxtp.parallelize(torch.nn.Linear(16, 16), mesh["tp"], (x,), compile_blocks=True),
     }.items():
         with pytest.raises(fxtp.FxtpConfigError) as caught:
             call()
@@ -195,3 +196,4 @@ def test_parallelize_on_one_d_meshes_with_compile_and_bad_meshes(rank_pools, pla
         assert "the mesh is dp 2 x tp 2 but the plan is tp 4" in errors["tp"], errors
         assert "got ('world',)" in errors["names"] and "takes group from the mesh" in errors["group"], errors
         assert "compile_blocks must be" in errors["compile"] and "got int" in errors["mesh"], errors
+        assert "no repeated blocks" in errors["no_blocks"], errors
