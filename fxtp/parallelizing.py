@@ -72,8 +72,8 @@ def parallelize(
         example_kwargs: keyword inputs, likewise.
         mp_policy: FSDP2's ``MixedPrecisionPolicy`` for every unit, e.g.
             ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
-            (what ``fxtp.plan`` prices); ``None``: the parameters' dtypes. At dp 1 there is no
-            unit, and no policy applies.
+            (what ``fxtp.plan`` prices; not with ``dynamic=False``); ``None``: the parameters'
+            dtypes. At dp 1 there is no unit, and no policy applies.
         reshard_after_forward: FSDP2's option for every unit: ``True`` (default) frees a unit's
             gathered parameters after its forward and gathers them again in its backward.
         compile_blocks: ``True``: ``block.compile(fullgraph=True)`` on each block before FSDP2;
@@ -91,7 +91,8 @@ def parallelize(
     Raises:
         FxtpConfigError: a mesh without dims named ``"dp"``/``"tp"``, a mesh whose sizes are not
             the strategy's ``dp x tp``, ``world_size``/``group``/``rank`` given, a bad
-            ``compile_blocks`` or one for a model without blocks; and what ``fxtp.compile`` raises.
+            ``compile_blocks`` or one for a model without blocks, an ``mp_policy`` with a
+            ``param_dtype`` and ``dynamic=False``; and what ``fxtp.compile`` raises.
 
     Example::
 
@@ -102,7 +103,12 @@ def parallelize(
     dp_mesh, tp_mesh = _sub_meshes(mesh, strategy)
     given = [name for name in _OWN if name in compile_options]
     if given:
-        raise FxtpConfigError(f"parallelize takes {', '.join(given)} from the mesh; fix: drop {', '.join(f'{n}=' for n in given)}")
+        drop = ", ".join(f"{name}=" for name in given)
+        raise FxtpConfigError(f"parallelize takes {', '.join(given)} from the mesh; fix: drop {drop}")
+    if getattr(mp_policy, "param_dtype", None) is not None and compile_options.get("dynamic") is False:
+        raise FxtpConfigError("mp_policy casts the parameters to its param_dtype, and a static compile (dynamic=False) keeps "
+                              "its one graph, in the parameters' dtype (NOTE: [low-precision graphs] in "
+                              "fxtp/runtime/variants.py); fix: drop dynamic=False")
     torch_compile = _compile_blocks_options(compile_blocks)
     tp = 1 if tp_mesh is None else tp_mesh.size()
     pm = _tp_compile(model, tp, example_inputs, example_kwargs=example_kwargs, group=tp_mesh, strategy=strategy,
@@ -125,10 +131,12 @@ def _sub_meshes(mesh: Any, strategy: Any) -> tuple[Optional["DeviceMesh"], Optio
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
-        raise FxtpConfigError(f"mesh must be a torch DeviceMesh with dims named 'dp' and 'tp', got {type(mesh).__name__}; {_MESH_FIX}")
+        raise FxtpConfigError(f"mesh must be a torch DeviceMesh with dims named 'dp' and 'tp', got {type(mesh).__name__}; "
+                              f"{_MESH_FIX}")
     names = tuple(mesh.mesh_dim_names or ())
     if len(names) != mesh.ndim or not set(names) <= set(_DIMS) or len(set(names)) != len(names):
-        raise FxtpConfigError(f"mesh dims must be named 'dp' and/or 'tp', got {names or 'no names'} for a {mesh.ndim}-D mesh; {_MESH_FIX}")
+        raise FxtpConfigError(f"mesh dims must be named 'dp' and/or 'tp', got {names or 'no names'} for a {mesh.ndim}-D "
+                              f"mesh; {_MESH_FIX}")
     dp_mesh, tp_mesh = (mesh[name] if name in names else None for name in _DIMS)
     dp, tp = (1 if m is None else m.size() for m in (dp_mesh, tp_mesh))
     want_tp, want_dp = getattr(strategy, "tp", None), getattr(strategy, "dp", None)

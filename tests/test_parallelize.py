@@ -6,9 +6,11 @@
   root are FSDP2 units, the blocks are checkpointed; the losses of every micro-batch, every
   gradient, the clipped norm and 3 AdamW steps equal the single device's on the global batch.
 * The 2-block MLP of tests/test_fsdp_blocks.py: a 1-D ``("dp",)`` mesh (tp 1, FSDP2 only) and a
-  1-D ``("tp",)`` mesh (no FSDP2) train as the single device; ``compile_blocks`` (``aot_eager``)
-  on dp 2 x tp 2 too; a mesh the plan does not fit, a mesh without the dims, the mesh's own
-  options given again and ``compile_blocks`` without blocks are one-line ``FxtpConfigError`` s.
+  1-D ``("tp",)`` mesh (no FSDP2) train as the single device; with ``mp_policy`` (bf16) the
+  graph runs in bf16; ``compile_blocks`` (``aot_eager``) on dp 2 x tp 2 is exact; a mesh the
+  plan does not fit, a mesh without the dims, the mesh's own options given again,
+  ``compile_blocks`` without blocks and a bf16 policy on a static compile are one-line
+  ``FxtpConfigError`` s.
 
 The user's own ``fully_shard`` calls on a ``ParallelModule``: tests/test_fsdp_blocks.py.
 """
@@ -154,6 +156,14 @@ def _run_meshes(plan) -> dict:
     tp_only = fxtp.parallelize(copy.deepcopy(ref), mesh["tp"], (X,), dynamic=False, strategy=TensorParallelStrategy(2))
     out["tp_only"] = [isinstance(m, FSDPModule) for m in (tp_only, tp_only.layers[0])]
     _step(tp_only, ref, X, 1, 0, 2, tp_rank, "tp only")
+    # FSDP2's mixed precision on every unit: the graph runs in bf16, within bf16's error of the model
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    low = fxtp.parallelize(copy.deepcopy(ref), mesh, (x,), mp_policy=policy)  # a graph per dtype: dynamic
+    with torch.no_grad():
+        got = low(x)
+        out["bf16"] = (got.dtype, (got.float() - ref(X).chunk(2)[dp_rank]).abs().max().item())
     # torch.compile per block (aot_eager: no C++ build), then FSDP2, on dp 2 x tp 2
     with without_collective_log():  # Dynamo compiles nothing under the pool's dispatch mode
         from torch._dynamo.utils import counters
@@ -171,6 +181,7 @@ def _run_meshes(plan) -> dict:
         "group": lambda: fxtp.parallelize(ref, mesh, (x,), group=mesh["tp"]),
         "compile": lambda: fxtp.parallelize(ref, mesh, (x,), compile_blocks="yes"),
         "mesh": lambda: fxtp.parallelize(ref, 4, (x,)),
+        "static_bf16": lambda: fxtp.parallelize(ref, mesh, (x,), mp_policy=policy, dynamic=False),
         "no_blocks": lambda: fxtp.parallelize(torch.nn.Linear(16, 16), mesh["tp"], (x,), compile_blocks=True),
     }.items():
         with pytest.raises(fxtp.FxtpConfigError) as caught:
@@ -188,6 +199,7 @@ def test_parallelize_on_one_d_meshes_with_compile_and_bad_meshes(rank_pools, pla
     ``FxtpConfigError`` s with a fix."""
     for rank in rank_pools(4).run(_run_meshes, planned):
         assert rank["dp_only"] == [True, True, True] and rank["tp_only"] == [False, False], rank
+        assert rank["bf16"][0] == torch.bfloat16 and rank["bf16"][1] < 5e-2, rank["bf16"]
         stats, breaks = rank["compiled"]
         assert stats["unique_graphs"] == 2 and breaks == 0, rank["compiled"]
         errors = rank["errors"]
@@ -197,3 +209,4 @@ def test_parallelize_on_one_d_meshes_with_compile_and_bad_meshes(rank_pools, pla
         assert "got ('world',)" in errors["names"] and "takes group from the mesh" in errors["group"], errors
         assert "compile_blocks must be" in errors["compile"] and "got int" in errors["mesh"], errors
         assert "no repeated blocks" in errors["no_blocks"], errors
+        assert "fix: drop dynamic=False" in errors["static_bf16"], errors
