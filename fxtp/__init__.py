@@ -16,6 +16,8 @@ The package is grouped by stage, and imports run one way (``tests/test_structure
 - ``fxtp.api``: the pipeline, ``compile`` and ``analyze`` (the passes between capture and
   rewrite, in order: ``fxtp.planning``).
 - ``fxtp.planner``: ``plan``, the mesh and policies by predicted step time under a memory budget.
+- ``fxtp.parallelizing``: ``parallelize``, a plan applied in one call on a ``dp x tp`` mesh
+  (``compile`` on tp, ``torch.compile`` and FSDP2 per block on dp).
 - ``fxtp.cli``: the command line (``fxtp``, ``python -m fxtp``), its built-in examples, ``--verify``
   and the demo; nothing below imports it.
 
@@ -43,6 +45,7 @@ from fxtp.core.errors import (
 __all__ = [
     "compile",
     "analyze",
+    "parallelize",
     "plan",
     "ParallelPlan",
     "ParallelModule",
@@ -65,6 +68,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "compile": "fxtp.api",
     "analyze": "fxtp.api",
+    "parallelize": "fxtp.parallelizing",
     "plan": "fxtp.planner",
     "ParallelPlan": "fxtp.planner",
     "ParallelModule": "fxtp.runtime.module",

@@ -104,7 +104,8 @@ def compile(  # noqa: A001 - the name users expect, as torch.compile
             ``world_size`` must be its ``tp`` (``group``: the tp sub-mesh), and its
             ``sequence_parallel``, ``activation_checkpointing`` and layer styles are used
             (``plan=`` entries override layer styles; the other two must be left unset or agree).
-            FSDP2 over the ``dp`` sub-mesh is the caller's: ``fully_shard(pm, mesh=mesh["dp"])``.
+            FSDP2 over the ``dp`` sub-mesh is the caller's ``fully_shard``, or the whole plan in one
+            call: ``fxtp.parallelize(model, mesh, ..., strategy=plan)``.
         expert_parallel: every routed-experts block (Hugging Face's ``grouped_mm`` and
             ``batched_mm`` experts) holds whole experts per rank, ``E // world_size`` of them
             (front-loaded), and sends each (token, expert) pair to its expert's rank by

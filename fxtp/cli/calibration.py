@@ -10,7 +10,16 @@ from typing import Any
 
 from fxtp.cli.inspection import UsageError
 
-__all__ = ["check_measuring", "calibrated", "run_measure"]
+__all__ = ["add_measuring_arguments", "check_measuring", "calibrated", "run_measure"]
+
+
+def add_measuring_arguments(plan: argparse.ArgumentParser) -> None:
+    """``fxtp plan``'s ``--calibrate`` and ``--measure``."""
+    plan.add_argument("--calibrate", action="store_true",
+                      help="measure --devices local ranks (GPUs, else gloo CPU ranks) at the model's GEMMs and collectives "
+                      "and plan with those figures instead of --hardware's (docs/plan_command.md)")
+    plan.add_argument("--measure", action="store_true", help="calibrate, run each tp's best row on the local ranks, "
+                      "print predicted against measured by term, and plan again with the measured figures")
 
 
 def check_measuring(args: argparse.Namespace) -> None:

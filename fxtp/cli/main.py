@@ -278,6 +278,7 @@ examples:
 
 
 def _add_plan_parser(sub: Any) -> None:
+    from fxtp.cli.calibration import add_measuring_arguments
     from fxtp.planner.hardware import HARDWARE
 
     plan = sub.add_parser(
@@ -309,11 +310,7 @@ def _add_plan_parser(sub: Any) -> None:
                       help="price tp collectives under sequence parallelism as hidden behind the matmuls, as torch's async TP "
                       "or Megatron-LM's --tp-comm-overlap run them (default: not overlapped; docs/plan_command.md)")
     plan.add_argument("--inference", action="store_true", help="price a forward with a KV cache instead of a training step")
-    plan.add_argument("--calibrate", action="store_true",
-                      help="measure --devices local ranks (GPUs, else gloo CPU ranks) at the model's GEMMs and collectives "
-                      "and plan with those figures instead of --hardware's (docs/plan_command.md)")
-    plan.add_argument("--measure", action="store_true", help="calibrate, run each tp's best row on the local ranks, "
-                      "print predicted against measured by term, and plan again with the measured figures")
+    add_measuring_arguments(plan)
     plan.add_argument("--format", "-f", choices=("table", "json"), default="table", help="table (default) or the plan's JSON")
     plan.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr (it shows only on a terminal)")
     plan.add_argument("--verbose", "-v", action="store_true", help="print the traceback of an fxtp error")

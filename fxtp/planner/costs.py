@@ -165,7 +165,8 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
     tokens = work.batch * work.seq
     devices = tp * dp
     # the calibrated rate at tp's GEMMs, else the peak at the efficiency by hardware and GEMM size
-    rate = devices * (hw.flops(tp) if hw.achieved_flops else hw.peak_flops * compute_efficiency(hw, shape, b * work.seq, tp))
+    rate_per_device = hw.flops(tp) if hw.achieved_flops else hw.peak_flops * compute_efficiency(hw, shape, b * work.seq, tp)
+    rate = devices * rate_per_device
     if work.training:
         compute = shape.flops_per_token(work.seq, ac) * tokens / rate
         recompute = compute - shape.flops_per_token(work.seq) * tokens / rate
@@ -189,7 +190,7 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
         block_s += ring_time("all_reduce", params.block_weight_sent * tp / (2 * (tp - 1)), tp_group, hw)
     tp_all_s = choice.accumulation * (shape.layers * block_s + outside_s)
     if work.tp_overlap and sp and tp > 1:  # NOTE: [tp overlap]
-        matmul_s = 6 * shape.block_params / tp * b * work.seq / (hw.peak_flops * efficiency) if work.training else 0.0
+        matmul_s = 6 * shape.block_params / tp * b * work.seq / rate_per_device if work.training else 0.0
         block_s = max(0.0, block_s - matmul_s)
     tp_s = choice.accumulation * (shape.layers * block_s + outside_s)
     fsdp_bytes, fsdp_s, fsdp_exposed_s = 0, 0.0, 0.0
