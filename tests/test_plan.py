@@ -96,8 +96,14 @@ def test_activations_are_korthikantis_without_dropout(tp):
     assert shape.block_activations(b, s, tp, sp=True, ac=None) == sbh * 32 // tp + scores
     assert shape.block_activations(b, s, tp, sp=False, ac="blocks") == 2 * sbh
     assert shape.block_activations(b, s, tp, sp=True, ac="blocks") == 2 * sbh // tp
-    # selective recomputation drops the attention's s x s terms (Korthikanti section 5)
-    assert shape.block_activations(b, s, tp, sp=True, ac="selective") == sbh * 32 // tp
+    # "selective" is torchtitan's op-level policy (fxtp/core/recompute.py): the block's input, the matmuls'
+    # outputs (q, k, v, up, of the MLP width 4h; the two rowwise projections' partial sums whole) and the
+    # scores' bmm (eager attention), in bf16
+    assert shape.block_activations(b, s, tp, sp=True, ac="selective") == 2 * sbh * (1 + 3 + 1 + 4) // tp + 2 * 2 * sbh + scores
+    # its backward rebuilds the rest of one block: the norms (less the block's input, the checkpoint's),
+    # the softmax and the MLP's activation
+    assert shape.recomputed_block(b, s, tp, sp=True, ac="selective") == sbh * (8 - 2) // tp + scores + 2 * sbh * 4 // tp
+    assert shape.recomputed_block(b, s, tp, sp=True, ac="blocks") == sbh * 32 // tp + scores - 2 * sbh // tp
     # SDPA keeps a logsumexp instead of the scores (FlashAttention); its output is the projection's input
     flash = _shape(flash=True).block_activations(b, s, tp, sp=True, ac=None)
     assert flash == sbh * 32 // tp + 4 * a * b * s // tp

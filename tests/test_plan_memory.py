@@ -1,0 +1,68 @@
+"""The planner prices what runs (issue 32, item 5): predicted peak memory per rank against a
+training step measured outside fxtp, on 4 gloo ranks.
+
+A tiny Llama-style model (``tools/bench_plan_memory.py``: hidden 256, 4 blocks, 4 x 128 tokens
+a dp rank, fp32, AdamW) is compiled on ``mesh["tp"]`` with each checkpointing policy and
+``fully_shard``-ed per block then at the root; one warm-up step, then one measured step
+(forward, backward, ``optimizer.step()``) under ``shared/tools/heap.py`` (glibc's heap,
+sampled on a thread). The prediction is :func:`fxtp.planner.costs.estimate` of the same
+configuration (fp32 gathers and activations, AdamW): the peak and each phase's bytes
+(NOTE: [peak of a step] in fxtp/planner/costs.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+
+MESHES = {"dp2xtp2": 2, "dp4xtp1": 1}
+POLICIES = (None, "selective", "blocks")
+
+
+def _measure() -> dict:
+    import bench_plan_memory
+
+    return {(tp, ac): bench_plan_memory.measure(tp, ac) for tp in MESHES.values() for ac in POLICIES}
+
+
+@pytest.fixture(scope="module")
+def runs(rank_pools):
+    import bench_plan_memory
+
+    measured = rank_pools(4).run(_measure)[0]
+    predicted = bench_plan_memory.predict(tuple(MESHES.values()))
+    return {(mesh, ac): {"measured": measured[tp, ac], "predicted": predicted[tp, ac]}
+            for mesh, tp in MESHES.items() for ac in POLICIES}
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_predicted_peak_is_within_10_percent_of_the_measured(runs, mesh):
+    """Per policy, the predicted peak per rank is within 10% of the measured one (the largest
+    over the ranks), and so is the backward's peak above the step's entry. The forward's
+    (the loss) is not asserted: it is under-predicted, by up to a third with checkpointed
+    blocks, where it is never the peak (docs/plan_command.md)."""
+    for ac in POLICIES:
+        m, p = runs[mesh, ac]["measured"], runs[mesh, ac]["predicted"]
+        assert abs(p["total"] / m["peak"] - 1) <= 0.10, (mesh, ac, m, p)
+        assert abs(p["block"] / m["backward"] - 1) <= 0.10, (mesh, ac, m, p)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_each_term_is_what_the_run_holds(runs, mesh):
+    """Parameter shards exactly; AdamW's states and the activations after forward within 10%;
+    the gradients after backward from the predicted shards to 20% above them (the heap also
+    holds what the backward leaves besides them: a residual, reported); checkpointing saves
+    less than none, blocks least."""
+    saved = {}
+    for ac in POLICIES:
+        m, p = runs[mesh, ac]["measured"], runs[mesh, ac]["predicted"]
+        assert m["params"] == p["params"], (mesh, ac)
+        for key, want in (("optimizer", "optimizer"), ("activations", "saved")):
+            assert abs(p[want] / m[key] - 1) <= 0.10, (mesh, ac, key, m[key], p[want])
+        assert p["grads_after"] <= m["grads"] <= 1.2 * p["grads_after"], (mesh, ac, m["grads"], p["grads_after"])
+        saved[ac] = m["activations"]
+    assert saved[None] > saved["selective"] > saved["blocks"], saved
