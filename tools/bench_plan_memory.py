@@ -164,12 +164,22 @@ def bench() -> dict[str, Any]:
     return {f"dp{4 // tp}xtp{tp} {ac}": {"measured": m, "predicted": predicted[tp, ac]} for tp, ac, m in measured}
 
 
-if __name__ == "__main__":
+def table(rows: dict[str, Any]) -> str:
+    """:func:`bench`'s figures as a markdown table, MiB: measured / predicted."""
     mib = 2**20
-    for config, row in bench().items():
+    pairs = (("peak", "total"), ("forward", "loss"), ("backward", "block"), ("step", "step"), ("params", "params"),
+             ("optimizer", "optimizer"), ("grads", "grads_after"), ("activations", "saved"))
+    head = ["mesh", "checkpointing", "peak", "ratio", "forward (loss)", "backward (a block)", "optimizer step",
+            "params", "AdamW states", "grads after backward", "activations after forward"]
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
+    for config, row in rows.items():
         m, p = row["measured"], row["predicted"]
-        print(f"{config}: peak measured {m['peak'] / mib:.2f} MiB predicted {p['total'] / mib:.2f} MiB "
-              f"({p['total'] / m['peak']:.3f})")
-        for key, want in (("params", "params"), ("optimizer", "optimizer"), ("grads", "grads_after"), ("activations", "saved"),
-                          ("forward", "loss"), ("backward", "block"), ("step", "step")):
-            print(f"    {key:12s} measured {m.get(key, 0) / mib:8.2f}  predicted {want:12s} {p.get(want, 0) / mib:8.2f}")
+        mesh, ac = config.split()
+        cells = [f"{m[a] / mib:.2f} / {p[b] / mib:.2f}" for a, b in pairs]
+        cells.insert(1, f"{p['total'] / m['peak']:.3f}")
+        lines.append(f"| {mesh} | {ac} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table(bench()))
