@@ -260,7 +260,7 @@ def step_moments(choice: Choice, shape: TransformerShape, params: ParamShapes, w
     fsdp = dp > 1
     root = g * (first + last) if fsdp else 0  # the root unit, gathered through forward and backward
     head_grads = (g if fsdp else _GRAD) * last  # the head's and final norm's gradients, unsharded until the root's reduce
-    moments = {"loss": {"grads": head_grads if not fsdp else 0, "fsdp_buffers": root,
+    moments = {"loss": {"grads": 0, "fsdp_buffers": root,
                         "activations": layers * per_block + shape.other_activations(b, s, tp, sp=sp, e=e)
                         + shape.loss_activations(b, s, tp, e)}}
     working = shape.recomputed_block(b, s, tp, sp=sp, ac=ac, e=e) + shape.residual_gradients(b, s, tp, sp=sp, e=e)
