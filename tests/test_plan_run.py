@@ -58,8 +58,9 @@ def _predicted_and_counted(batch: int, seq: int) -> dict:
         counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
         out[sp] = {"predicted_sent": e.comm_bytes["tp"], "sent": sum(sent.sent.values()), "sent_by_kind": dict(sent.sent),
                    "calls": dict(sent.calls), "comm_debug_counts": counts,
-                   # the run's forward has no loss (no labels): the loss's log-softmax and its gradient are not in it
-                   "predicted_activations": e.memory["activations"] - shape.loss_activations(batch, seq, ws),
+                   # the run's forward has no loss (no labels): the blocks' saved tensors and the final norm's
+                   "predicted_activations": shape.layers * shape.block_activations(batch, seq, ws, sp=sp, ac=None, e=4)
+                   + shape.other_activations(batch, seq, ws, sp=sp, e=4),
                    "held": m.held, "outputs": m.outputs, "seconds": time.perf_counter() - start}
         start = time.perf_counter()
     return out

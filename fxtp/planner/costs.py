@@ -7,15 +7,44 @@ reduce_dtype=torch.float32)`` and fp32 sharded parameters, as torchtitan trains 
 (torchtitan ``parallelize_llama``, ``mixed_precision_param = "bfloat16"``,
 ``mixed_precision_reduce = "float32"``). Per parameter element, sharded over ``dp x tp``: 4 B
 fp32 parameter, 4 B fp32 gradient, and the optimizer's state (AdamW/Adam: ``exp_avg`` and
-``exp_avg_sq``, 8 B fp32; SGD without momentum, torch's default: none). Besides, while a unit
-runs, FSDP2 holds it unsharded: its bf16 parameters, the next unit's prefetched ones (2 x 2 B)
-and, in backward, its fp32 gradient before the reduce_scatter (4 B), priced for the largest
-unit (a block, the embedding or the head: torchtitan wraps each). Activations are bf16
-(NOTE: [activation bytes] in fxtp/planner/model.py). Not counted here: the CUDA context, NCCL's
-buffers, the allocator's fragmentation, temporaries inside one op; the search keeps a reserve
-for them out of ``device_memory`` (NOTE: [runtime reserve] in fxtp/planner/hardware.py). Inference (``training=False``): bf16 parameters sharded over ``tp`` only
-(each of the ``dp`` groups is a replica), the KV cache of its sequences, and one block's
-activations plus the logits.
+``exp_avg_sq``, 8 B fp32; SGD without momentum, torch's default: none). Activations are bf16
+(NOTE: [activation bytes] in fxtp/planner/model.py). ``Workload`` prices another run:
+``activation_bytes=4`` and ``gather_bytes=4`` for an fp32 model without a policy (what a CPU run
+on gloo is). Not counted: the CUDA context, NCCL's buffers, the allocator's fragmentation,
+temporaries inside one op; the search keeps a reserve for them out of ``device_memory``
+(NOTE: [runtime reserve] in fxtp/planner/hardware.py); the peak is NOTE: [peak of a step].
+Inference (``training=False``): bf16 parameters sharded over ``tp`` only (each of the ``dp``
+groups is a replica), the KV cache of its sequences, and one block's activations plus the
+logits.
+
+NOTE: [peak of a step]
+A training step's peak is the most of three moments (:func:`step_moments`), each the
+parameters and the optimizer's states plus what the moment holds. The runtime is FSDP2's
+``fully_shard`` on each block, then on the root (the embedding, the final norm and the head:
+``fxtp``'s ``ParallelModule`` keeps them in the root unit), ``reshard_after_forward=True``:
+
+- the loss: every block's saved activations, the final norm's, and the loss's working set
+  (``TransformerShape.loss_activations``); the root unit gathered (``gather_bytes``).
+- a block's backward, at the block where it holds the most (the last, the one before it, or
+  the first: what is held is linear in the block's index between them): the saved activations
+  of it and the blocks before it, what its recomputation rebuilds
+  (``TransformerShape.recomputed_block``), the gradients of its output and input; the root
+  unit gathered with the head's and final norm's unsharded gradients (the root reduces at the
+  end of backward); the block gathered, the one before it prefetched (FSDP2's backward
+  prefetch) and its unsharded gradients, ``3 x gather_bytes`` an element; the sharded
+  gradients of the blocks already done, 4 B an element over ``dp``; and, after the first
+  block, the last reduce_scatter's fp32 input, which FSDP2 keeps until the next unit's
+  (``reduce_scatter_states`` in ``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``).
+- the optimizer's step: the sharded gradients, 4 B an element (AdamW's states exist from the
+  first step: in steady state they are held through every moment).
+
+``Estimate.memory`` is the peak moment's bytes by what holds them, so its terms sum to the
+peak: ``grads`` are those held then (at a backward's peak, the head's and the blocks' already
+reduced), not all of them. Without FSDP2 (``dp`` 1) nothing is gathered and the gradients
+accumulate in place. Measured against a run on 4 gloo ranks (tests/test_plan_memory.py,
+``tools/bench_plan_memory.py``): the peak within 5%, the backward's within 7%; the loss's
+moment is under-predicted (gloo's buffers for the output's gathered logits, the final norm's
+temporaries), and with checkpointed blocks their forward's temporaries (never the peak).
 
 NOTE: [cost model]
 Step time = compute + tensor-parallel communication + the FSDP communication compute does
@@ -34,7 +63,8 @@ not hide.
 - tensor parallelism: per block and micro-batch, in all_reduces of ``(b, s, h)`` bf16: 2
   forward and 2 backward (Megatron's floor, Shoeybi et al. 2019, section 3), 1 more under
   sequence parallelism (the backward's 2 all_gathers of saved shards, NOTE: [regathered
-  activations]), 2 more when a recomputed forward runs them again (``"blocks"``); under
+  activations]), 2 more when a recomputed forward runs them again (``"blocks"``, and
+  ``"selective"``, which recomputes collectives: NOTE: [recomputed regions]); under
   sequence parallelism each is an all_gather + reduce_scatter pair moving the same bytes
   (Korthikanti et al. 2022, section 4.2.2), two collectives' latency. Each is timed as one
   NCCL ring collective, latency plus bytes over bus bandwidth (NOTE: [collective time] in
@@ -89,7 +119,7 @@ from fxtp.planner.hardware import Hardware, gemm_efficiency
 from fxtp.planner.model import TransformerShape
 from fxtp.planner.params import ParamShapes
 
-__all__ = ["Choice", "Estimate", "OPTIMIZER_BYTES", "TP_OVERLAP", "compute_efficiency", "estimate"]
+__all__ = ["Choice", "Estimate", "OPTIMIZER_BYTES", "TP_OVERLAP", "Workload", "compute_efficiency", "estimate", "step_moments"]
 
 # Bytes of optimizer state per parameter element, fp32 (NOTE: [mixed precision])
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 0}
@@ -170,7 +200,7 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
     if work.training:
         compute = shape.flops_per_token(work.seq, ac) * tokens / rate
         recompute = compute - shape.flops_per_token(work.seq) * tokens / rate
-        per_block = 4 + (1 if sp else 0) + (2 if ac == "blocks" else 0)
+        per_block = 4 + (1 if sp else 0) + (2 if ac in ("blocks", "selective") else 0)
     else:
         compute = (shape.matmul_params * 2 + 4 * shape.layers * shape.hidden * work.seq) * tokens / rate
         recompute, per_block = 0.0, 2
@@ -239,7 +269,7 @@ def _fsdp_units(choice: Choice, shape: TransformerShape, params: ParamShapes, hw
     total, costs = 3 * head_forward, []
     for (active, n), (elements, _) in zip(kinds, blocks):  # NOTE: [block kinds] in fxtp/planner/params.py
         block_forward = 2 * active + attention
-        redo = {"blocks": block_forward, "selective": attention}.get(ac, 0)
+        redo = block_forward if ac == "blocks" else 0  # "selective" recomputes no matmul (NOTE: [FLOPs])
         total += n * (3 * block_forward + redo)
         costs.append((elements, n, block_forward, redo))
     scale = compute / total if total else 0.0
@@ -259,17 +289,44 @@ def _memory(choice: Choice, shape: TransformerShape, params: ParamShapes, work: 
                "fsdp_buffers": 0}
     else:
         elements = params.elements(dp)
-        acts = shape.layers * shape.block_activations(b, work.seq, tp, sp=sp, ac=ac, e=e)
-        if ac == "blocks":  # the block being recomputed holds its full activations
-            acts += shape.block_activations(b, work.seq, tp, sp=sp, ac=None, e=e)
-        acts += shape.other_activations(b, work.seq, tp, sp=sp, e=e) + shape.loss_activations(b, work.seq, tp)
-        out = {
-            "params": _MASTER * elements,
-            "grads": _GRAD * elements,
-            "optimizer": OPTIMIZER_BYTES[work.optimizer] * elements,
-            "activations": acts,
-            "kv_cache": 0,
-            "fsdp_buffers": (2 * _COMPUTE + _GRAD) * params.largest_unit(),
-        }
+        out = {"params": _MASTER * elements, "optimizer": OPTIMIZER_BYTES[work.optimizer] * elements, "kv_cache": 0,
+               **max(step_moments(choice, shape, params, work).values(), key=lambda m: sum(m.values()))}
     out["total"] = sum(out.values())
     return out
+
+
+def step_moments(choice: Choice, shape: TransformerShape, params: ParamShapes, work: Workload) -> dict[str, dict[str, int]]:
+    """What a training step holds besides the parameters and the optimizer's states at the
+    moments one of which is its peak (NOTE: [peak of a step]): the loss, a block's backward
+    (the block where it is most), the optimizer's step; each as grads, activations and FSDP2
+    buffers, bytes on one device."""
+    tp, dp, b, s, e = choice.tp, choice.dp, choice.micro_batch, work.seq, work.activation_bytes
+    sp, ac, g = choice.sequence_parallel, choice.activation_checkpointing, work.gather_bytes
+    layers = shape.layers
+    per_block = shape.block_activations(b, s, tp, sp=sp, ac=ac, e=e)
+    if params.n_blocks:
+        first, blocks, last = params.unit_elements()
+        block = max(elements for elements, _ in blocks)
+        block_grads = _GRAD * sum(el * n for el, n in params.unit_elements(dp)[1]) // layers  # a block's shard, on average
+    else:  # a model analyzed whole: one unit
+        first, block, last, block_grads = 0, 0, params.elements(), 0
+    fsdp = dp > 1
+    root = g * (first + last) if fsdp else 0  # the root unit, gathered through forward and backward
+    head_grads = (g if fsdp else _GRAD) * last  # the head's and final norm's gradients, unsharded until the root's reduce
+    moments = {"loss": {"grads": 0, "fsdp_buffers": root,
+                        "activations": layers * per_block + shape.other_activations(b, s, tp, sp=sp, e=e)
+                        + shape.loss_activations(b, s, tp, e)}}
+    working = shape.recomputed_block(b, s, tp, sp=sp, ac=ac, e=e) + shape.residual_gradients(b, s, tp, sp=sp, e=e)
+    best = None
+    for i in sorted({layers - 1, max(0, layers - 2), 0}):  # held is linear in i below the last block
+        later = layers - 1 - i  # blocks whose backward is done: their sharded gradients, one reduce_scatter input kept
+        # the block gathered, the next one prefetched, its unsharded gradients; FSDP2 keeps the last
+        # reduce_scatter's input until the next unit's (``reduce_scatter_states``)
+        unit = (3 * g * block + (_GRAD * block if later else 0)) if fsdp else 0
+        held = {"grads": head_grads + later * (block_grads if fsdp else _GRAD * block),
+                "activations": (i + 1) * per_block + working, "fsdp_buffers": root + unit}
+        if best is None or sum(held.values()) > sum(best.values()):
+            best = held
+    moments["block"] = best
+    moments["step"] = {"grads": _GRAD * params.elements(dp), "activations": 0, "fsdp_buffers": 0}
+    return moments

@@ -32,24 +32,36 @@ Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) divides the attention and 
 keeps the one group its query heads read when ``tp`` is a multiple of ``g``, NOTE: [grouped
 shards] in fxtp/core/placement.py, else all ``g``); sequence parallelism divides the norm terms by ``tp`` as well
 (Korthikanti section 4.2.2; fxtp saves a colwise layer's gathered input as its shard, NOTE:
-[regathered activations]). Outside the blocks: the head's input (``sbh e``) and the loss's
-saved log-softmax in fp32 (``4 sbV / tp`` with the head colwise and the loss on its shards) and,
-at the start of backward, its gradient (as much again); the final norm as a block's (``/tp``
-with sequence parallelism, and so is the head's input, saved as its shard).
+[regathered activations]). Outside the blocks: the final norm as a block's (``/tp`` with
+sequence parallelism; its output is the head's input). The loss (``loss_activations``, over
+``n = sbV / tp`` logits a rank): Hugging Face's loss takes ``logits.float()`` (a copy unless
+fp32); fxtp's vocab-parallel cross entropy (NOTE: [vocab-parallel cross entropy] in
+fxtp/core/losses.py) holds ``x - max`` and its exp (``8 n`` bytes), and the output's logits
+are gathered whole (``e n tp``); at ``tp`` 1 torch's ``log_softmax`` holds its output
+(``4 n``). As backward starts: the saved softmax, the gradient it makes and the logits'
+(``12 n``). The most of the two is counted.
 
-Activation checkpointing: ``"blocks"`` (each block under ``torch.utils.checkpoint``) keeps a
-block's input only (``sbh e``, ``/tp`` with sequence parallelism) and holds one block's full
-activations while that block is recomputed (Korthikanti's "full recomputation");
-``"selective"`` recomputes the attention op (Korthikanti's selective recomputation): it keeps
-q, k, v and drops what the op itself saves (SDPA's output and logsumexp, or the eager softmax).
+Activation checkpointing, as fxtp's runtime runs it (NOTE: [recomputed regions] in
+fxtp/core/recompute.py): ``"blocks"`` (each block under ``torch.utils.checkpoint``) keeps a
+block's input only (``sbh e``, ``/tp`` with sequence parallelism), and while a block's
+backward recomputes it, that block holds its activations as without checkpointing
+(``recomputed_block``; its input is the checkpoint's when the first norm saves it as is).
+``"selective"`` is torchtitan's op-level policy: a block keeps its input and the outputs of
+its matmuls and of the attention op (q ``sbh e / tp``, k and v, the attention's output and
+logsumexp, gate and up ``2 sbf e / tp``, and the two rowwise projections' partial sums whole,
+``2 sbh e``) and recomputes the rest (norms, rotary embedding, SiLU, products), which its
+backward rebuilds as ``"blocks"`` does. While a block's backward runs it also holds the
+gradients of its output and its input (``residual_gradients``, ``2 sbh e``). Measured in
+tests/test_plan_memory.py.
 
 NOTE: [FLOPs]
 Model FLOPs per token, forward and backward: ``6 N + 12 L h s`` (Chowdhery et al. 2022, PaLM,
 appendix B; torchtitan's ``get_num_flop_per_token`` counts the same): ``N`` the parameters
 that run in matmuls (embedding lookups excluded, a head tied to the embedding included), the
 second term the attention scores and their product with v. Recomputation adds a forward of
-what it recomputes: ``2 N_blocks + 4 L h s`` per token for ``"blocks"``, ``4 L h s`` for
-``"selective"``.
+what it recomputes: ``2 N_blocks + 4 L h s`` per token for ``"blocks"``; none for
+``"selective"``, which keeps the matmuls' and the attention op's outputs and recomputes only
+elementwise ops (NOTE: [activation bytes]).
 """
 
 from __future__ import annotations
@@ -160,23 +172,49 @@ class TransformerShape:
         flops = 6 * self.matmul_params + 12 * attention
         if ac == "blocks":
             flops += 2 * self.layers * self.block_params + 4 * attention
-        elif ac == "selective":
-            flops += 4 * attention
         return float(flops)
 
     def block_activations(self, batch: int, seq: int, tp: int, *, sp: bool, ac: Optional[str], e: int = 2) -> int:
         """Bytes one block saves for backward on a tensor-parallel rank (NOTE: [activation bytes])."""
+        return int(sum(self._saved(batch, seq, tp, sp, e)[ac].values()))
+
+    def recomputed_block(self, batch: int, seq: int, tp: int, *, sp: bool, ac: Optional[str], e: int = 2) -> int:
+        """Bytes a checkpointed block holds besides what it saved while its backward recomputes
+        it (0 without checkpointing; NOTE: [activation bytes])."""
+        if ac is None:
+            return 0
+        saved = self._saved(batch, seq, tp, sp, e)
+        kept = sum(v for k, v in saved[ac].items() if k in saved[None])  # saved outputs the plain block saves too
+        # the block's input, which the checkpoint keeps: the first norm saves it as is when it is
+        # fused or runs in fp32 (a bf16 RMSNorm saves an fp32 copy, counted in its norm)
+        shared = saved["blocks"]["input"] if self.fused_norms or e == 4 else 0
+        return int(sum(saved[None].values()) - kept - shared)
+
+    def residual_gradients(self, batch: int, seq: int, tp: int, *, sp: bool, e: int = 2) -> int:
+        """Bytes of the gradients a block's backward takes and gives: its output's and its input's
+        (the residual stream's; token shards under sequence parallelism)."""
         sbh = batch * seq * self.hidden * e
-        if ac == "blocks":
-            return sbh // tp if sp else sbh
-        q_k_v = sbh * (1 + 2 * self._kv_per_rank(tp) * tp / self.heads)  # /tp below
-        core = ac != "selective"  # the attention op's own saved tensors, unless it is recomputed
-        out = sbh  # the attention's output, the output projection's input
-        scores = e * self.heads * batch * seq * seq if not self.flash and core else 0
-        lse = 4 * self.heads * batch * seq if self.flash and core else 0
-        mlp = (4 if self.gated_mlp else 2) * batch * seq * self.intermediate * e
-        norms = 2 * self._norm(batch, seq, e)
-        return int((norms / tp if sp else norms) + (q_k_v + out + scores + lse + mlp) / tp)
+        return 2 * (sbh // tp if sp else sbh)
+
+    def _saved(self, batch: int, seq: int, tp: int, sp: bool, e: int) -> dict[Optional[str], dict[str, float]]:
+        """What a block saves under each policy, by tensor (NOTE: [activation bytes])."""
+        sbh = batch * seq * self.hidden * e
+        norm = self._norm(batch, seq, e)
+        q = sbh / tp
+        kv = 2 * sbh * self._kv_per_rank(tp) / self.heads
+        mlp = batch * seq * self.intermediate * e / tp
+        scores = e * self.heads * batch * seq * seq / tp
+        lse = 4 * self.heads * batch * seq / tp
+        gated = 2 if self.gated_mlp else 1
+        # SDPA's flash kernels save a logsumexp; eager attention its softmax's output (the probs)
+        attention = {"lse": lse} if self.flash else {"probs": scores}
+        plain = {"norms": 2 * norm / tp if sp else 2 * norm, "q": q, "kv": kv, "out": q, **attention,
+                 "mlp_in": gated * mlp, "mlp_act": gated * mlp}
+        # "selective": the outputs of the matmuls (the two rowwise ones whole: their partial sums)
+        # and of the attention op (eager: the scores' bmm, the softmax is recomputed)
+        selective = {"input": sbh / tp if sp else sbh, "q": q, "kv": kv, "out": q, "o_proj": sbh, "down": sbh,
+                     **({"lse": lse} if self.flash else {"scores": scores}), "mlp_in": gated * mlp}
+        return {None: plain, "selective": selective, "blocks": {"input": sbh / tp if sp else sbh}}
 
     def _kv_per_rank(self, tp: int) -> int:
         """Kv heads a rank holds: ``g / tp`` sharded, one group's when ``tp`` is a multiple of ``g``
@@ -194,10 +232,16 @@ class TransformerShape:
         saved = self._norm(batch, seq, e)  # its output is the head's input
         return saved // tp if sp else saved
 
-    def loss_activations(self, batch: int, seq: int, tp: int) -> int:
-        """The loss's fp32 log-softmax of vocab-sharded logits and, as backward starts, its
-        gradient (NOTE: [activation bytes])."""
-        return 2 * 4 * batch * seq * self.vocab // tp
+    def loss_activations(self, batch: int, seq: int, tp: int, e: int = 2) -> int:
+        """The most the loss holds on a rank, its forward or the start of its backward (NOTE:
+        [activation bytes])."""
+        n = batch * seq * self.vocab // tp  # this rank's logits
+        copy = 0 if e == 4 else 4  # Hugging Face's loss takes logits.float()
+        if tp > 1:  # fxtp's vocab-parallel cross entropy (x - max, its exp); the output's logits gathered
+            forward = n * (e + copy + 8) + e * n * tp
+        else:  # torch's cross_entropy: one log_softmax
+            forward = n * (e + copy + 4)
+        return max(forward, 12 * n)  # backward: the saved softmax, the gradient it makes, the logits'
 
     def kv_cache(self, batch: int, seq: int, tp: int, *, e: int = 2) -> int:
         """Bytes of a KV cache for ``batch`` sequences of ``seq`` tokens on one rank (heads sharded)."""

@@ -83,17 +83,12 @@ class ParamShapes:
         dim 0 (``fully_shard`` pads dim 0 to a multiple of ``dp``: each holds ``ceil``)."""
         return _elements(self.other, dp) + sum(n * _elements(block, dp) for block, n in self.block_kinds())
 
-    def largest_unit(self) -> int:
-        """Elements of the largest FSDP unit on this rank (a block, or one parameter outside
-        the blocks, as torchtitan wraps the embedding and the head on their own)."""
-        return max([_elements(block, 1) for block, _ in self.block_kinds()] + [_elements((p,), 1) for p in self.other])
-
-    def unit_elements(self) -> tuple[int, tuple[tuple[int, int], ...], int]:
-        """Elements on this rank of FSDP's units (torchtitan's wrapping): what comes before the
-        blocks (the embedding), one block of each kind with its count, and what comes after (the
-        final norm and the head)."""
-        blocks = tuple((_elements(block, 1), n) for block, n in self.block_kinds())
-        return (_elements(self.other[:self.before], 1), blocks, _elements(self.other[self.before:], 1))
+    def unit_elements(self, dp: int = 1) -> tuple[int, tuple[tuple[int, int], ...], int]:
+        """Elements on this rank of FSDP's units (torchtitan's wrapping), sharded over ``dp``: what
+        comes before the blocks (the embedding), one block of each kind with its count, and what
+        comes after (the final norm and the head)."""
+        blocks = tuple((_elements(block, dp), n) for block, n in self.block_kinds())
+        return (_elements(self.other[:self.before], dp), blocks, _elements(self.other[self.before:], dp))
 
 
 @dataclass(frozen=True)
