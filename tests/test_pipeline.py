@@ -7,7 +7,8 @@ pp 2 x tp 2 and at pp 4, under 1F1B and Interleaved1F1B (2 stages a rank), and Z
 pp 2 x tp 2, the loss, every gradient (the tied embedding's summed across its two stages), the
 global norm of ``clip_grad_norm_`` and 3 AdamW steps equal the single device's; the bytes the
 ranks send between stages (counted on c10d's ``send`` ops by a dispatch mode, not by fxtp) equal
-the report's; the cut puts the embedding with stage 0 and the head with the last.
+the report's; the cut puts the embedding with stage 0 and the head with the last. Attention
+dropout draws the single device's masks. DCP checkpoints reshard pp 2 x tp 2 <-> tp 4 exactly.
 """
 
 from __future__ import annotations
@@ -180,3 +181,63 @@ def test_pipeline_dropout_stays_in_step(rank_pools):
     last = [r for r in results if r["losses"]]
     assert len(last) == 2 and last[0]["losses"] == last[1]["losses"]
     assert last[0]["losses"] != pytest.approx(last[0]["without_dropout"], abs=1e-4)
+
+
+def _run_checkpoint() -> dict:
+    """A DCP checkpoint saved at pp 2 x tp 2 (after an SGD step) loads at tp 4, and one saved at tp 4
+    (after another step) loads at pp 2 x tp 2, exactly; ``full_state_dict()`` has the model's
+    FQNs and values."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    where = [tempfile.mkdtemp(prefix="fxtp_pp_ckpt_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where)
+    ref = _model()
+    pipe = fxtp.pipeline(copy.deepcopy(ref), mesh, (_IDS,), n_microbatches=4, loss_fn=_loss, dynamic=False)
+    opt, ref_opt = torch.optim.SGD(pipe.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    pipe.step(_IDS, target=_TARGET)
+    _loss(ref(_IDS).logits, _TARGET).backward()
+    opt.step()
+    ref_opt.step()
+    full = pipe.full_state_dict()
+    want = ref.state_dict()
+    assert sorted(full) == sorted(want), (sorted(set(full) ^ set(want)))
+    for k, v in want.items():
+        torch.testing.assert_close(full[k], v, msg=lambda m: f"full_state_dict()[{k!r}]: {m}")
+    dcp.save(pipe.state_dict(), checkpoint_id=f"{where[0]}/pp")
+    torch.manual_seed(5)
+    other = _model()
+    for p in other.parameters():
+        p.data.normal_()  # not the saved weights
+    pm = fxtp.compile(copy.deepcopy(other), 4, (_IDS,), dynamic=False)
+    state = pm.state_dict()
+    dcp.load(state, checkpoint_id=f"{where[0]}/pp")
+    pm.load_state_dict(state)
+    for k, v in pm.full_state_dict().items():
+        torch.testing.assert_close(v, full[k], rtol=0, atol=0, msg=lambda m: f"pp 2 x tp 2 -> tp 4, {k}: {m}")
+    pm_opt = torch.optim.SGD(pm.parameters(), lr=0.5)
+    _loss(pm(_IDS).logits, _TARGET).backward()
+    pm_opt.step()
+    dcp.save(pm.state_dict(), checkpoint_id=f"{where[0]}/tp")
+    back = fxtp.pipeline(copy.deepcopy(other), mesh, (_IDS,), n_microbatches=4, loss_fn=_loss, dynamic=False)
+    state = back.state_dict()
+    dcp.load(state, checkpoint_id=f"{where[0]}/tp")
+    back.load_state_dict(state)
+    saved = pm.full_state_dict()
+    for k, v in back.full_state_dict().items():
+        torch.testing.assert_close(v, saved[k], rtol=0, atol=0, msg=lambda m: f"tp 4 -> pp 2 x tp 2, {k}: {m}")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(where[0])
+    return {"keys": len(full)}
+
+
+def test_pipeline_checkpoints_reshard_to_tp(rank_pools):
+    """DCP: pp 2 x tp 2 -> tp 4 and tp 4 -> pp 2 x tp 2, bit for bit; ``full_state_dict()``
+    equals the single device's state dict after one SGD step, with its FQNs."""
+    assert rank_pools(4).run(_run_checkpoint)[0]["keys"] == len(_model().state_dict())

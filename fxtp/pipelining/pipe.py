@@ -61,8 +61,9 @@ class Pipeline:
     """
 
     def __init__(self, stages: list[nn.Module], stage_ids: list[int], schedule: Any, report: PipelineReport,
-                 tied: Optional[tuple[Optional[dist.ProcessGroup], int]]) -> None:
+                 tied: Optional[tuple[Optional[dist.ProcessGroup], int]], pp_group: dist.ProcessGroup) -> None:
         self.stages, self.stage_ids, self.schedule, self.report = stages, stage_ids, schedule, report
+        self._pp_group = pp_group
         self._n_stages = len(report.stages)
         self._tied = tied  # (group or None for a local add, last stage id) when the tie spans stages
 
@@ -75,6 +76,28 @@ class Pipeline:
         names on the stages holding its copies."""
         for stage in self.stages:
             yield from stage.named_parameters()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's stages' state dicts in one, under the model's FQNs; values carry their
+        global layout (``ParallelModule.state_dict``), so ``torch.distributed.checkpoint`` saves
+        them from every rank and loads them at another pp x tp (a tied weight under both names,
+        on the stages holding its copies)."""
+        return {k: v for stage in self.stages for k, v in stage.state_dict().items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load each stage's entries of ``state_dict`` (e.g. filled by ``dcp.load`` from
+        :meth:`state_dict`), strictly."""
+        for stage in self.stages:
+            stage.load_state_dict({k: state_dict[k] for k in stage.state_dict()})
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict, original FQNs and shapes, on every rank: each stage's
+        ``full_state_dict()`` (collective over tp), then gathered over pp (``all_gather_object``).
+        A collective of the whole mesh."""
+        mine = {k: v for stage in self.stages for k, v in stage.full_state_dict().items()}
+        parts: list[Any] = [None] * dist.get_world_size(self._pp_group)
+        dist.all_gather_object(parts, mine, group=self._pp_group)
+        return {k: v for part in parts for k, v in part.items()}
 
     def step(self, x: Optional[torch.Tensor] = None, *, target: Optional[torch.Tensor] = None,
              losses: Optional[list] = None) -> Any:
@@ -227,7 +250,7 @@ def pipeline(model: nn.Module, mesh: Any, example_inputs: tuple[torch.Tensor], *
     report = PipelineReport(stages=rows, schedule=cls.__name__, pp=pp, tp=tp, dp=dp, stages_per_rank=per_rank,
                             n_microbatches=n_microbatches, bubble=bubble, bubble_source=source,
                             sent_bytes_per_step=2 * crossing * n_microbatches * act_bytes, micro_batch_bytes=act_bytes)
-    return Pipeline(stages, mine, sched, report, tied)
+    return Pipeline(stages, mine, sched, report, tied, mesh["pp"].get_group())
 
 
 def _fully_shard(pm: nn.Module, blocks: range, dp_mesh: Any) -> None:
