@@ -241,3 +241,70 @@ def test_pipeline_checkpoints_reshard_to_tp(rank_pools):
     """DCP: pp 2 x tp 2 -> tp 4 and tp 4 -> pp 2 x tp 2, bit for bit; ``full_state_dict()``
     equals the single device's state dict after one SGD step, with its FQNs."""
     assert rank_pools(4).run(_run_checkpoint)[0]["keys"] == len(_model().state_dict())
+
+
+def _run_fsdp() -> dict:
+    """pp 2 x dp 2 (tp 1): FSDP2 per block and per stage over dp inside each stage; each dp rank
+    steps its half of the global batch: the loss, every gradient (FSDP2's reduce-scatter averages
+    over dp) and the global norm equal the single device's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    ref = _model()
+    local, local_target = _IDS.chunk(2)[dp], _TARGET.chunk(2)[dp]
+    pipe = fxtp.pipeline(copy.deepcopy(ref), mesh, (local,), n_microbatches=2, loss_fn=_loss, dynamic=False)
+    assert all(isinstance(s, FSDPModule) for s in pipe.stages)
+    losses: list = []
+    pipe.step(local, target=local_target, losses=losses)
+    _loss(ref(_IDS).logits, _TARGET).backward()
+    if losses:
+        with torch.no_grad():
+            torch.testing.assert_close(torch.stack(losses).mean(), _loss(ref(local).logits, local_target))
+    for stage in pipe.stages:
+        for fqn, p in stage.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), ref.get_parameter(fqn).grad,
+                                       msg=lambda m: f"gradient of {fqn}: {m}")
+    norm = pipe.clip_grad_norm_(0.5)
+    torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
+    return {"stages": [list(r.blocks) for r in pipe.report.stages]}
+
+
+def test_pipeline_with_fsdp_over_dp(rank_pools):
+    """A ``("pp", "dp", "tp")`` mesh of 2 x 2 x 1: gradients and the norm equal the single
+    device's on the global batch (asserted on the ranks)."""
+    assert len(rank_pools(4).run(_run_fsdp)[0]["stages"]) == 2
+
+
+def test_cut_is_the_best_contiguous_one():
+    """:func:`fxtp.pipelining.balance` against every contiguous cut of a Llama with a large vocab
+    (the embedding and head are not free): no cut has a smaller largest stage cost, and it is not
+    the even split by block count."""
+    import itertools
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fxtp.pipelining.split import balance, unit_costs
+
+    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    flops, state, acts = unit_costs(model, micro_batch=2, seq=16, tp=1)
+    for in_flight in ([2, 1], [3, 2, 1], [1, 1, 1, 1]):
+        cut = balance(flops, state, acts, in_flight)
+        best = max(max(t, m) for t, m in zip(cut.time, cut.memory))
+        n, k = len(flops), len(in_flight)
+        for bounds in itertools.combinations(range(1, n), k - 1):
+            edges = (0, *bounds, n)
+            costs = []
+            for s in range(k):
+                i, j = edges[s], edges[s + 1]
+                t = sum(flops[i:j]) / sum(flops)
+                m = (sum(state[i:j]) + in_flight[s] * sum(acts[i:j])) / (sum(state) + sum(acts) * sum(in_flight) / k)
+                costs.append(max(t, m))
+            assert best <= max(costs) + 1e-12, (in_flight, edges, cut)
+        if 8 % k == 0:
+            assert [len(b) for b in cut.blocks] != [8 // k] * k, (in_flight, cut)
+    assert sum(len(b) for b in cut.blocks) == 8
