@@ -13,8 +13,8 @@ its copy to the same ``tp`` rank of the next stage.
 * Stages to ranks: stage ``s`` on pipeline rank ``s % pp`` (torchtitan's ``"loop"`` style of
   ``stage_ids_this_rank``), for GPipe, 1F1B, Interleaved1F1B and LoopedBFS. The zero-bubble
   schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) split backward into an input and a
-  weight pass (``stage_backward_weight``, found through each parameter's gradient accumulator);
-  on fxtp's stages that weight pass left parameter gradients ``None``, so they are refused
+  weight pass (``stage_backward_input`` / ``stage_backward_weight``); on fxtp's tensor-parallel
+  stages they left parameter gradients ``None`` (see ``_SPLIT_BACKWARD``), so they are refused
   (``FxtpConfigError``) rather than run wrong.
 * The loss: ``loss_fn(logits, target)`` runs on the last stage per micro-batch; the schedule
   scales the gradients by ``1 / n_microbatches`` (``scale_grads=True``), so a mean loss over
@@ -44,8 +44,11 @@ from fxtp.pipelining.split import StageModule, balance, blocks_of, check_divisib
 __all__ = ["Pipeline", "pipeline"]
 
 # The schedules that split backward into input- and weight-gradient passes (torch's
-# ``stage_backward_weight``): their weight pass left fxtp's parameter gradients None on 4 gloo
-# ranks (tests/test_pipeline.py); refused until it is understood.
+# ``stage_backward_input`` / ``stage_backward_weight``): under ZBVZeroBubble at pp 2 x tp 2 some
+# parameter gradients stayed None; called directly on one tp 2 stage, ``stage_backward_input``
+# fails on ``detach_()`` of the stage's output, a view ("Can't detach views in-place"), a clone
+# at the end of the stage's forward included. At tp 1 the split passes give every gradient.
+# Refused until fixed.
 _SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 _TIED = ("model.embed_tokens.weight", "lm_head.weight")
 
