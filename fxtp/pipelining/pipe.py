@@ -182,8 +182,8 @@ def pipeline(model: nn.Module, mesh: Any, example_inputs: tuple[torch.Tensor], *
         loss_fn: ``loss_fn(logits (b, s, vocab), target)`` -> a 0-dim tensor, a mean over the
             micro-batch; run on the last stage.
         schedule: a name of ``torch.distributed.pipelining.schedules.get_schedule_class``
-            (``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"LoopedBFS"``,
-            ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``).
+            (``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"LoopedBFS"``; the zero-bubble
+            ones are refused, see ``_SPLIT_BACKWARD``).
         stages_per_rank: 1 for single-stage schedules, default 2 for the others.
         **compile_options: passed to ``fxtp.compile`` for every stage (``dynamic``, ``plan``, ...).
 
@@ -193,7 +193,8 @@ def pipeline(model: nn.Module, mesh: Any, example_inputs: tuple[torch.Tensor], *
     Raises:
         FxtpConfigError: a mesh without ``pp`` or not over every rank, a model that is not a
             decoder LM, a batch that does not split into ``n_microbatches``, more stages than
-            units, or ``stages_per_rank`` the schedule cannot run.
+            units, ``stages_per_rank`` the schedule cannot run, a zero-bubble schedule, or tied
+            embeddings sharded differently on their two stages.
     """
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
@@ -281,14 +282,9 @@ def _tie(model: nn.Module, mesh: Any, ranks: list[int], stages: list[nn.Module],
     if model.lm_head.weight is not model.model.embed_tokens.weight or last == 0:
         return None
     by_id = dict(zip(mine, stages))
-    if 0 in by_id and last in by_id:
-        a, b = by_id[0].placements.get(_TIED[0]), by_id[last].placements.get(_TIED[1])
-        if a != b:
-            raise FxtpConfigError(
-                f"fxtp.pipeline: the tied {_TIED[0]} ({a}) and {_TIED[1]} ({b}) are sharded differently, so their "
-                f"gradients cannot be summed shard by shard; fix: plan={{'lm_head': ...}} to match, or untie them"
-            )
+    held = [str(by_id[sid].placements.get(fqn)) for sid, fqn in ((0, _TIED[0]), (last, _TIED[1])) if sid in by_id]
     if ranks[0] == ranks[last]:
+        _same_layout(held)
         return None if 0 not in by_id else (None, last)
     pp_dim = mesh.mesh_dim_names.index("pp")
     grid = mesh.mesh.movedim(pp_dim, 0).reshape(mesh.mesh.shape[pp_dim], -1)
@@ -298,4 +294,19 @@ def _tie(model: nn.Module, mesh: Any, ranks: list[int], stages: list[nn.Module],
         made = dist.new_group(pair)
         if dist.get_rank() in pair:
             group = made
+    if held:  # this rank holds one copy: compare its layout with the other's
+        seen: list[Any] = [None, None]
+        dist.all_gather_object(seen, held[0], group=group)
+        held = seen
+    _same_layout(held)
     return (group, last) if (0 in by_id or last in by_id) else None
+
+
+def _same_layout(held: list[str]) -> None:
+    """Raise unless the tied weight's two copies (their placements, as text) are sharded alike."""
+    if len(held) == 2 and held[0] != held[1]:
+        raise FxtpConfigError(
+            f"fxtp.pipeline: the tied {_TIED[0]} ({held[0]}) and {_TIED[1]} ({held[1]}) are sharded differently "
+            "over tp, so their gradients cannot be summed shard by shard; fix: plan={'lm_head': ...} or "
+            "plan={'model.embed_tokens': ...} to match, or untie them"
+        )
