@@ -44,7 +44,7 @@ from fxtp.core.errors import FxtpConfigError
 from fxtp.core.placement import REPLICATE, Shard, local_ranges, owned_part, owned_ranges
 from fxtp.runtime.sharded import local_tensor, resolve_group
 
-__all__ = ["clip_grad_norm_", "FsdpClippingWarning", "warn_under_fsdp"]
+__all__ = ["clip_grad_norm_", "FsdpClippingWarning", "norm_share", "scale_by_norm_", "warn_under_fsdp"]
 
 
 class FsdpClippingWarning(UserWarning):
@@ -116,6 +116,19 @@ def clip_grad_norm_(pm: nn.Module, max_norm: float, norm_type: float = 2.0, *, e
             not make up the default group.
     """
     norm_type = float(norm_type)
+    share, grads = norm_share(pm, norm_type, foreach=foreach)
+    group = _group(pm, [p.grad for p in pm.parameters() if p.grad is not None])
+    if group is not None:
+        dist.all_reduce(share, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM, group=group)
+    return scale_by_norm_(grads, share, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+
+
+def norm_share(pm: nn.Module, norm_type: float, *, skip: frozenset[str] = frozenset(),
+               foreach: Optional[bool] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """This rank's share of the total gradient norm of ``pm`` (the sum of its counted elements'
+    ``|g|^p``, or their max for ``p = inf``; rules in this module's docstring), and the local
+    gradients to scale. Parameters named in ``skip`` are scaled but not counted (a tied copy
+    counted elsewhere, as a pipeline's head). A 0-dim float32 tensor; no communication."""
     grads, counted = [], []
     for fqn, p in pm.named_parameters():
         if p.grad is None:
@@ -123,11 +136,12 @@ def clip_grad_norm_(pm: nn.Module, max_norm: float, norm_type: float = 2.0, *, e
         grad = p.grad
         grads.append(grad.to_local() if isinstance(grad, DTensor) else local_tensor(grad))
         placement = pm.placements.get(fqn, REPLICATE)
+        if fqn in skip:
+            continue
         if isinstance(placement, Shard):
             counted.append(_owned(grads[-1], grad, placement, pm._rank, pm._world_size))
         elif pm._rank == 0:
             counted.append(grads[-1])
-    group = _group(pm, [p.grad for p in pm.parameters() if p.grad is not None])
     device = grads[0].device if grads else torch.device("cpu")
     norms: list[torch.Tensor] = []
     for tensors in _by_device(counted).values():
@@ -137,13 +151,14 @@ def clip_grad_norm_(pm: nn.Module, max_norm: float, norm_type: float = 2.0, *, e
             norms.extend(torch.linalg.vector_norm(t, norm_type).to(device) for t in tensors)
     norms = [n.float() for n in norms]
     if norm_type == math.inf:
-        share = torch.stack(norms).max() if norms else torch.zeros((), device=device)
-        op = dist.ReduceOp.MAX
-    else:
-        share = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=device)
-        op = dist.ReduceOp.SUM
-    if group is not None:
-        dist.all_reduce(share, op=op, group=group)
+        return (torch.stack(norms).max() if norms else torch.zeros((), device=device)), grads
+    return (torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=device)), grads
+
+
+def scale_by_norm_(grads: list[torch.Tensor], share: torch.Tensor, max_norm: float, norm_type: float, *,
+                   error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
+    """Scale ``grads`` in place by ``min(1, max_norm / (total + 1e-6))`` (torch's coefficient),
+    where ``total`` is the norm from the reduced ``share`` of :func:`norm_share`; returns ``total``."""
     total = share if norm_type in (math.inf, 0.0) else share.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
