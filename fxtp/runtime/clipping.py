@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from fxtp.core.errors import FxtpConfigError
 from fxtp.core.placement import REPLICATE, Shard, local_ranges, owned_part, owned_ranges
+from fxtp.runtime.blocks import model_fqn
 from fxtp.runtime.sharded import local_tensor, resolve_group
 
 __all__ = ["clip_grad_norm_", "FsdpClippingWarning", "warn_under_fsdp"]
@@ -122,7 +123,7 @@ def clip_grad_norm_(pm: nn.Module, max_norm: float, norm_type: float = 2.0, *, e
             continue
         grad = p.grad
         grads.append(grad.to_local() if isinstance(grad, DTensor) else local_tensor(grad))
-        placement = pm.placements.get(fqn, REPLICATE)
+        placement = pm.placements.get(model_fqn(fqn), REPLICATE)  # a torch.compile'd block: under _orig_mod
         if isinstance(placement, Shard):
             counted.append(_owned(grads[-1], grad, placement, pm._rank, pm._world_size))
         elif pm._rank == 0:
