@@ -128,8 +128,9 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def plain_inputs(inputs: list[Any]) -> list[Any]:
     """The rank graph's inputs with sharded parameters as plain aliases (autograd reaches the
     parameters through them). Run eagerly: a ``torch.compile``d graph calls its kernels on its
-    inputs outside any context fxtp enters, so they must be plain tensors (while Dynamo traces,
-    :func:`plain_views` stands in: :func:`plain_graph_inputs`). A DTensor
+    inputs outside any context fxtp enters, so they must be plain tensors (it runs before any
+    op, so ``torch._dynamo.explain(pm)`` still counts one graph and no break; ``fullgraph=True``
+    refuses it, NOTE: [blocks under torch.compile] in fxtp/runtime/blocks.py). A DTensor
     parameter (NOTE: [DTensor parameters for FSDP2] in fxtp/runtime/dtensor_params.py) enters
     as its ``to_local()``."""
     return [local_tensor(t) if isinstance(t, ShardedTensor) else t.to_local() if isinstance(t, DTensor) else t
@@ -145,11 +146,6 @@ def plain_views(inputs: list[Any]) -> list[Any]:
     with plain():
         return [t.view_as(t) if isinstance(t, ShardedTensor) else t.to_local() if isinstance(t, DTensor) else t
                 for t in inputs]
-
-
-def plain_graph_inputs(inputs: list[Any]) -> list[Any]:
-    """:func:`plain_views` while Dynamo traces, else :func:`plain_inputs`."""
-    return plain_views(inputs) if torch.compiler.is_compiling() else plain_inputs(inputs)
 
 
 def _wrap(t: Any, layout: ShardLayout) -> Any:
