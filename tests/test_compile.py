@@ -14,7 +14,9 @@
   fxtp/runtime/blocks.py): 4 Llama blocks make 2 graphs, as 2 blocks do.
 
 The compiled calls run outside the pool's ``CollectiveLog`` (``without_collective_log``).
-``aot_eager`` stands for inductor (no C++ builds): what is tested is Dynamo's capture.
+The backend is ``aot_eager`` (no C++ builds): what is tested is Dynamo's capture. Inductor's code
+calls kernels on a compiled graph's ``ShardedParameter`` inputs directly (NOTE: [blocks under
+torch.compile]); tools/bench_fsdp.py runs inductor per block at world size 1 only.
 """
 
 from __future__ import annotations
