@@ -225,7 +225,9 @@ def test_compile_per_block_is_exact():
     (want**2).mean().backward()
     for fqn, p in pm.named_parameters():
         torch.testing.assert_close(p.grad, model.get_parameter(fqn).grad, msg=lambda m: f"gradient of {fqn}: {m}")
-    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # one per block, traced by dynamo
+    # the blocks share one body (NOTE: [identical blocks compile once]); block 0 is compiled again for its input
+    # that needs no grad (Dynamo guards requires_grad)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     hidden = torch.randn(4, 6, 16)
     torch.testing.assert_close(pm.get_submodule("layers.1")(hidden), model.layers[1](hidden))

@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from fxtp.core.errors import FxtpConfigError
 from fxtp.core.placement import REPLICATE, Shard, local_ranges, owned_part, owned_ranges
+from fxtp.runtime.blocks import model_fqn
 from fxtp.runtime.sharded import local_tensor, resolve_group
 
 __all__ = ["clip_grad_norm_", "FsdpClippingWarning", "norm_share", "scale_by_norm_", "warn_under_fsdp"]
@@ -135,7 +136,7 @@ def norm_share(pm: nn.Module, norm_type: float, *, skip: frozenset[str] = frozen
             continue
         grad = p.grad
         grads.append(grad.to_local() if isinstance(grad, DTensor) else local_tensor(grad))
-        placement = pm.placements.get(fqn, REPLICATE)
+        placement = pm.placements.get(model_fqn(fqn), REPLICATE)  # a torch.compile'd block: under _orig_mod
         if fqn in skip:
             continue
         if isinstance(placement, Shard):

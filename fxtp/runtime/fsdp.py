@@ -37,7 +37,7 @@ from torch import nn
 
 from fxtp.core.errors import FxtpConfigError
 from fxtp.runtime import amp, clipping
-from fxtp.runtime.blocks import is_block
+from fxtp.runtime.blocks import is_block, model_fqn
 
 __all__ = ["forward_dtypes", "fsdp_units", "gathered_units", "resharded_without_grad"]
 
@@ -123,4 +123,4 @@ def forward_dtypes(pm: nn.Module) -> dict[str, torch.dtype]:
                 owner[id(p)] = dtype
             else:
                 owner.pop(id(p), None)
-    return {fqn: owner.get(id(p), p.dtype) for fqn, p in pm.named_parameters()}
+    return {model_fqn(fqn): owner.get(id(p), p.dtype) for fqn, p in pm.named_parameters()}

@@ -129,7 +129,8 @@ def plain_inputs(inputs: list[Any]) -> list[Any]:
     """The rank graph's inputs with sharded parameters as plain aliases (autograd reaches the
     parameters through them). Run eagerly: a ``torch.compile``d graph calls its kernels on its
     inputs outside any context fxtp enters, so they must be plain tensors (it runs before any
-    op, so ``torch._dynamo.explain(pm)`` still counts one graph and no break). A DTensor
+    op, so ``torch._dynamo.explain(pm)`` still counts one graph and no break; ``fullgraph=True``
+    refuses it, NOTE: [blocks under torch.compile] in fxtp/runtime/blocks.py). A DTensor
     parameter (NOTE: [DTensor parameters for FSDP2] in fxtp/runtime/dtensor_params.py) enters
     as its ``to_local()``."""
     return [local_tensor(t) if isinstance(t, ShardedTensor) else t.to_local() if isinstance(t, DTensor) else t

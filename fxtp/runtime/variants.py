@@ -72,6 +72,7 @@ class ModeGraph:
     draws_random: bool = False  # checks the generators before each call (NOTE: [dropout across ranks])
     regathers: bool = False  # saves gathered token shards as shards (NOTE: [regathered activations])
     blocks: dict[str, BlockBody] = dataclasses.field(default_factory=dict)  # NOTE: [blocks of a ParallelModule]
+    kinds: dict[int, BlockBody] = dataclasses.field(default_factory=dict)  # NOTE: [identical blocks compile once]
 
     @classmethod
     def of(cls, program: ExportedProgram, gm: GraphModule, inputs: list[tuple[str, str]],
@@ -83,7 +84,7 @@ class ModeGraph:
         return cls(gm, program.call_spec.in_spec, program.call_spec.out_spec, outputs, input_specs(program), inputs,
                    draws_random=rng.draws_random(program.graph),
                    regathers=any(n.target is collectives.gather_from_sp for g in graphs for n in g.graph.nodes),
-                   blocks=blocks)
+                   blocks=blocks, kinds={b.kind: b for b in blocks.values() if b.kind is not None})
 
 # fxtp.api's pipeline for one more graph: (meta model, args, kwargs, mode) -> (program, rank graph)
 Build = Callable[[nn.Module, tuple, dict, str], tuple[ExportedProgram, GraphModule]]
