@@ -1,0 +1,111 @@
+"""A ``ParallelModule`` under ``torch.autocast`` behaves as the model under the same autocast
+(issue 35; NOTE: [autocast graphs] in fxtp/core/autocast.py): the model's Python that reads a
+dtype (Hugging Face's experts' ``.to(hidden.dtype)``, a ``.float()`` upcast, a branch on
+``x.dtype``) takes the single device's path, because a call under an autocast state runs a
+graph captured under it. On real gloo ranks at world sizes 2 and 4, against the single device
+under bf16 autocast: output and loss dtypes and values, every gradient, an SGD step; then a call
+without autocast is exact again (the compiled graph). Tiny models, static shapes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fuzz_moe import Moe, MoeBlock
+from torch import nn
+
+import fxtp
+from fxtp.cli import examples
+
+pytest.importorskip("transformers")
+
+_BF16 = dict(rtol=2e-2, atol=2e-2)  # bf16's rounding of the matmuls, as test_norms_losses' autocast tests
+
+
+class CastBack(nn.Module):
+    """Dtype-dependent Python of each kind: a branch on a dtype, a ``.float()`` upcast and a
+    cast back with ``.to(h.dtype)``: each a no-op (or the other side) at a float32 capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        if h.dtype != torch.float32:  # under autocast only
+            h = h * 2
+        y = self.down(F.gelu(h.float()))
+        return (x + y).to(h.dtype)
+
+
+class Dense(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.proj = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(F.silu(self.fc(x)))
+
+
+def _tiny(name: str) -> tuple[nn.Module, tuple, dict]:
+    """The model, its positional inputs and keyword inputs (labels: its loss)."""
+    gen = torch.Generator().manual_seed(1)
+    if name in ("qwen2_moe", "mixtral"):
+        sizes = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=32)
+        sizes |= dict(moe_intermediate_size=32, shared_expert_intermediate_size=32) if name == "qwen2_moe" else {}
+        model, (ids,) = getattr(examples, name)(**sizes)
+        ids = ids[:, :8]
+        return model.train(), (ids,), {"labels": ids}
+    torch.manual_seed(0)
+    if name == "fuzz_moe":
+        return MoeBlock(16, Moe(ffn=16, shared=True, residual=False)).train(), (torch.randn(2, 5, 16, generator=gen),), {}
+    return {"dense": Dense, "cast_back": CastBack}[name]().train(), (torch.randn(2, 5, 16, generator=gen),), {}
+
+
+def _parts(out) -> dict[str, torch.Tensor]:
+    """The tensors of an output: a Hugging Face ``ModelOutput``'s logits and loss, else itself."""
+    return {"logits": out.logits, "loss": out.loss} if hasattr(out, "logits") else {"output": out}
+
+
+def _autocast_runs(names: tuple[str, ...]) -> dict[str, dict[str, str]]:
+    """Per model, the dtypes of pm's outputs under bf16 autocast, each checked against the
+    single device's (dtype, value, gradients, one SGD step) and then without autocast (exact)."""
+    import torch.distributed as dist
+    from test_norms_losses import _grads_match
+
+    ws, dtypes = dist.get_world_size(), {}
+    for name in names:
+        ref, args, kwargs = _tiny(name)
+        pm = fxtp.compile(copy.deepcopy(ref), ws, args, example_kwargs=kwargs, dynamic=False)
+        for step in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                got, want = _parts(pm(*args, **kwargs)), _parts(ref(*args, **kwargs))
+            for key, value in want.items():
+                assert got[key].dtype == value.dtype, f"{name} {key}: {got[key].dtype}, the single device's {value.dtype}"
+                torch.testing.assert_close(got[key], value, **_BF16, msg=lambda m, key=key: f"{name} step {step} {key}: {m}")
+            dtypes[name] = {key: str(value.dtype).replace("torch.", "") for key, value in got.items()}
+            sum(v.float().sum() for v in got.values()).backward()
+            sum(v.float().sum() for v in want.values()).backward()
+            _grads_match(pm, ref, f"{name} step {step}", **_BF16)
+            for module in (pm, ref):
+                with torch.no_grad():
+                    for p in module.parameters():
+                        p -= 0.05 * p.grad
+                        p.grad = None
+        got, want = _parts(pm(*args, **kwargs)), _parts(ref(*args, **kwargs))  # no autocast: the compiled graph
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{name} fp32 {key}: {m}")
+        assert sum("torch.autocast('cpu', dtype=torch.bfloat16)" in note for note in pm.report.shape_notes) == 1, name
+    return dtypes
+
+
+@pytest.mark.parametrize("ws", [2, 4], ids=lambda ws: f"ws{ws}")
+def test_autocast_gives_the_single_devices_dtypes_values_and_gradients(ws, rank_pools):
+    names = ("qwen2_moe", "mixtral", "fuzz_moe", "dense", "cast_back")
+    (dtypes, *_) = rank_pools(ws).run(_autocast_runs, names)
+    bf16 = {"logits": "bfloat16", "loss": "float32"}  # the lm_head's linear; cross entropy in fp32
+    assert dtypes == {"qwen2_moe": bf16, "mixtral": bf16, "fuzz_moe": {"output": "bfloat16"},
+                      "dense": {"output": "float32"}, "cast_back": {"output": "bfloat16"}}
