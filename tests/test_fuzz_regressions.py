@@ -65,8 +65,9 @@ REGRESSIONS: dict[str, tuple[Spec, dict[int, str]]] = {
         Spec(hidden=48, blocks=(Mlp(ffn=16, act="relu", gate="swiglu", bias=True),
                                 Moe(ffn=48, experts=4, top_k=1, shared=True, impl="grouped_mm", residual=True)),
              train=True, seq=5, seed=2, autocast=True),
-        # the experts' .to(hidden.dtype) was a no-op at capture (float32), so the graph has no cast
-        {},
+        # the experts' .to(hidden.dtype) was a no-op at capture (float32), so the graph had no cast and the
+        # output stayed float32 where the single device's is bf16
+        {},  # fixed: a call under autocast runs a graph captured under it (NOTE: [autocast graphs])
     ),
 }
 
