@@ -321,7 +321,8 @@ class SizeGraphs:
             model, twin = fake_copy(model, next((v.device for v in flat if isinstance(v, torch.Tensor)), torch.device("cpu")))
         args, kwargs = pytree.tree_unflatten([twin(v) if isinstance(v, torch.Tensor) else v for v in flat], compiled.in_spec)
         try:
-            with autocast_as(state, self.devices):
+            # the call's saved-tensor hooks (fxtp's regathering, offloading) are not the capture's: the innermost pair wins
+            with autocast_as(state, self.devices), torch.autograd.graph.saved_tensors_hooks(_same, _same):
                 program, gm, own = self.build(model, args, kwargs, mode)
         except FxtpError as exc:
             return exc
@@ -337,6 +338,10 @@ class SizeGraphs:
 
     def __deepcopy__(self, memo: dict) -> "SizeGraphs":  # the copy's graphs bind the copy's tensors: made again
         return SizeGraphs(copy.deepcopy(self.model, memo), self.build, self.dynamic, self.devices)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _autocast_text(state: AutocastState) -> str:
