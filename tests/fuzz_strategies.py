@@ -163,5 +163,7 @@ def specs(draw: st.DrawFn, exclude: frozenset[str] = frozenset()) -> Spec:
         ignored=draw(_flag("ignored", exclude)) if loss else False,
         # with MoE blocks too: Hugging Face's experts' .to(hidden.dtype) is in the graph captured under autocast
         # (NOTE: [autocast graphs] in fxtp/core/autocast.py; test_fuzz_regressions' autocast-mlp-then-moe)
-        autocast=draw(_flag("autocast", exclude)),
+        # not with an in-place residual (y += x): fx records it as y + x, float32 under autocast (test_fuzz_regressions'
+        # autocast-iadd-residual, xfail until the fx frontend keeps in-place adds)
+        autocast=draw(_flag("autocast", exclude)) if not any(getattr(b, "residual", None) == "iadd" for b in blocks) else False,
     )
