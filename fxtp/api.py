@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import itertools
 import time
 from typing import Any, Callable, Mapping, Optional
 
@@ -29,6 +30,7 @@ from fxtp.capture.hf_defaults import call_defaults, spec_with_defaults
 # `_capture`: the frontend where an argument named `capture` (the user's choice) shadows it
 from fxtp.capture.frontends import Captured, auto_dynamic_shapes, capture, capture as _capture
 from fxtp.runtime.checkpoint import bind_state_keys
+from fxtp.core.autocast import autocast_as
 from fxtp.core.errors import FxtpConfigError, FxtpPlanError
 from fxtp.runtime.generation import generation_for
 from fxtp.explain.recompute import add_recompute
@@ -153,7 +155,10 @@ def _compile(model: nn.Module, example_inputs: Optional[tuple], example_kwargs: 
     group_name, rank = resolve_group(ws, rank, group)
     shapes = _shapes_spec(args, kwargs, dynamic, spec_with_defaults(dynamic_shapes, defaults))
     options = dataclasses.replace(options, world_size=ws, rank=rank, group_name=group_name, shapes=shapes)
-    captured, sharding, report = _analyze(model, args, kwargs, options)
+    devices = frozenset(t.device.type for t in itertools.chain(model.parameters(), model.buffers(), pytree.tree_leaves((args, kwargs)))
+                        if isinstance(t, torch.Tensor))
+    with autocast_as((), devices):  # every graph is of one autocast state; this one of none (NOTE: [autocast graphs])
+        captured, sharding, report = _analyze(model, args, kwargs, options)
     report.left_out = left_out
     program = captured.program
     start = time.perf_counter()
@@ -172,7 +177,8 @@ def _compile(model: nn.Module, example_inputs: Optional[tuple], example_kwargs: 
         if mode == compiled:
             continue
         if copied is None:  # a model that cannot be copied: its other mode is captured now
-            other = _other_mode(model, mode, args, kwargs, options)
+            with autocast_as((), devices):
+                other = _other_mode(model, mode, args, kwargs, options)
             same = program_code(other[1]) == program_code(gm) and input_specs(other[0]) == input_specs(program)
             graphs[mode] = graphs[compiled] if same else other
             report.modes[mode] = "captured at compile" + (": the same graph" if same else ": its own graph")
@@ -193,8 +199,8 @@ def _compile(model: nn.Module, example_inputs: Optional[tuple], example_kwargs: 
     bind_state_keys(pm, model)
     if copied is not None and any(mode not in graphs for mode in modes):
         pm._mode_graphs = _mode_graphs(copied, args, kwargs, options, tp_group, compiled, code, input_specs(program))
-    if copied is not None and not options.kv_heads and (dynamic_shapes is not None or dynamic):  # NOTE: [size-1 graphs] in fxtp/runtime/variants.py
-        pm._size_graphs = _size_graphs(copied, options, (report.plan, options.plan))
+    if copied is not None and not options.kv_heads:  # NOTE: [size-1 graphs] in fxtp/runtime/variants.py, [autocast graphs]
+        pm._size_graphs = _size_graphs(copied, options, (report.plan, options.plan), dynamic_shapes is not None or dynamic, devices)
     pm._generation = generation_for(model, _compile_decoder)  # NOTE: [generation]
     return pm
 
@@ -260,12 +266,16 @@ def _mode_graphs(copied: nn.Module, args: tuple, kwargs: dict, options: CompileO
     return capture_mode
 
 
-def _recomputed(captured: Captured, sharding: ShardingPlan, options: CompileOptions) -> torch.fx.GraphModule:
+def _recomputed(captured: Captured, sharding: ShardingPlan, options: CompileOptions,
+                report: Optional[Report] = None) -> torch.fx.GraphModule:
     """The rank graph with its checkpointed regions recomputed in backward (NOTE: [recomputed
-    regions]): ``options.checkpointing`` over ``options.blocks``."""
+    regions]): ``options.checkpointing`` over ``options.blocks``; listed in ``report`` if given."""
     regions = checkpoint_regions(captured.program.graph, options.checkpointing, options.blocks, frozenset(captured.context_fns))
-    return outline_blocks(_rewrite(captured.program, sharding, options), captured.program, options.blocks, regions,
-                          captured.context_fns)
+    gm = outline_blocks(_rewrite(captured.program, sharding, options), captured.program, options.blocks, regions,
+                        captured.context_fns)
+    if report is not None:
+        add_recompute(report, regions, gm)
+    return gm
 
 
 def _check_same_shards(want: Mapping[str, Any], program, sharding: ShardingPlan, where: str, alternative: str) -> None:
@@ -279,27 +289,29 @@ def _check_same_shards(want: Mapping[str, Any], program, sharding: ShardingPlan,
             )
 
 
-def _size_graphs(copied: nn.Module, options: CompileOptions, plans: tuple[Optional[Mapping[str, str]], ...]) -> SizeGraphs:
-    """What makes the graphs for sizes 0 and 1 on first use (NOTE: [size-1 graphs] in
-    fxtp/runtime/variants.py): the pipeline above on the model's ``meta`` copy ``copied``.
+def _size_graphs(copied: nn.Module, options: CompileOptions, plans: tuple[Optional[Mapping[str, str]], ...], dynamic: bool,
+                 devices: frozenset[str]) -> SizeGraphs:
+    """What makes the graphs for sizes 0 and 1 and autocast states on first use (NOTE: [size-1
+    graphs] in fxtp/runtime/variants.py): the pipeline above on the model's ``meta`` copy ``copied``.
     ``plans``: the plans to try in order, the compiled graph's layer styles first (a layer the
-    compiled graph kept replicated stays so), then the user's ``plan=``."""
+    compiled graph kept replicated stays so), then the user's ``plan=``; ``dynamic``: the compile's
+    (static: an autocast state's graph at the compiled sizes only); ``devices``: its device types."""
 
     def build(meta_model: nn.Module, args: tuple, kwargs: dict, mode: str):
         error: Optional[FxtpPlanError] = None
         for plan in plans:
-            attempt = dataclasses.replace(options, plan=plan, shapes=auto_dynamic_shapes(args, kwargs))
+            attempt = dataclasses.replace(options, plan=plan, shapes=auto_dynamic_shapes(args, kwargs) if dynamic else None)
             try:
                 with contextlib.nullcontext() if mode == "mixed" else in_mode(meta_model, mode == "train"):
-                    captured, sharding, _ = _analyze(meta_model, args, kwargs, attempt, report=False)
-                _check_same_shards(options.want, captured.program, sharding, "for these input sizes", "call with the compiled sizes")
+                    captured, sharding, report = _analyze(meta_model, args, kwargs, attempt)
+                _check_same_shards(options.want, captured.program, sharding, "for these input sizes or autocast", "call with the compiled sizes")
             except FxtpPlanError as exc:  # e.g. a layer name of the compiled graph this graph lacks
                 error = error or exc
                 continue
-            return captured.program, _recomputed(captured, sharding, attempt)
+            return captured.program, _recomputed(captured, sharding, attempt, report), report
         raise error
 
-    return SizeGraphs(copied, build)
+    return SizeGraphs(copied, build, dynamic, devices)
 
 
 def _rewrite(program, sharding: ShardingPlan, options: CompileOptions) -> torch.fx.GraphModule:

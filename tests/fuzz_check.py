@@ -229,8 +229,10 @@ def _differential(spec: Spec, steps: int, lr: float) -> Outcome:
         if errs is not None:
             problems.append(("mismatch", f"{what} (float32 model's own error {errs[1]:.2g})", errs[0]))
     measured = {"forward": fwd.counts, "backward": bwd.counts}
+    # under autocast the graph captured under it ran (NOTE: [autocast graphs]): its report's counts
+    report = next((r for which, r in pm.report.variants.items() if "autocast" in which), pm.report) if spec.autocast else pm.report
     for phase, kind in _PHASES:
-        claimed, ran = pm.report.count(phase, kind), measured[phase][kind]
+        claimed, ran = report.count(phase, kind), measured[phase][kind]
         if claimed != ran:
             problems.append(("report-count", f"{phase} {kind}: report {claimed}, ran {ran}", float("nan")))
     for phase, counts in measured.items():

@@ -161,8 +161,9 @@ def specs(draw: st.DrawFn, exclude: frozenset[str] = frozenset()) -> Spec:
         expert_parallel=draw(_flag("expert_parallel", exclude)) if any(isinstance(b, Moe) for b in blocks) else False,
         aliased=draw(_flag("aliased", exclude)) if loss and embed is not None else False,
         ignored=draw(_flag("ignored", exclude)) if loss else False,
-        # not with a MoE block: Hugging Face's experts cast their sum back with .to(hidden.dtype),
-        # a no-op at capture (float32) that the graph drops, so under autocast the output stays
-        # float32 (test_fuzz_regressions' autocast-mlp-then-moe, xfail until a graph per autocast state)
-        autocast=draw(_flag("autocast", exclude)) if not any(isinstance(b, Moe) for b in blocks) else False,
+        # with MoE blocks too: Hugging Face's experts' .to(hidden.dtype) is in the graph captured under autocast
+        # (NOTE: [autocast graphs] in fxtp/core/autocast.py; test_fuzz_regressions' autocast-mlp-then-moe)
+        # not with an in-place residual (y += x): fx records it as y + x, float32 under autocast (test_fuzz_regressions'
+        # autocast-iadd-residual, xfail until the fx frontend keeps in-place adds)
+        autocast=draw(_flag("autocast", exclude)) if not any(getattr(b, "residual", None) == "iadd" for b in blocks) else False,
     )

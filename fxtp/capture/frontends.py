@@ -45,6 +45,7 @@ from fxtp.capture.hf_experts import check_experts_implementation
 from fxtp.capture.index_lists import cpu_index_lists
 from fxtp.capture.isolation import capture_copy, independent_inputs
 from fxtp.capture.regions import recording_checkpoints
+from fxtp.core.autocast import autocast_state
 from fxtp.core.errors import FxtpCaptureError, FxtpInputError
 
 __all__ = ["Captured", "capture", "auto_dynamic_shapes", "written_state", "FRONTENDS"]
@@ -286,9 +287,9 @@ def check_operand_dtypes(graph: torch.fx.Graph) -> None:
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in _MATMULS:
             continue
-        vals = [a.meta.get("val") for a in node.all_input_nodes]
-        dtypes = sorted({str(v.dtype).replace("torch.", "") for v in vals if isinstance(v, torch.Tensor)})
-        if len(dtypes) > 1:
+        vals = [v for v in (a.meta.get("val") for a in node.all_input_nodes) if isinstance(v, torch.Tensor)]
+        dtypes = sorted({str(v.dtype).replace("torch.", "") for v in vals})
+        if len(dtypes) > 1 and not autocast_state({v.device.type for v in vals}):  # autocast casts them (NOTE: [autocast graphs])
             stack = node.meta.get("nn_module_stack") or {}
             module = list(stack.values())[-1][0] if stack else "(top level)"
             raise FxtpInputError(

@@ -1,4 +1,18 @@
-"""The dtype autocast gives an op that fxtp's rewrite replaces with ops of its own.
+"""fxtp under ``torch.autocast``: the autocast state a graph is captured for, and the dtype
+autocast gives an op that fxtp's rewrite replaces with ops of its own.
+
+NOTE: [autocast graphs]
+A graph is traced at the dtypes its capture sees, and the model's Python may read them: Hugging
+Face's experts cast their sum with ``.to(hidden.dtype)``, a norm upcasts with ``.float()`` and
+casts back to the input's dtype, code branches on ``x.dtype``. Captured without autocast, every
+such cast is a no-op on float32 values and none is in the graph, so the graph run under the
+user's ``torch.autocast`` would return float32 where the model returns bf16 (and round where it
+does not). So a graph belongs to one autocast state, :func:`autocast_state` (the device types
+with autocast on, and their dtypes), and it is captured under exactly that state
+(:func:`autocast_as`): torch.export then records the casts the model's Python makes (``to``,
+``float``, a branch's side), while the ops autocast casts itself (``linear``, SDPA, cross entropy)
+stay as they are in the graph and get their cast when the graph runs under the same state.
+fxtp.runtime.variants keeps a graph per autocast state (NOTE: [low-precision graphs] there).
 
 NOTE: [autocast policy of replaced ops]
 Under ``torch.autocast`` each ATen op has a cast policy per device type
@@ -13,9 +27,39 @@ would have: these functions say which, from torch's public autocast state, where
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterable, Iterator
+
 import torch
 
-__all__ = ["fp32_policy_dtype"]
+__all__ = ["AutocastState", "autocast_as", "autocast_state", "fp32_policy_dtype"]
+
+# ((device type, dtype), ...) for each device type with autocast on, sorted; () for none
+AutocastState = tuple[tuple[str, torch.dtype], ...]
+
+
+def _supported(device_types: Iterable[str]) -> list[str]:
+    """The device types of ``device_types`` torch.autocast knows (not ``meta``), sorted."""
+    return sorted(d for d in set(device_types) if torch.amp.is_autocast_available(d))
+
+
+def autocast_state(device_types: Iterable[str]) -> AutocastState:
+    """The autocast on now for ``device_types`` (e.g. ``{"cpu"}``, the types a module's tensors
+    are on): ``(device type, dtype)`` for each with autocast enabled (NOTE: [autocast graphs])."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in _supported(device_types) if torch.is_autocast_enabled(d))
+
+
+@contextlib.contextmanager
+def autocast_as(state: AutocastState, device_types: Iterable[str]) -> Iterator[None]:
+    """Exactly ``state`` for the block: autocast on with its dtype for each device type it
+    lists, off for the other ``device_types`` (a capture sees the call's state, not the one
+    around it: NOTE: [autocast graphs])."""
+    on = dict(state)
+    with contextlib.ExitStack() as stack:
+        for device in _supported(set(device_types) | set(on)):
+            dtype = on.get(device, torch.get_autocast_dtype(device))
+            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=device in on))
+        yield
 
 # The device types whose autocast runs each op in fp32 (the ``fp32`` lists of autocast_mode.cpp).
 _FP32_DEVICES: dict[str, frozenset[str]] = {

@@ -85,6 +85,9 @@ class Report:
         self.recompute: tuple[dict[str, Any], ...] = ()
         # layer name -> its alternative styles' predicted bytes (NOTE: [layer alternatives] in fxtp/explain/alternatives.py)
         self.alternatives: dict[str, list[dict[str, Any]]] = {}
+        # the report of each graph captured on first use, by its shape note (sizes 0 and 1, parameter dtypes,
+        # an autocast state: NOTE: [autocast graphs] in fxtp/core/autocast.py); its counts are that graph's
+        self.variants: dict[str, "Report"] = {}
 
     @property
     def plan(self) -> dict[str, str]:

@@ -21,7 +21,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 from fxtp.core import activations, collectives, rng
 from fxtp.runtime import checkpoint, clipping, fsdp, generation, layout, sharded
 from fxtp.runtime.blocks import Template, bind_blocks, new_module
-from fxtp.runtime.variants import ModeGraph, SizeGraphs, differs_in_zero_one, held, static_refusal
+from fxtp.runtime.variants import ModeGraph, SizeGraphs, held, static_refusal
 from fxtp.capture.frontends import written_state
 from fxtp.core.errors import FxtpInputError, FxtpRuntimeError, raised_by_an_op
 from fxtp.core.placement import REPLICATE, Placement, Shard, shard_tensor
@@ -103,7 +103,7 @@ class ParallelModule(nn.Module):
         self._kv_heads = dict(sharding.kv_heads)  # placeholder -> KvHeads (passes/kv_heads.py)
         self.written_state: set[str] = set()  # buffers and constants the graphs write in place (a KV cache)
         self._generation = None  # set by fxtp.compile for a Hugging Face causal LM (fxtp.runtime.generation)
-        self._size_graphs: Optional[SizeGraphs] = None  # set by fxtp.compile (NOTE: [size-1 graphs])
+        self._size_graphs: Optional[SizeGraphs] = None  # set by fxtp.compile (NOTE: [size-1 graphs], [autocast graphs])
         # (module, mode) -> that mode's ModeGraph, captured on the first switch to it; set by fxtp.compile (NOTE: [modes])
         self._mode_graphs: Optional[Callable[["ParallelModule", str], ModeGraph]] = None
         self._fsdp_warned = False
@@ -273,14 +273,14 @@ class ParallelModule(nn.Module):
         return flat
 
     def _graph_for(self, graph: "ModeGraph", flat: list[Any]) -> "ModeGraph":
-        """``graph`` if it takes ``flat``'s sizes, else the graph captured for sizes 0 and 1
-        (NOTE: [size-1 graphs] in fxtp/runtime/variants.py)."""
+        """``graph`` if it takes ``flat``'s sizes and no autocast is on, else the graph captured for
+        sizes 0 and 1, parameter dtypes or the autocast state (NOTE: [size-1 graphs] in fxtp/runtime/variants.py)."""
+        if self._size_graphs is not None:
+            return self._size_graphs.select(self.report, self._mode, graph, flat, self.bind_graph, self)
         try:
             check_inputs(flat, graph.specs)
         except FxtpInputError as exc:
-            if self._size_graphs is None or not differs_in_zero_one(flat, graph.specs):
-                raise static_refusal(exc, flat, graph.specs) if self._size_graphs is None else exc
-            return self._size_graphs.graph_for(self.report, self._mode, graph, flat, exc, self.bind_graph, self)
+            raise static_refusal(exc, flat, graph.specs)
         return graph
 
     def _input_slots(self, graph: "ModeGraph") -> list[tuple[Optional[nn.Module], str]]:

@@ -31,6 +31,15 @@ compiled parameters is refused as before. That is FSDP2's mixed precision:
 ``fully_shard(pm, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))`` keeps the
 float32 shards (the optimizer's master weights) and runs the forward on bf16 parameters and
 inputs. Buffers keep their dtype, as FSDP2 leaves them.
+
+The autocast state a call runs under is traced into the graph the same way (NOTE: [autocast
+graphs] in fxtp/core/autocast.py): compile captures with autocast off, and a call under an
+autocast state (device type, dtype) gets a graph captured under that state, kept per (mode, size
+class, input dtypes, parameter dtypes, autocast state). torch.autocast casts by device type and
+``meta`` has none, so that capture runs on a copy of the meta copy whose parameters, buffers and
+inputs are fake tensors on the call's device (:func:`fake_copy`: no memory, no weights). Every
+rank picks its graph from its own autocast state and inputs, no collective, so ranks that run
+the same loop pick the same graph; the one set of shards is checked as for the others.
 """
 
 from __future__ import annotations
@@ -51,10 +60,11 @@ from torch.fx import GraphModule
 
 from fxtp.capture.shapes import InputSpec, check_inputs, input_specs
 from fxtp.core import collectives, rng
+from fxtp.core.autocast import AutocastState, autocast_as, autocast_state
 from fxtp.core.errors import FxtpError, FxtpInputError
 from fxtp.runtime.blocks import BlockBody
 
-__all__ = ["ModeGraph", "SizeGraphs", "meta_copy", "differs_in_zero_one", "held", "in_mode", "mode_of", "static_refusal"]
+__all__ = ["ModeGraph", "SizeGraphs", "fake_copy", "meta_copy", "differs_in_zero_one", "held", "in_mode", "mode_of", "static_refusal"]
 
 
 @dataclass(eq=False)
@@ -86,8 +96,8 @@ class ModeGraph:
                    regathers=any(n.target is collectives.gather_from_sp for g in graphs for n in g.graph.nodes),
                    blocks=blocks, kinds={b.kind: b for b in blocks.values() if b.kind is not None})
 
-# fxtp.api's pipeline for one more graph: (meta model, args, kwargs, mode) -> (program, rank graph)
-Build = Callable[[nn.Module, tuple, dict, str], tuple[ExportedProgram, GraphModule]]
+# fxtp.api's pipeline for one more graph: (meta model, args, kwargs, mode) -> (program, rank graph, its Report)
+Build = Callable[[nn.Module, tuple, dict, str], tuple[ExportedProgram, GraphModule, Any]]
 
 
 def mode_of(model: nn.Module) -> str:
@@ -123,17 +133,46 @@ def meta_copy(model: nn.Module) -> Optional[nn.Module]:
         return None
 
 
+def fake_copy(model: nn.Module, device: torch.device) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
+    """A deep copy of the meta copy ``model`` whose parameters and buffers are fake tensors on
+    ``device`` (shapes, dtypes and device only: no memory), and what makes an input's fake twin
+    in the same fake mode: torch.autocast casts by device type, and ``meta`` has none (NOTE:
+    [low-precision graphs])."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # torch.export's own fake tensors
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    memo: dict[int, Any] = {}
+    with mode:
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            fake = torch.empty(t.shape, dtype=t.dtype, device=device)
+            memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+    copied = copy.deepcopy(model, memo)
+
+    def twin(t: torch.Tensor) -> torch.Tensor:
+        with mode:
+            return torch.empty(t.shape, dtype=t.dtype, device=device)
+
+    return copied, twin
+
+
+def _is_fake(value: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return value.is_meta or isinstance(value, FakeTensor)
+
+
 def held(value: torch.Tensor, target: str, from_meta_copy: bool) -> torch.Tensor:
     """``value``, a buffer or constant of a graph captured after compile; ``from_meta_copy``:
-    from the model's meta copy, by a module whose weights are real.
+    from the model's meta copy (or its fake copy), by a module whose weights are real.
 
     Raises:
-        FxtpInputError: ``value`` is then a ``meta`` tensor the compiled graph never used, so
-            fxtp holds no real value for it.
+        FxtpInputError: ``value`` is then a ``meta`` (or fake) tensor the compiled graph never
+            used, so fxtp holds no real value for it.
     """
-    if from_meta_copy and value.is_meta:
+    if from_meta_copy and _is_fake(value):
         raise FxtpInputError(
-            f"{target} is used only by a graph captured after compile (another mode, or sizes 0 and 1), from the "
+            f"{target} is used only by a graph captured after compile (another mode, sizes 0 and 1, or autocast), from the "
             "model's meta copy, so fxtp has no value for it. fix: compile the model in that mode, or at those sizes"
         )
     return value
@@ -207,18 +246,43 @@ def _describe(flat: list[Any], specs: tuple[InputSpec, ...]) -> str:
 
 @dataclass(eq=False)
 class SizeGraphs:
-    """The module's graphs for sizes 0 and 1 (NOTE: [size-1 graphs]): the model's ``meta`` copy,
-    the pipeline that makes one more graph, and the graphs (or the error) made so far."""
+    """The module's graphs for sizes 0 and 1, other parameter dtypes and autocast states (NOTE:
+    [size-1 graphs], [low-precision graphs]): the model's ``meta`` copy, the pipeline that makes
+    one more graph, and the graphs (or the error) made so far. ``dynamic``: the compile's (a
+    static one gets graphs for autocast states only); ``devices``: the device types of the
+    model's tensors and the example inputs, whose autocast state a call reads."""
 
     model: nn.Module
     build: Build
-    graphs: dict[tuple, Union[Any, FxtpError]] = field(default_factory=dict)  # (mode, size class) -> ModeGraph
+    dynamic: bool = True
+    devices: frozenset[str] = frozenset({"cpu"})
+    graphs: dict[tuple, Union[Any, FxtpError]] = field(default_factory=dict)  # (mode, size class, ...) -> ModeGraph
 
-    def graph_for(self, report: Any, mode: str, compiled: Any, flat: list[Any], refused: FxtpInputError,
-                  bind: Callable[[ExportedProgram, GraphModule], Any], module: nn.Module) -> Any:
+    def select(self, report: Any, mode: str, compiled: Any, flat: list[Any], bind: Callable[[ExportedProgram, GraphModule], Any],
+               module: nn.Module) -> Any:
+        """The graph for the call ``flat``: ``compiled`` (a ``ModeGraph``) where it takes its
+        sizes and dtypes and no autocast is on, else the one :meth:`graph_for` gives.
+
+        Raises:
+            FxtpInputError: the input check's, where no other graph takes the call.
+        """
+        state = autocast_state(self.devices | {v.device.type for v in flat if isinstance(v, torch.Tensor)})
+        try:
+            check_inputs(flat, compiled.specs)
+        except FxtpInputError as exc:
+            if not self.dynamic:
+                raise static_refusal(exc, flat, compiled.specs) from None
+            if not differs_in_zero_one(flat, compiled.specs):
+                raise
+            return self.graph_for(report, mode, compiled, flat, exc, bind, module, state)
+        return compiled if not state else self.graph_for(report, mode, compiled, flat, None, bind, module, state)
+
+    def graph_for(self, report: Any, mode: str, compiled: Any, flat: list[Any], refused: Optional[FxtpInputError],
+                  bind: Callable[[ExportedProgram, GraphModule], Any], module: nn.Module, state: AutocastState = ()) -> Any:
         """The graph for a call ``check_inputs`` refused with ``refused`` on the ``compiled``
-        graph (a ``ModeGraph``): one kept for its size class, input dtypes and the dtypes of
-        ``module``'s parameters now, else one captured now, made a ``ModeGraph`` by ``bind`` and
+        graph (a ``ModeGraph``), or took (``refused=None``) under the autocast ``state``: one
+        kept for its size class, input dtypes, the dtypes of ``module``'s parameters now and
+        ``state``, else one captured now under ``state``, made a ``ModeGraph`` by ``bind`` and
         noted in ``report``.
 
         Raises:
@@ -229,33 +293,58 @@ class SizeGraphs:
         if not dtypes and any(isinstance(v, torch.Tensor) and v.dtype != spec.dtype for v, spec in zip(flat, compiled.specs)):
             raise refused  # another input dtype on the compiled parameters: the caller's mistake
         key = (mode, _size_class(flat), tuple(v.dtype if isinstance(v, torch.Tensor) else None for v in flat),
-               tuple(sorted(dtypes.items())))
+               tuple(sorted(dtypes.items())), state)
         if key not in self.graphs:
-            args, kwargs = pytree.tree_unflatten(
-                [torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v for v in flat],
-                compiled.in_spec,
-            )
-            model = self.model
-            if dtypes:  # NOTE: [low-precision graphs]
-                model = copy.deepcopy(model)
-                for fqn, dtype in dtypes.items():
-                    model.get_parameter(fqn).data = model.get_parameter(fqn).data.to(dtype)
-            try:
-                program, gm = self.build(model, args, kwargs, mode)
-            except FxtpError as exc:
-                self.graphs[key] = exc
-            else:
-                self.graphs[key] = bind(program, gm)
-                what = [_describe(flat, compiled.specs)] + [f"parameters in {d}" for d in sorted({str(d) for d in dtypes.values()})]
-                report.shape_notes += (
-                    f"{'; '.join(w for w in what if w)} ({mode} mode): a graph of its own, captured at the first such "
-                    "call and kept (torch.export specializes sizes 0 and 1; a dtype is traced into the graph)",
-                )
+            self.graphs[key] = self._capture(report, mode, compiled, flat, dtypes, state, bind)
         graph = self.graphs[key]
         if isinstance(graph, FxtpError):
+            if refused is None:
+                raise FxtpInputError(
+                    f"under torch.autocast({_autocast_text(state)}) the module runs a graph captured under it (the model's "
+                    f"Python may cast by dtype), and fxtp could not capture one: {graph}. fix: call the module outside "
+                    "autocast (cast the model and inputs to that dtype instead)"
+                ) from graph
             raise FxtpInputError(f"{refused}; fxtp could not capture a graph for these sizes: {graph}") from graph
         check_inputs(flat, graph.specs)
         return graph
 
+    def _capture(self, report: Any, mode: str, compiled: Any, flat: list[Any], dtypes: dict[str, torch.dtype],
+                 state: AutocastState, bind: Callable[[ExportedProgram, GraphModule], Any]) -> Any:
+        """The ``ModeGraph`` for the call ``flat`` with parameters in ``dtypes`` under ``state``,
+        captured now, or the ``FxtpError`` that refused it."""
+        model = self.model
+        if dtypes:  # NOTE: [low-precision graphs]
+            model = copy.deepcopy(model)
+            for fqn, dtype in dtypes.items():
+                model.get_parameter(fqn).data = model.get_parameter(fqn).data.to(dtype)
+        twin: Callable[[torch.Tensor], torch.Tensor] = lambda v: torch.empty(v.shape, dtype=v.dtype, device="meta")
+        if state:  # autocast casts by device type: a fake copy on the call's device (NOTE: [low-precision graphs])
+            model, twin = fake_copy(model, next((v.device for v in flat if isinstance(v, torch.Tensor)), torch.device("cpu")))
+        args, kwargs = pytree.tree_unflatten([twin(v) if isinstance(v, torch.Tensor) else v for v in flat], compiled.in_spec)
+        try:
+            # the call's saved-tensor hooks (fxtp's regathering, offloading) are not the capture's: the innermost pair wins
+            with autocast_as(state, self.devices), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                program, gm, own = self.build(model, args, kwargs, mode)
+        except FxtpError as exc:
+            return exc
+        what = [_describe(flat, compiled.specs)] + [f"parameters in {d}" for d in sorted({str(d) for d in dtypes.values()})]
+        what += [f"under torch.autocast({_autocast_text(state)})"] if state else []
+        which = f"{'; '.join(w for w in what if w)} ({mode} mode)"
+        report.shape_notes += (
+            f"{which}: a graph of its own, captured at the first such call and kept (torch.export specializes sizes 0 "
+            "and 1; a dtype and an autocast state are traced into the graph)",
+        )
+        report.variants[which] = own
+        return bind(program, gm)
+
     def __deepcopy__(self, memo: dict) -> "SizeGraphs":  # the copy's graphs bind the copy's tensors: made again
-        return SizeGraphs(copy.deepcopy(self.model, memo), self.build)
+        return SizeGraphs(copy.deepcopy(self.model, memo), self.build, self.dynamic, self.devices)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _autocast_text(state: AutocastState) -> str:
+    """``"cpu", dtype=torch.bfloat16`` for each device type of ``state``."""
+    return "; ".join(f"{device!r}, dtype={dtype}" for device, dtype in state)
