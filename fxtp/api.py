@@ -27,8 +27,7 @@ from fxtp.arguments import (
     resolve_group,
 )
 from fxtp.capture.hf_defaults import call_defaults, spec_with_defaults
-# `_capture`: the frontend where an argument named `capture` (the user's choice) shadows it
-from fxtp.capture.frontends import Captured, auto_dynamic_shapes, capture, capture as _capture
+from fxtp.capture.frontends import Captured, auto_dynamic_shapes, capture, capture as _capture  # _capture: where `capture=` shadows it
 from fxtp.runtime.checkpoint import bind_state_keys
 from fxtp.core.autocast import autocast_as
 from fxtp.core.errors import FxtpConfigError, FxtpPlanError
