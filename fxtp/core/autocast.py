@@ -38,9 +38,17 @@ __all__ = ["AutocastState", "autocast_as", "autocast_state", "fp32_policy_dtype"
 AutocastState = tuple[tuple[str, torch.dtype], ...]
 
 
+# Whether torch.autocast knows a device type, read once per type: ``torch.amp.is_autocast_available``
+# is not traceable, and a call of it in ``pm.forward`` broke ``torch.compile(pm)``'s graph in two.
+# Seeded at import with the built-in types, so a compiled forward only reads the dict.
+_AVAILABLE: dict[str, bool] = {d: torch.amp.is_autocast_available(d) for d in ("cpu", "cuda", "xpu", "mps", "hpu", "meta")}
+
+
 def _supported(device_types: Iterable[str]) -> list[str]:
     """The device types of ``device_types`` torch.autocast knows (not ``meta``), sorted."""
-    return sorted(d for d in set(device_types) if torch.amp.is_autocast_available(d))
+    for d in set(device_types) - _AVAILABLE.keys():
+        _AVAILABLE[d] = torch.amp.is_autocast_available(d)
+    return sorted(d for d in set(device_types) if _AVAILABLE[d])
 
 
 def autocast_state(device_types: Iterable[str]) -> AutocastState:
