@@ -1,11 +1,9 @@
 """``torch.compile`` on a ``ParallelModule``, on real gloo ranks, against the single device.
 
-* The whole module: plain tensor parallelism, sequence parallelism and both checkpointing
-  policies on a tiny Hugging Face Llama (2 blocks) at world size 2, sequence parallelism at 4:
-  one graph and no break (``torch._dynamo.explain``), one graph over a 3-step AdamW loop (a
-  counting backend), outputs and every gradient at each step equal one device's.
-  ``fullgraph=True`` on the module is still refused by Dynamo (NOTE: [blocks under
-  torch.compile] in fxtp/runtime/blocks.py says why).
+* The whole module, ``fullgraph=True``: plain tensor parallelism, sequence parallelism and both
+  checkpointing policies on a tiny Hugging Face Llama (2 blocks) at world size 2, sequence
+  parallelism at 4: one graph and no break (``torch._dynamo.explain``), one graph over a 3-step
+  AdamW loop (a counting backend), outputs and every gradient at each step equal one device's.
 * Per block, as torchtitan's ``apply_compile`` does it (``register_module(i, torch.compile(block,
   fullgraph=True))``): at world size 2 with tensor parallelism (4 Llama blocks, plain and
   ``activation_checkpointing="blocks"``), and at dp 2 x tp 2 with FSDP2's ``fully_shard`` per
@@ -14,9 +12,10 @@
   fxtp/runtime/blocks.py): 4 Llama blocks make 2 graphs, as 2 blocks do.
 
 The compiled calls run outside the pool's ``CollectiveLog`` (``without_collective_log``).
-The backend is ``aot_eager`` (no C++ builds): what is tested is Dynamo's capture. Inductor's code
-calls kernels on a compiled graph's ``ShardedParameter`` inputs directly (NOTE: [blocks under
-torch.compile]); tools/bench_fsdp.py runs inductor per block at world size 1 only.
+The backend is ``aot_eager`` (no C++ builds): what is tested is Dynamo's capture. Inductor's
+code calls its extern kernels on a compiled graph's ``ShardedParameter`` inputs directly (NOTE:
+[compiled kernels on shards] in fxtp/runtime/sharded.py): tests/test_training.py compiles a
+model with sharded weights and biases under inductor, ``fullgraph=True``, forward and backward.
 """
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ def _check_grads(pm, ref, rank: int, ws: int, what: str) -> None:
         torch.testing.assert_close(local_tensor(p.grad), want, msg=lambda m: f"{what}, gradient of {fqn}: {m}")
 
 
-def _whole(mode: str) -> dict:
+def _fullgraph(mode: str) -> dict:
     with without_collective_log():
         import torch._dynamo
         from fxtp.cli import examples
@@ -68,7 +67,7 @@ def _whole(mode: str) -> dict:
         explained = torch._dynamo.explain(pm)(ids)
         torch._dynamo.reset()
         graphs: list[int] = []
-        compiled = torch.compile(pm, backend=_counting(graphs))
+        compiled = torch.compile(pm, backend=_counting(graphs), fullgraph=True)
         opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (pm, ref))
         for step in range(3):
             out, ref_out = compiled(ids), ref(ids)
@@ -84,14 +83,14 @@ def _whole(mode: str) -> dict:
 
 
 @pytest.mark.parametrize("ws, modes", [(2, tuple(MODES)), (4, ("sp",))], ids=["ws2", "ws4"])
-def test_torch_compile_one_graph_in_every_mode(rank_pools, ws, modes):
-    """``torch.compile(pm)``: one graph and no break, one graph over 3 AdamW steps, exact.
-    Before: 20 graphs and 19 breaks under sequence parallelism, 4 and 3 under checkpointing.
-    ``ParallelModule.forward`` makes the parameters plain with a ``torch.compiler.disable``d
-    function before the graph, so ``fullgraph=True`` still raises."""
+def test_torch_compile_fullgraph_in_every_mode(rank_pools, ws, modes):
+    """``torch.compile(pm, fullgraph=True)``: one graph and no break, one graph over 3 AdamW steps,
+    exact. Before: ``ParallelModule.forward`` made the parameters plain with a
+    ``torch.compiler.disable``d function, so ``fullgraph=True`` raised; it now takes
+    ``sharded.plain_views`` while Dynamo traces (``sharded.plain_graph_inputs``)."""
     pool = rank_pools(ws)
     for mode in modes:
-        for r in pool.run(_whole, mode):
+        for r in pool.run(_fullgraph, mode):
             assert r["explain"] == (1, 0), (mode, r["reasons"])
             assert r["graphs"] == 1, (mode, r["graphs"])
 

@@ -38,16 +38,8 @@ every rank, so any computation on them is the single device's already. The rank 
 plain tensors (:func:`plain_inputs`), and ``bool`` reductions (``all``/``any``) stay local, so an
 assertion on one rank's shard cannot hang the others.
 
-Why not DTensor parameters (which fxtp's checkpoints use, NOTE: [checkpoint layouts])? DTensor
-cannot express fused segments or front-loaded uneven shards, and refuses lists that mix DTensors
-with plain tensors (every optimizer's parameter list would); ``DistributedDataParallel`` over a
-process group cannot take DTensor parameters (torch's DDP + TP path turns them back into local
-tensors, ``torch.distributed.tensor.parallel.ddp``); FSDP2 over TP DTensors needs the two meshes
-cut from one root mesh. This type keeps ``pm.parameters()`` the local shards (the contract
-DDP, FSDP2, DCP and every test use) and adds what torch's whole-tensor utilities need. Limits:
-FSDP2's ``fully_shard`` replaces the parameters with its own DTensors (over the data-parallel
-mesh only), so there use :func:`fxtp.runtime.clipping.clip_grad_norm_` (``pm.clip_grad_norm_``);
-torch's optimizers take their for-loop path on this subclass unless ``foreach=True`` is passed.
+Why not DTensor parameters, and this type's limits under FSDP2: docs/internals.md, "Sharded
+parameters".
 """
 
 from __future__ import annotations
@@ -98,11 +90,9 @@ def resolve_group(name: str) -> dist.ProcessGroup:
 
 @contextlib.contextmanager
 def plain() -> Iterator[None]:
-    """Inside, sharded tensors behave as plain tensors (the rank graph, fxtp's own bookkeeping).
-
-    ``torch._C.DisableTorchFunctionSubclass`` is what ``torch.Tensor.__torch_function__`` itself
-    runs ops under; it is private, so fxtp enters it here only. ``torch.compile`` traces it.
-    """
+    """Inside, sharded tensors behave as plain tensors (the rank graph, fxtp's own bookkeeping):
+    ``torch._C.DisableTorchFunctionSubclass``, what ``torch.Tensor.__torch_function__`` runs ops
+    under; private, so entered here only. ``torch.compile`` traces it."""
     with torch._C.DisableTorchFunctionSubclass():
         yield
 
@@ -114,10 +104,7 @@ def layout_of(t: Any) -> Optional[ShardLayout]:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a plain tensor (this rank's shard; an alias, no copy); any other tensor as is.
-
-    Like ``DTensor.to_local()``: what to compare with ``shard_tensor(full, ...)`` in a test, or
-    to compute on deliberately per rank.
-    """
+    Like ``DTensor.to_local()``: to compare with ``shard_tensor(full, ...)``, or compute per rank."""
     if not isinstance(t, ShardedTensor):
         return t
     with plain():
@@ -127,12 +114,8 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 @torch.compiler.disable
 def plain_inputs(inputs: list[Any]) -> list[Any]:
     """The rank graph's inputs with sharded parameters as plain aliases (autograd reaches the
-    parameters through them). Run eagerly: a ``torch.compile``d graph calls its kernels on its
-    inputs outside any context fxtp enters, so they must be plain tensors (it runs before any
-    op, so ``torch._dynamo.explain(pm)`` still counts one graph and no break; ``fullgraph=True``
-    refuses it, NOTE: [blocks under torch.compile] in fxtp/runtime/blocks.py). A DTensor
-    parameter (NOTE: [DTensor parameters for FSDP2] in fxtp/runtime/dtensor_params.py) enters
-    as its ``to_local()``."""
+    parameters through them), eagerly (while Dynamo traces, :func:`plain_views`); a DTensor parameter
+    (NOTE: [DTensor parameters for FSDP2] in fxtp/runtime/dtensor_params.py) as its ``to_local()``."""
     return [local_tensor(t) if isinstance(t, ShardedTensor) else t.to_local() if isinstance(t, DTensor) else t
             for t in inputs]
 
@@ -146,6 +129,11 @@ def plain_views(inputs: list[Any]) -> list[Any]:
     with plain():
         return [t.view_as(t) if isinstance(t, ShardedTensor) else t.to_local() if isinstance(t, DTensor) else t
                 for t in inputs]
+
+
+def plain_graph_inputs(inputs: list[Any]) -> list[Any]:
+    """:func:`plain_views` while Dynamo traces, else :func:`plain_inputs`."""
+    return plain_views(inputs) if torch.compiler.is_compiling() else plain_inputs(inputs)
 
 
 def _wrap(t: Any, layout: ShardLayout) -> Any:
@@ -362,6 +350,17 @@ def _reduce(func: Callable, args: Sequence[Any], kwargs: dict) -> Any:
         return value
 
 
+def _compiled_kernel(kwargs: dict) -> bool:
+    """A call writing into a plain ``out=``, as inductor's extern kernels make them.
+
+    NOTE: [compiled kernels on shards]: under ``torch.compile`` a sharded parameter reaches
+    inductor's code as a graph input, and its extern kernels (``extern_kernels.mm(primals_3, x,
+    out=buf0)``, forward or on a saved input in backward) call ops refused on a shard. They are the
+    rank graph's own, local by construction: they run on the shard. (A user's whole-matrix update
+    written with ``out=`` is not caught.)"""
+    return isinstance(kwargs.get("out"), torch.Tensor) and not isinstance(kwargs["out"], ShardedTensor)
+
+
 class ShardedTensor(torch.Tensor):
     """A rank's shard of a tensor whose elements are split over a tensor-parallel group: a plain
     tensor whose whole-tensor computations are exact or refused (NOTE: [sharded parameters])."""
@@ -376,6 +375,9 @@ class ShardedTensor(torch.Tensor):
                 return func(*args, **kwargs)
         if kind == _REDUCE:
             return _reduce(func, args, kwargs)
+        if kind == _DENY and _compiled_kernel(kwargs):  # NOTE: [compiled kernels on shards]
+            with plain():
+                return func(*args, **kwargs)
         if kind == _DENY and not (_name(func) in _SLICES and isinstance(args[0], ShardedParameter)):
             raise _refuse(func, layout, "it transforms the matrix, reads a subset or an order of its elements, or "
                           "reduces along a dim")
