@@ -96,7 +96,8 @@ class Hardware:
         network_step_latency: seconds a ring step across nodes adds (NCCL ``hwLat`` NET).
         achieved_flops: measured FLOP/s per device at the model's own GEMMs, ``((tp, rate), ...)``
             (NOTE: [calibration] in fxtp/planner/calibration.py); a degree listed here replaces
-            ``peak_flops * mfu``. Empty for the datasheet table.
+            ``peak_flops`` at the efficiency by hardware and GEMM size (NOTE: [cost model] in
+            fxtp/planner/costs.py), a degree not listed keeps it. Empty for the datasheet table.
         collectives: measured ``((kind, ranks, latency_s, bus_bytes_per_s), ...)``; a collective
             of a listed kind and group size is timed with them (NOTE: [collective time] in
             fxtp/planner/comm.py). Empty for the datasheet table.
@@ -137,11 +138,6 @@ class Hardware:
         if any(not rate > 0 for _, rate in self.achieved_flops) or any(not (lat >= 0 and bw > 0) for *_, lat, bw in self.collectives):
             raise FxtpConfigError(f"Hardware {self.name!r}: achieved_flops must be > 0 and collectives' latency >= 0, "
                                   f"bandwidth > 0, got {self.achieved_flops!r}, {self.collectives!r}")
-
-    def flops(self, tp: int) -> float:
-        """FLOP/s a device runs a step's FLOPs at, at tensor-parallel degree ``tp``: the measured
-        rate at that degree's GEMMs if calibrated, else ``peak_flops * mfu``."""
-        return dict(self.achieved_flops).get(tp, self.peak_flops * self.mfu)
 
     def collective(self, kind: str, ranks: int) -> "tuple[float, float] | None":
         """The measured ``(latency_s, bus_bytes_per_s)`` of ``kind`` over ``ranks`` ranks, or None."""

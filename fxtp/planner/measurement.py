@@ -232,7 +232,7 @@ def measured_hardware(hw: Hardware, rows: tuple[tuple[Estimate, dict[str, float]
     for e, m in rows:
         c = e.choice
         if m["compute"] > 0:
-            rates[c.tp] = hw.flops(c.tp) * e.step["compute"] / m["compute"]
+            rates[c.tp] = e.rate * e.step["compute"] / m["compute"]  # the rate the row was priced at, rescaled
         if e.step["tp_comm"] > 0 and m["tp_comm"] > 0:
             tp_factor[c.tp] = m["tp_comm"] / e.step["tp_comm"]
         if e.step["fsdp_exposed"] > 0 and m["fsdp_exposed"] > 0:
