@@ -102,6 +102,38 @@ def test_predicted_step_time_within_15_percent_and_the_order_kept(measured):
     assert m.order(measured=True) == m.order(measured=False)
 
 
+def test_the_measured_hardware_prices_each_row_as_measured():
+    """No ranks: rows of dp 4, dp 2 x tp 2 and tp 4, the last two with sequence parallelism
+    (their tp collectives are all_gathers and reduce_scatters, as FSDP2's; dp 2 x tp 2's two
+    groups both have 2 ranks), each term measured at its own factor of the prediction: priced
+    again with the measured Hardware, every term is the measured one."""
+    import torch
+
+    from fxtp.planner import Hardware
+    from fxtp.planner.costs import Choice, Workload, estimate
+    from fxtp.planner.measurement import measured_hardware
+    from fxtp.planner.model import TransformerShape
+    from fxtp.planner.params import parameter_shapes, repeated_blocks
+
+    model = _model()
+    shape = TransformerShape.of(model, repeated_blocks(model).fqn)
+    params = parameter_shapes(model, (1, 2, 4), (torch.zeros(1, SEQ, dtype=torch.long),), {})
+    hw = Hardware("calibrated", 1e10, 2**30, 1e9, 1e9, devices_per_node=4, mfu=1.0, overlap_fsdp=False, compute_bytes=4,
+                  achieved_flops=((1, 1e10), (2, 9e9), (4, 8e9)),
+                  collectives=tuple((kind, n, 1e-4, 1e9) for kind in ("all_reduce", "all_gather", "reduce_scatter") for n in (2, 4)))
+    work = Workload(BATCH, SEQ, True, "adamw", 4, activation_bytes=4, gather_bytes=4)
+    rows = []
+    for i, c in enumerate([Choice(1, 4, False, None, 2, 1), Choice(2, 2, True, None, 4, 1), Choice(4, 1, True, None, 8, 1)]):
+        e = estimate(c, shape, params[c.tp], hw, work)
+        rows.append((e, {"compute": e.step["compute"] * (1.5 + i), "tp_comm": e.step["tp_comm"] * (2.5 + i),
+                         "fsdp_exposed": e.step["fsdp_exposed"] * (0.5 + i)}))
+    again = measured_hardware(hw, tuple(rows))
+    for e, m in rows:
+        priced = estimate(e.choice, shape, params[e.choice.tp], again, work)
+        for term in ("compute", "tp_comm", "fsdp_exposed"):
+            assert priced.step[term] == pytest.approx(m[term], rel=1e-9), (e.choice, term)
+
+
 def test_calibrate_and_measure_usage(capsys):
     """They time a training step of --batch x --seq: both are needed; --device-memory is needed
     only without them."""
