@@ -23,6 +23,7 @@ from fxtp.cli.main import main
 pytest.importorskip("transformers")
 
 BATCH, SEQ = 8, 64
+TIMING_BOUNDS = os.environ.get("FXTP_TIMING_BOUNDS") == "1"
 
 
 def _model():
@@ -37,12 +38,13 @@ def _model():
 
 
 def _calibrate_and_measure() -> dict:
-    """On each rank: the measurement (2 rounds, each calibrating once) and the measured
+    """On each rank: the measurement (1 round: one calibration, a timed step per layout; 3 where
+    the timing bounds are asserted; the rounds' pooling is tested without ranks) and the measured
     Hardware's prediction of each row (the re-plan's figures, as the plan prices them)."""
     from fxtp.planner.measurement import _estimates_on_rank0, measure_on_ranks
 
     model = _model()
-    m = measure_on_ranks(model, batch=BATCH, seq=SEQ, steps=2)
+    m = measure_on_ranks(model, batch=BATCH, seq=SEQ, steps=3 if TIMING_BOUNDS else 1)
     priced = {e.choice: e for e in [m.replan.chosen] + [a.estimate for a in m.replan.alternatives]}
     again = [priced.get(e.choice) for e, _ in m.rows]
     if None in again:  # a row the re-plan did not price as such (another micro-batch)
@@ -63,7 +65,7 @@ def test_calibration_measures_every_degree_and_group(measured):
     over groups of 2 and 4, the host's memory shared by the ranks; each calibration within a
     minute."""
     m = measured["measurement"]
-    hw = m.hardware  # the median of the rounds' calibrations
+    hw = m.hardware
     assert [tp for tp, _ in hw.achieved_flops] == [1, 2, 4], hw
     assert all(1e8 < rate < 1e13 for _, rate in hw.achieved_flops), hw  # FLOP/s of one CPU thread
     assert sorted((kind, n) for kind, n, _, _ in hw.collectives) == sorted(
@@ -93,13 +95,62 @@ def test_measure_runs_each_mesh_and_prices_it_again(measured):
     assert "measured / predicted" in text and ("the choice changes" in text or "the choice does not change" in text)
 
 
-@pytest.mark.skipif(os.environ.get("FXTP_TIMING_BOUNDS") != "1", reason="timing bounds need cores the ranks do not share "
+@pytest.mark.skipif(not TIMING_BOUNDS, reason="timing bounds need cores the ranks do not share "
                     "with other jobs: FXTP_TIMING_BOUNDS=1 asserts them")
 def test_predicted_step_time_within_15_percent_and_the_order_kept(measured):
     m = measured["measurement"]
     for e, got in m.rows:
         assert got["total"] / e.step["total"] == pytest.approx(1, abs=0.15), (e.choice, got["total"], e.step["total"])
     assert m.order(measured=True) == m.order(measured=False)
+
+
+def test_the_measured_hardware_prices_each_row_as_measured():
+    """No ranks: rows of dp 4, dp 2 x tp 2 and tp 4, the last two with sequence parallelism
+    (their tp collectives are all_gathers and reduce_scatters, as FSDP2's; dp 2 x tp 2's two
+    groups both have 2 ranks), each term measured at its own factor of the prediction: priced
+    again with the measured Hardware, every term is the measured one."""
+    import torch
+
+    from fxtp.planner import Hardware
+    from fxtp.planner.costs import Choice, Workload, estimate
+    from fxtp.planner.measurement import measured_hardware
+    from fxtp.planner.model import TransformerShape
+    from fxtp.planner.params import parameter_shapes, repeated_blocks
+
+    model = _model()
+    shape = TransformerShape.of(model, repeated_blocks(model).fqn)
+    params = parameter_shapes(model, (1, 2, 4), (torch.zeros(1, SEQ, dtype=torch.long),), {})
+    hw = Hardware("calibrated", 1e10, 2**30, 1e9, 1e9, devices_per_node=4, mfu=1.0, overlap_fsdp=False, compute_bytes=4,
+                  achieved_flops=((1, 1e10), (2, 9e9), (4, 8e9)),
+                  collectives=tuple((kind, n, 1e-4, 1e9) for kind in ("all_reduce", "all_gather", "reduce_scatter")
+                                    for n in (2, 4)))
+    work = Workload(BATCH, SEQ, True, "adamw", 4, activation_bytes=4, gather_bytes=4)
+    rows = []
+    for i, c in enumerate([Choice(1, 4, False, None, 2, 1), Choice(2, 2, True, None, 4, 1), Choice(4, 1, True, None, 8, 1)]):
+        e = estimate(c, shape, params[c.tp], hw, work)
+        rows.append((e, {"compute": e.step["compute"] * (1.5 + i), "tp_comm": e.step["tp_comm"] * (2.5 + i),
+                         "fsdp_exposed": e.step["fsdp_exposed"] * (0.5 + i)}))
+    again = measured_hardware(hw, tuple(rows))
+    for e, m in rows:
+        priced = estimate(e.choice, shape, params[e.choice.tp], again, work)
+        for term in ("compute", "tp_comm", "fsdp_exposed"):
+            assert priced.step[term] == pytest.approx(m[term], rel=1e-9), (e.choice, term)
+
+
+def test_rounds_pool_their_calibrations():
+    """No ranks: the rounds' calibrations make one Hardware, each measured figure their median
+    and the memory their least (NOTE: [predicted against measured], 2)."""
+    from fxtp.planner import Hardware
+    from fxtp.planner.measurement import pooled
+
+    def calibrated(f: float, memory: int) -> Hardware:
+        return Hardware("calibrated", 1e10, memory, 1e9, 1e9, mfu=1.0, achieved_flops=((1, 1e10 * f), (2, 8e9 * f)),
+                        collectives=(("all_reduce", 2, 1e-4 * f, 1e9 / f), ("all_gather", 2, 2e-4 * f, 2e9 / f)))
+
+    hw = pooled([calibrated(1.0, 3 * 2**30), calibrated(3.0, 2**30), calibrated(2.0, 2 * 2**30)])
+    assert hw.achieved_flops == ((1, 2e10), (2, 1.6e10)) and hw.memory_bytes == 2**30 and hw.peak_flops == 2e10
+    assert hw.collectives == (("all_reduce", 2, 2e-4, 5e8), ("all_gather", 2, 4e-4, 1e9))
+    assert (hw.intra_node_bw, hw.collective_latency) == (5e8, 2e-4)  # the widest all_reduce's
 
 
 def test_calibrate_and_measure_usage(capsys):

@@ -132,3 +132,29 @@ def test_a_clear_win_has_no_close_call():
     hw = HARDWARE["h100"]
     price = _price(5.0)
     assert close_calls(hw, price, 1, price(hw, 1), {8: price(hw, 8)}) == ()
+
+
+def test_a_calibrated_hardware_has_no_close_call_on_what_it_measured():
+    """A Hardware with measured rates and collectives prices with them, not with ``mfu`` or the
+    bandwidths: the assumption lines are left out; the measured-error line stays."""
+    hw = dataclasses.replace(HARDWARE["h100"], achieved_flops=((1, 4e14), (8, 4e14)),
+                             collectives=(("all_reduce", 8, 1e-5, 1e11),))
+    price = _price(1.5)  # moving mfu would flip it (the test above): not for measured rates
+    lines = close_calls(hw, price, 1, price(hw, 1), {8: price(hw, 8)})
+    assert len(lines) == 1 and "within the model's measured error" in lines[0], lines
+
+
+def test_a_calibrated_rate_prices_the_degrees_it_measured_only():
+    """``achieved_flops`` replaces the rate at the degrees it lists; another degree keeps the
+    peak at the efficiency by hardware and GEMM size; each estimate says the rate it used."""
+    from fxtp.planner.params import ParamShapes
+
+    shape, h100 = _llama8b_shape(), HARDWARE["h100"]
+    calibrated = dataclasses.replace(h100, achieved_flops=((8, 1e14),))
+    work = Workload(8, 8192, True, "adamw", 8)
+    for tp, expected in ((8, 1e14), (4, h100.peak_flops * compute_efficiency(h100, shape, 8192, 4))):
+        params = ParamShapes(tp=tp, other=(), block=(), n_blocks=32, analyzed_blocks=2)
+        c = Choice(tp, 8 // tp, False, None, 1, 8 // (8 // tp))
+        e = estimate(c, shape, params, calibrated, work)
+        assert e.rate == pytest.approx(expected)
+        assert e.step["compute"] == pytest.approx(shape.flops_per_token(8192) * 8 * 8192 / (8 * expected))

@@ -2,8 +2,9 @@
 devices and process groups, for ``fxtp.plan(..., hardware=)``.
 
 NOTE: [calibration]
-The datasheet table prices every GEMM at one efficiency (``mfu``) and every collective with
-NCCL's constants. A calibration replaces them with what the ranks that will run the model
+The datasheet table prices every GEMM at the device's efficiency by GEMM size (``mfu`` times
+the wave quantization, NOTE: [GEMM efficiency] in fxtp/planner/hardware.py) and every
+collective with NCCL's constants. A calibration replaces them with what the ranks that will run the model
 achieve, measured on all of them at once (so ranks sharing a host's cores or links contend as
 they will in the run), each figure the slowest rank's:
 

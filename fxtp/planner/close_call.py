@@ -13,6 +13,10 @@ A plan is a close call when either
   0.29 to 0.75 of peak on H100 and A100: docs/plan_command.md), the network per GPU from a
   quarter (one NIC shared by 4 GPUs, or HDR 200 Gb/s against NDR 400) to twice the table's,
   NVLink from half (the bus bandwidth nccl-tests measure at small sizes) to the datasheet's.
+  A calibrated ``Hardware`` (NOTE: [calibration] in fxtp/planner/calibration.py) prices with
+  what it measured in their place, the rates (``achieved_flops``) and the collectives
+  (``collectives``), which moving ``mfu`` or a bandwidth would not change: those assumptions
+  are not moved for it; the first test still applies.
 
 The flip point is found by bisection on the assumption, each step re-pricing the two rows'
 degrees (their best sequence parallelism, checkpointing and micro-batch again, under the
@@ -31,12 +35,13 @@ from fxtp.planner.hardware import Hardware
 __all__ = ["MEASURED_ERROR", "ASSUMPTIONS", "close_calls"]
 
 # median |log(predicted / measured)| over the published runs (docs/bench_plan.json "published")
-MEASURED_ERROR = 0.170
-# (what the plan calls it, the Hardware field, the plausible range as factors of the table's figure)
+MEASURED_ERROR = 0.161
+# (what the plan calls it, the Hardware field, the plausible range as factors of the table's
+# figure, the field of a calibrated Hardware that measures it instead)
 ASSUMPTIONS = (
-    ("achieved efficiency (mfu)", "mfu", 0.6, 1.4),
-    ("network bandwidth per GPU", "inter_node_bw", 0.25, 2.0),
-    ("NVLink bandwidth", "intra_node_bw", 0.5, 1.0),
+    ("achieved efficiency (mfu)", "mfu", 0.6, 1.4, "achieved_flops"),
+    ("network bandwidth per GPU", "inter_node_bw", 0.25, 2.0, "collectives"),
+    ("NVLink bandwidth", "intra_node_bw", 0.5, 1.0, "collectives"),
 )
 
 Price = Callable[[Hardware, int], Optional[float]]  # (hardware, tp) -> the tp's best step seconds, None if none fits
@@ -91,7 +96,9 @@ def close_calls(hw: Hardware, price: Price, best: int, best_s: float, others: di
         lines.append(f"tp {other} is {other_s / best_s - 1:.1%} slower than tp {best}, within the model's measured error "
                      f"({math.exp(MEASURED_ERROR) - 1:.0%}, the median over published runs): either may be faster")
     tps = (best, *sorted(others))
-    for name, field, low, high in ASSUMPTIONS:
+    for name, field, low, high, measured in ASSUMPTIONS:
+        if getattr(hw, measured):  # calibrated: priced with the measurement, not this figure
+            continue
         here = getattr(hw, field)
         hi = min(1.0, here * high) if field == "mfu" else here * high
         found = _flip(price, hw, field, here * low, hi, tps)

@@ -18,7 +18,8 @@ Simple protocol, the one NCCL picks for the MB-sized payloads priced here):
   fields ``collective_latency``, ``nvlink_step_latency``, ``network_step_latency``).
 - A calibrated :class:`~fxtp.planner.hardware.Hardware` (``fxtp.planner.calibrate``) carries
   a measured ``latency`` and ``bus_bw`` per kind and group size, fitted to this same formula
-  on the local ranks; they replace the table's for those groups.
+  on the local ranks; they replace the table's for those groups (a kind written
+  ``"tp:all_gather"`` times only a tensor-parallel group's, ``"dp:..."`` a data-parallel one's).
 - ``bus_bw``: NVLink's per-direction bandwidth inside a node. A group spanning nodes is
   limited by the network: its ``k`` ranks on a node run ``k`` rings, each through the NIC of
   its GPU (DGX H100: one ConnectX-7 per GPU; NCCL's ring bandwidth is ``nChannels x
@@ -55,10 +56,13 @@ __all__ = ["Group", "Unit", "ring_time", "ring_latency", "fsdp_exposed"]
 
 @dataclass(frozen=True)
 class Group:
-    """A process group: ``ranks`` ranks, ``per_node`` of them on each node they span."""
+    """A process group: ``ranks`` ranks, ``per_node`` of them on each node they span; ``role``
+    ``"tp"`` or ``"dp"`` (a measured Hardware may time a role's collectives apart, NOTE:
+    [predicted against measured] in fxtp/planner/measurement.py)."""
 
     ranks: int
     per_node: int
+    role: str = ""
 
     @property
     def nodes(self) -> int:
@@ -67,12 +71,12 @@ class Group:
     @classmethod
     def tp(cls, tp: int, devices_per_node: int) -> "Group":
         """The tensor-parallel group: ``tp`` consecutive ranks (the mesh's inner dim)."""
-        return cls(tp, min(tp, devices_per_node))
+        return cls(tp, min(tp, devices_per_node), "tp")
 
     @classmethod
     def dp(cls, tp: int, dp: int, devices_per_node: int) -> "Group":
         """The data-parallel group of one tp rank: every ``tp``-th rank (the mesh's outer dim)."""
-        return cls(dp, max(1, min(dp, devices_per_node // tp)))
+        return cls(dp, max(1, min(dp, devices_per_node // tp)), "dp")
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,7 @@ def ring_time(kind: str, payload: float, group: Group, hw: Hardware) -> float:
     if n <= 1:
         return 0.0
     steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
-    measured = hw.collective(kind, n)  # NOTE: [calibration] in fxtp/planner/calibration.py
+    measured = hw.collective(kind, n, group.role)  # NOTE: [calibration] in fxtp/planner/calibration.py
     if measured is not None:
         return measured[0] + payload * steps / n / measured[1]
     nodes = group.nodes

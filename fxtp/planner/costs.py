@@ -58,8 +58,9 @@ not hide.
   and down projections ``(b s, n / tp) @ (n / tp, h)``. The same share for their backward
   GEMMs, the attention and the head.
   A calibrated ``Hardware`` (NOTE: [calibration] in fxtp/planner/calibration.py) gives the rate
-  measured at each ``tp``'s GEMMs instead (``Hardware.flops``), and on CPU ranks prices FSDP2's
-  collectives as exposed (``overlap_fsdp=False``: no streams to overlap on).
+  measured at each ``tp``'s GEMMs instead (``Hardware.achieved_flops``; a degree it did not
+  measure is priced as above), and on CPU ranks prices FSDP2's collectives as exposed
+  (``overlap_fsdp=False``: no streams to overlap on).
 - tensor parallelism: per block and micro-batch, in all_reduces of ``(b, s, h)`` bf16: 2
   forward and 2 backward (Megatron's floor, Shoeybi et al. 2019, section 3), 1 more under
   sequence parallelism (the backward's 2 all_gathers of saved shards, NOTE: [regathered
@@ -151,6 +152,7 @@ class Estimate:
     memory: dict[str, int]
     step: dict[str, float]
     comm_bytes: dict[str, int]  # sent per device per step, by kind
+    rate: float = 0.0  # FLOP/s per device the compute is priced at (NOTE: [cost model])
 
     @property
     def peak(self) -> int:
@@ -194,8 +196,10 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
     memory = _memory(choice, shape, params, work)
     tokens = work.batch * work.seq
     devices = tp * dp
-    # the calibrated rate at tp's GEMMs, else the peak at the efficiency by hardware and GEMM size
-    rate_per_device = hw.flops(tp) if hw.achieved_flops else hw.peak_flops * compute_efficiency(hw, shape, b * work.seq, tp)
+    # the rate calibrated at tp's GEMMs where one was measured, else the peak at the efficiency by
+    # hardware and GEMM size (a calibrated Hardware priced at a degree it did not measure included)
+    measured = dict(hw.achieved_flops).get(tp)
+    rate_per_device = measured if measured else hw.peak_flops * compute_efficiency(hw, shape, b * work.seq, tp)
     rate = devices * rate_per_device
     if work.training:
         compute = shape.flops_per_token(work.seq, ac) * tokens / rate
@@ -241,7 +245,7 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
         "fsdp_exposed": fsdp_exposed_s,
         "total": compute + tp_s + fsdp_exposed_s,
     }
-    return Estimate(choice, memory, step, {"tp": tp_bytes, "fsdp": fsdp_bytes})
+    return Estimate(choice, memory, step, {"tp": tp_bytes, "fsdp": fsdp_bytes}, rate_per_device)
 
 
 def _fsdp_units(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: Hardware, work: Workload,

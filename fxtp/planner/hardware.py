@@ -96,10 +96,12 @@ class Hardware:
         network_step_latency: seconds a ring step across nodes adds (NCCL ``hwLat`` NET).
         achieved_flops: measured FLOP/s per device at the model's own GEMMs, ``((tp, rate), ...)``
             (NOTE: [calibration] in fxtp/planner/calibration.py); a degree listed here replaces
-            ``peak_flops * mfu``. Empty for the datasheet table.
+            ``peak_flops`` at the efficiency by hardware and GEMM size (NOTE: [cost model] in
+            fxtp/planner/costs.py), a degree not listed keeps it. Empty for the datasheet table.
         collectives: measured ``((kind, ranks, latency_s, bus_bytes_per_s), ...)``; a collective
             of a listed kind and group size is timed with them (NOTE: [collective time] in
-            fxtp/planner/comm.py). Empty for the datasheet table.
+            fxtp/planner/comm.py); a kind ``"tp:all_gather"`` (``"dp:..."``) only a
+            tensor-parallel (data-parallel) group's. Empty for the datasheet table.
         overlap_fsdp: FSDP2's collectives run beside compute (separate CUDA streams, NOTE:
             [fsdp overlap]); False prices them all as exposed (a CPU: one stream).
         compute_bytes: bytes of an activation and of a gathered parameter element in the dtype
@@ -138,15 +140,14 @@ class Hardware:
             raise FxtpConfigError(f"Hardware {self.name!r}: achieved_flops must be > 0 and collectives' latency >= 0, "
                                   f"bandwidth > 0, got {self.achieved_flops!r}, {self.collectives!r}")
 
-    def flops(self, tp: int) -> float:
-        """FLOP/s a device runs a step's FLOPs at, at tensor-parallel degree ``tp``: the measured
-        rate at that degree's GEMMs if calibrated, else ``peak_flops * mfu``."""
-        return dict(self.achieved_flops).get(tp, self.peak_flops * self.mfu)
-
-    def collective(self, kind: str, ranks: int) -> "tuple[float, float] | None":
-        """The measured ``(latency_s, bus_bytes_per_s)`` of ``kind`` over ``ranks`` ranks, or None."""
-        found = [(lat, bw) for k, n, lat, bw in self.collectives if k == kind and n == ranks]
-        return found[0] if found else None
+    def collective(self, kind: str, ranks: int, role: str = "") -> "tuple[float, float] | None":
+        """The measured ``(latency_s, bus_bytes_per_s)`` of ``kind`` over ``ranks`` ranks, or None:
+        the entry for the group's ``role`` (``"tp:all_gather"``) if there is one, else ``kind``'s."""
+        for name in ((f"{role}:{kind}",) if role else ()) + (kind,):
+            found = [(lat, bw) for k, n, lat, bw in self.collectives if k == name and n == ranks]
+            if found:
+                return found[0]
+        return None
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)

@@ -29,10 +29,11 @@ fxtp/planner/calibration.py) unless one is given:
    seen above the level before the rank built its model; the largest rank's. It is glibc's
    counter, not fxtp's accounting (the instrument of the repository's ``shared/tools/heap.py``,
    its few lines kept here so the package carries it). On GPUs, ``torch.cuda.max_memory_allocated``.
-5. The measured figures make a second ``Hardware``: each degree's achieved rate scaled by
-   predicted over measured compute, each all_reduce of a group size by its tp layout's measured
-   over predicted tensor-parallel time, each all_gather and reduce_scatter by its dp layout's
-   FSDP time, and ``fxtp.plan`` runs again with it: the result says whether the choice changes.
+5. The measured figures make a second ``Hardware``: each degree's rate scaled by predicted over
+   measured compute, each collective of a tp group of ``n`` ranks (sequence parallelism's too) by
+   the tp ``n`` layout's measured over predicted tp time, of a dp group by the dp ``n`` layout's
+   FSDP time, apart by role (``"tp:all_gather"``: dp 2 x tp 2's groups both have 2 ranks);
+   ``fxtp.plan`` runs again with it: the result says whether the choice changes.
 
 On CPU ranks FSDP2 has no streams to overlap on (NOTE: [calibration]), so the run cannot show
 NOTE: [fsdp overlap]'s hiding of FSDP communication behind compute, and the calibrated
@@ -232,15 +233,15 @@ def measured_hardware(hw: Hardware, rows: tuple[tuple[Estimate, dict[str, float]
     for e, m in rows:
         c = e.choice
         if m["compute"] > 0:
-            rates[c.tp] = hw.flops(c.tp) * e.step["compute"] / m["compute"]
+            rates[c.tp] = e.rate * e.step["compute"] / m["compute"]  # the rate the row was priced at, rescaled
         if e.step["tp_comm"] > 0 and m["tp_comm"] > 0:
             tp_factor[c.tp] = m["tp_comm"] / e.step["tp_comm"]
         if e.step["fsdp_exposed"] > 0 and m["fsdp_exposed"] > 0:
             fsdp_factor[c.dp] = m["fsdp_exposed"] / e.step["fsdp_exposed"]
-    collectives = []
-    for kind, n, latency, bw in hw.collectives:
-        f = (tp_factor if kind == "all_reduce" else fsdp_factor).get(n, 1.0)
-        collectives.append((kind, n, latency * f, bw / f))
+    collectives = list(hw.collectives) + [  # per role: dp 2 x tp 2's two groups both have 2 ranks
+        (f"{role}:{kind}", n, found[0] * f, found[1] / f) for role, factors in (("tp", tp_factor), ("dp", fsdp_factor))
+        for n, f in sorted(factors.items()) for kind in ("all_reduce", "all_gather", "reduce_scatter")
+        for found in [hw.collective(kind, n)] if found is not None]
     return dataclasses.replace(hw, name=f"{hw.name}, measured", achieved_flops=tuple(sorted(rates.items())),
                                collectives=tuple(collectives))
 
