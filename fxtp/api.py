@@ -28,6 +28,7 @@ from fxtp.arguments import (
 )
 from fxtp.capture.hf_defaults import call_defaults, spec_with_defaults
 from fxtp.capture.frontends import Captured, auto_dynamic_shapes, capture, capture as _capture  # _capture: where `capture=` shadows it
+from fxtp.capture.isolation import independent_inputs
 from fxtp.runtime.checkpoint import bind_state_keys
 from fxtp.core.autocast import autocast_as
 from fxtp.core.errors import FxtpConfigError, FxtpPlanError
@@ -221,9 +222,8 @@ def _compile_decoder(model: nn.Module, world_size: int, example_inputs: tuple, *
 # plan must shard the parameters alike (one set of shards); a mode that would shard one differently is an
 # ``FxtpPlanError`` at that switch. A mode whose graph is the compiled one's shares it. A graph that draws random
 # numbers where the compiled one did not syncs the generators at that switch, a collective (every rank switches at the
-# same call). A model compiled in a mixed state (a frozen batch norm) keeps that graph until the first
-# ``train()``/``eval()``. A model that cannot be deep-copied gets its other mode captured at compile. Later switches
-# cost nothing.
+# same call). A model compiled in a mixed state (a frozen batch norm) keeps that graph until the first ``train()``/
+# ``eval()``. A model that cannot be deep-copied gets its other mode captured at compile. Later switches cost nothing.
 
 
 def _other_mode(model: nn.Module, mode: str, args: tuple, kwargs: dict,
@@ -314,10 +314,8 @@ def _size_graphs(copied: nn.Module, options: CompileOptions, plans: tuple[Option
 
 
 def _rewrite(program, sharding: ShardingPlan, options: CompileOptions) -> torch.fx.GraphModule:
-    if options.world_size == 1:
-        gm = copy.deepcopy(program.graph_module)
-    else:
-        gm = rewrite(program.graph_module, sharding, rank=options.rank, group_name=options.group_name or "")
+    gm = (copy.deepcopy(program.graph_module) if options.world_size == 1
+          else rewrite(program.graph_module, sharding, rank=options.rank, group_name=options.group_name or ""))
     causal_attention(gm.graph)  # NOTE: [causal masks] in fxtp/core/local_ops.py
     gm.recompile()
     return gm
@@ -379,6 +377,8 @@ def _analyze(model: nn.Module, args: tuple, kwargs: dict, options: CompileOption
     check_capture(options.capture)
     overrides = check_plan(options.plan)
     start = time.perf_counter()
+    args, kwargs, shapes = independent_inputs(args, kwargs, options.shapes)  # one set for every capture and the respec below
+    options = options if shapes is options.shapes else dataclasses.replace(options, shapes=shapes)
     captured, sharding, capture_s = _capture_and_plan(model, args, kwargs, options, overrides)
     symbols = plan_symbols(captured.program.graph, sharding)
     notes = list(captured.notes)

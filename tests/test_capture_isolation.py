@@ -57,6 +57,21 @@ def test_aliased_example_inputs_are_separate_graph_inputs(frontend):
         torch.testing.assert_close(pm(x, y), model(x, y))
 
 
+def test_one_tensor_for_inputs_whose_dims_the_plan_specializes_differently():
+    """Self-attention compiled as ``mha(x, x, x)`` (shared case 14): the query's length stays
+    dynamic while the plan specializes the key's, so the two uses of ``x`` need different
+    ``dynamic_shapes`` entries, which torch keys by tensor; before, a raw ``AssertionError``
+    ("Shapes assigned to input do not match"). The inputs are made independent once for every
+    capture of a compile."""
+    torch.manual_seed(0)
+    model = nn.MultiheadAttention(64, 4, batch_first=True)
+    x, memory = torch.randn(2, 8, 64), torch.randn(2, 5, 64)
+    pm = fxtp.compile(model, 2, (x, x, x))  # no process group: rank 0's graph, for the plan
+    assert {layer.name: layer.style for layer in pm.report.layers}["out_proj"] == "rowwise"
+    one = fxtp.compile(model, 1, (x, x, x))
+    torch.testing.assert_close(one(x, memory, memory)[0], model(x, memory, memory)[0])
+
+
 def test_compile_writes_nothing_to_the_model_also_when_it_fails():
     """Issue 35, item 2 (NOTE: [capture on a copy]): a forward that writes to its module, under
     every frontend, compiled and refused; the model's every attribute is as it was."""
