@@ -37,6 +37,10 @@ parameters and the optimizer's states plus what the moment holds. The runtime is
   (``reduce_scatter_states`` in ``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``).
 - the optimizer's step: the sharded gradients, 4 B an element (AdamW's states exist from the
   first step: in steady state they are held through every moment).
+- under gradient accumulation, every micro-batch after the first runs beside the gradients
+  the earlier ones left (FSDP2: the sharded gradients, 4 B an element over ``dp``; without it,
+  accumulated in place), so the loss's and a backward's moments hold them all: the last
+  micro-batch's moments are the step's.
 
 ``Estimate.memory`` is the peak moment's bytes by what holds them, so its terms sum to the
 peak: ``grads`` are those held then (at a backward's peak, the head's and the blocks' already
@@ -317,7 +321,9 @@ def step_moments(choice: Choice, shape: TransformerShape, params: ParamShapes, w
     fsdp = dp > 1
     root = g * (first + last) if fsdp else 0  # the root unit, gathered through forward and backward
     head_grads = (g if fsdp else _GRAD) * last  # the head's and final norm's gradients, unsharded until the root's reduce
-    moments = {"loss": {"grads": 0, "fsdp_buffers": root,
+    # under accumulation, a later micro-batch runs beside the gradients the earlier ones left (FSDP2: sharded)
+    kept = _GRAD * params.elements(dp) if choice.accumulation > 1 else 0
+    moments = {"loss": {"grads": kept, "fsdp_buffers": root,
                         "activations": layers * per_block + shape.other_activations(b, s, tp, sp=sp, e=e)
                         + shape.loss_activations(b, s, tp, e)}}
     working = shape.recomputed_block(b, s, tp, sp=sp, ac=ac, e=e) + shape.residual_gradients(b, s, tp, sp=sp, e=e)
@@ -327,7 +333,8 @@ def step_moments(choice: Choice, shape: TransformerShape, params: ParamShapes, w
         # the block gathered, the next one prefetched, its unsharded gradients; FSDP2 keeps the last
         # reduce_scatter's input until the next unit's (``reduce_scatter_states``)
         unit = (3 * g * block + (_GRAD * block if later else 0)) if fsdp else 0
-        held = {"grads": head_grads + later * (block_grads if fsdp else _GRAD * block),
+        done = later * (block_grads if fsdp else _GRAD * block)  # accumulated into ``kept`` when it is held
+        held = {"grads": max(kept + (head_grads if fsdp else 0), head_grads + done),
                 "activations": (i + 1) * per_block + working, "fsdp_buffers": root + unit}
         if best is None or sum(held.values()) > sum(best.values()):
             best = held
