@@ -26,6 +26,15 @@ on 1/world_size of the tokens instead:
 * a layer that saves its all_gathered input for backward saves the shard instead and gathers
   it again in backward (NOTE: [regathered activations] in fxtp/core/activations.py).
 
+NOTE: [a reduce site fed by the region]
+A reduce_scatter site can itself take a token-sharded value: a SwiGLU's ``act(w1(x)) * w3(x)``
+with both layers rowwise is ``Partial`` (a replicated gate times a partial sum), so the
+``mul`` is the site, and the gate ``act(w1(x))`` is in the region (w1's own reduce_scatter).
+Such an input leaves the region at the site and is all_gathered, as at any op the region ends
+at. Skipping the site (it is in the region as its output's shard) left the tensor-parallel
+``f`` on that input: one token a rank (seq 4 at world size 4) broadcast against the whole
+partial sum, silently wrong (tests/test_fuzz_regressions.py "sp-einsum-ff-swiglu").
+
 Layer styles are those of the tensor-parallel plan; this pass changes only where values are
 sharded and how they are reduced and gathered. A GPT-2 ``Conv1D`` computes on ``(B*T, H)``
 rows and views the result back to ``(B, T, H)``: its reduce_scatter (and bias) moves past that
@@ -113,8 +122,8 @@ def sequence_parallel(graph: Graph, plan: ShardingPlan, param_names: frozenset[s
                 if a in region:
                     edges[(node.name, a.name)] = _gather(region[a], plan.edges.get((node.name, a.name)), node, a)
             continue
-        if node.op != "call_function" or node in region:
-            continue
+        if node.op != "call_function" or node in region and node.name not in scatters:
+            continue  # a scatter site still gathers its token-sharded inputs: NOTE: [a reduce site fed by the region]
         ins = [a for a in node.all_input_nodes if a in region]
         if not ins:
             continue
