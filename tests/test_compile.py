@@ -141,6 +141,10 @@ def _per_block(layers: int, mode: str, steps: int) -> dict:
             for o in opts:
                 o.step()
                 o.zero_grad()
+        full, want = pm.full_state_dict(), eager.full_state_dict()  # under the model's FQNs, not _orig_mod's
+        assert full.keys() == want.keys() == ref.state_dict().keys()
+        for key, value in full.items():
+            torch.testing.assert_close(value, want[key], msg=lambda m: f"{mode}: {key}: {m}")
         return {"graphs": len(graphs), "breaks": sum(counters["graph_break"].values())}
 
 

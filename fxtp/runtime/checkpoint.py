@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from fxtp.core.collectives import all_gather
 from fxtp.core.errors import FxtpInputError, FxtpRuntimeError
 from fxtp.runtime import sharded
+from fxtp.runtime.blocks import model_fqn
 from fxtp.runtime.layout import local_form
 from fxtp.runtime.sharded import local_tensor
 from fxtp.core.placement import REPLICATE, Placement, Shard, local_ranges, owned_part, shard_tensor
@@ -268,9 +269,10 @@ def _check_meta(pm: nn.Module, supplied: set[str]) -> None:
 
 
 def _named_tensors(pm: nn.Module, constants: bool = False) -> list[tuple[str, torch.Tensor]]:
-    """Parameters and buffers of ``pm`` under every FQN (tied ones repeated), without fxtp's constants."""
+    """Parameters and buffers of ``pm`` under every FQN (tied ones repeated), without fxtp's constants;
+    a block replaced by its ``torch.compile`` (torchtitan's ``apply_compile``) under the model's FQNs."""
     named = [*pm.named_parameters(remove_duplicate=False), *pm.named_buffers(remove_duplicate=False)]
-    return [(fqn, t) for fqn, t in named if constants or not fqn.startswith(_CONSTANTS)]
+    return [(model_fqn(fqn), t) for fqn, t in named if constants or not fqn.startswith(_CONSTANTS)]
 
 
 def _state_keys(pm: nn.Module) -> dict[str, str]:
