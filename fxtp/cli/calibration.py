@@ -8,7 +8,6 @@ import argparse
 import json
 from typing import Any
 
-from fxtp.cli.inspection import UsageError
 
 __all__ = ["add_measuring_arguments", "check_measuring", "calibrated", "run_measure"]
 
@@ -28,6 +27,8 @@ def check_measuring(args: argparse.Namespace) -> None:
     Raises:
         UsageError: a missing or contradicting argument (the CLI exits 2).
     """
+    from fxtp.cli.inspection import UsageError  # imports torch: not while the parser is built (fxtp --help)
+
     measuring = args.calibrate or args.measure
     if args.device_memory is None and not measuring:
         raise UsageError("the following arguments are required: --device-memory (or --calibrate, which measures it)")
