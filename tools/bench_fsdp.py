@@ -20,19 +20,14 @@ ranks (``tests/test_fsdp_blocks.py`` asserts the bound with it); :func:`bench` s
 from __future__ import annotations
 
 import copy
-import datetime
 import gc
-import json
 import os
-import socket
 import sys
-import tempfile
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,6 +36,7 @@ for path in (ROOT, os.path.join(os.path.dirname(ROOT), "shared", "tools"), "/wor
         sys.path.insert(0, path)
 
 import fxtp  # noqa: E402
+from fxtp.planner.calibration import spawn_ranks  # noqa: E402
 
 __all__ = ["Block", "Net", "measure", "bench", "compile_seconds"]
 
@@ -180,31 +176,14 @@ def _first_compiled_call(label: str, blocks: int, counters: Any) -> dict[str, fl
     return {f"{label}_first_call_s": seconds, f"{label}_graphs": counters["stats"]["unique_graphs"]}
 
 
-def _rank(rank: int, port: int, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=300))
-    try:
-        result = {}
-        for label, kw in {"tp": {}, "sp": {"sequence_parallel": True}, "ac_blocks": {"checkpointing": True}}.items():
-            result[label] = measure(**kw)
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
+def _all_configs() -> dict[str, Any]:
+    return {label: measure(**kw) for label, kw in
+            {"tp": {}, "sp": {"sequence_parallel": True}, "ac_blocks": {"checkpointing": True}}.items()}
 
 
 def bench() -> dict[str, Any]:
     """``{config: {"fxtp": MiB, "hand": MiB, "ratio": x}}`` on 4 spawned gloo ranks (dp 2 x tp 2)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "out.json")
-        mp.spawn(_rank, args=(port, path), nprocs=4, join=True)
-        with open(path) as f:
-            raw = json.load(f)
+    raw = spawn_ranks(_all_configs, 4, 300)
     return {k: {"fxtp_mib": v["fxtp"] / 2**20, "hand_mib": v["hand"] / 2**20, "ratio": v["fxtp"] / v["hand"]} for k, v in raw.items()}
 
 

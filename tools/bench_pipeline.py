@@ -16,19 +16,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -98,29 +94,11 @@ def measure() -> dict[str, Any]:
     return out
 
 
-def _rank(rank: int, port: int, path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=300))
-    try:
-        result = measure()
-        if rank == 0:
-            with open(path, "w") as f:
-                json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
-
-
 def bench() -> dict[str, Any]:
     """:func:`measure` on 4 spawned gloo ranks."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "out.json")
-        mp.spawn(_rank, args=(port, path), nprocs=4, join=True)
-        with open(path) as f:
-            return json.load(f)
+    from fxtp.planner.calibration import spawn_ranks
+
+    return spawn_ranks(measure, 4, 300)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -27,18 +27,13 @@ gather_bytes=4)`` (fp32 activations and gathers), micro-batch 4, no sequence par
 
 from __future__ import annotations
 
-import datetime
 import gc
-import json
 import os
-import socket
 import sys
-import tempfile
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for path in (ROOT, os.path.join(os.path.dirname(ROOT), "shared", "tools"), "/work/shared/tools"):
@@ -46,6 +41,7 @@ for path in (ROOT, os.path.join(os.path.dirname(ROOT), "shared", "tools"), "/wor
         sys.path.insert(0, path)
 
 import fxtp  # noqa: E402
+from fxtp.planner.calibration import spawn_ranks  # noqa: E402
 
 __all__ = ["CONFIG", "measure", "predict", "bench"]
 
@@ -137,30 +133,14 @@ def measure(tp: int, ac: Optional[str]) -> dict[str, Any]:
     return {k: max(g[k] for g in gathered) for k in got}
 
 
-def _rank(rank: int, port: int, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=300))
-    try:
-        result = [[tp, ac, measure(tp, ac)] for tp in (2, 1) for ac in (None, "selective", "blocks")]
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
+def _all_configs() -> list[list[Any]]:
+    return [[tp, ac, measure(tp, ac)] for tp in (2, 1) for ac in (None, "selective", "blocks")]
 
 
 def bench() -> dict[str, Any]:
     """``{"dp2xtp2 None": {"measured": {...}, "predicted": {...}}, ...}`` on 4 spawned gloo ranks."""
     predicted = predict()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "out.json")
-        mp.spawn(_rank, args=(port, path), nprocs=4, join=True)
-        with open(path) as f:
-            measured = json.load(f)
+    measured = spawn_ranks(_all_configs, 4, 300)
     return {f"dp{4 // tp}xtp{tp} {ac}": {"measured": m, "predicted": predicted[tp, ac]} for tp, ac, m in measured}
 
 
