@@ -14,18 +14,8 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fxtp.arguments import (
-    CompileOptions,
-    Group,
-    check_capture,
-    check_checkpointing,
-    check_flag,
-    check_inputs,
-    check_plan,
-    check_strategy,
-    check_world_size,
-    resolve_group,
-)
+from fxtp.arguments import (CompileOptions, Group, check_capture, check_checkpointing, check_flag, check_inputs, check_plan,
+                             check_same_model, check_strategy, check_world_size, resolve_group)
 from fxtp.capture.hf_defaults import call_defaults, spec_with_defaults
 from fxtp.capture.frontends import Captured, auto_dynamic_shapes, capture, capture as _capture  # _capture: where `capture=` shadows it
 from fxtp.capture.isolation import independent_inputs
@@ -153,6 +143,9 @@ def _compile(model: nn.Module, example_inputs: Optional[tuple], example_kwargs: 
     defaults, left_out = call_defaults(model, kwargs)  # NOTE: [Hugging Face call defaults]
     kwargs |= defaults
     group_name, rank = resolve_group(ws, rank, group)
+    tp_group = (group.get_group() if hasattr(group, "get_group") else group or dist.group.WORLD) if group_name is not None else None
+    if tp_group is not None:
+        check_same_model(model, tp_group)  # each rank slices its shards from its own copy
     shapes = _shapes_spec(args, kwargs, dynamic, spec_with_defaults(dynamic_shapes, defaults))
     options = dataclasses.replace(options, world_size=ws, rank=rank, group_name=group_name, shapes=shapes)
     devices = frozenset(t.device.type for t in itertools.chain(model.parameters(), model.buffers(), pytree.tree_leaves((args, kwargs)))
@@ -188,7 +181,6 @@ def _compile(model: nn.Module, example_inputs: Optional[tuple], example_kwargs: 
     # The captured graphs, not the rank graphs: there a random op on a shard is fxtp's own call.
     report.generator_check = any(draws_random(prog.graph) for prog, _ in graphs.values())
     code = program_code(gm)  # before the module binds its blocks (NOTE: [modes])
-    tp_group = (group.get_group() if hasattr(group, "get_group") else group or dist.group.WORLD) if group_name is not None else None
     if tp_group is not None and report.generator_check:  # NOTE: [dropout across ranks]
         sync_generators(tp_group)
     pm = ParallelModule(

@@ -25,6 +25,7 @@ __all__ = [
     "check_flag",
     "check_inputs",
     "check_plan",
+    "check_same_model",
     "check_strategy",
     "check_world_size",
     "resolve_group",
@@ -127,6 +128,39 @@ def resolve_group(ws: int, rank: Optional[int], group: Group) -> tuple[Optional[
         raise FxtpConfigError(f"rank={rank} but this process is rank {group_rank} of the group; drop rank=")
     return group.group_name, group_rank
 
+def check_same_model(model: nn.Module, group: "dist.ProcessGroup") -> None:
+    """Raise unless every rank of ``group`` holds the same ``model`` (a collective: one
+    ``all_gather_object`` of each parameter's and buffer's float64 sum and 2-norm).
+
+    Each rank slices its shards from its own copy of the model, so ranks that built it from
+    different seeds, or loaded different weights, would run a model that is none of theirs.
+    Identical tensors give bit-identical reductions; a relative 1e-9 allows another device type's
+    summation order. Tensors on the meta device (not materialized) are not compared.
+
+    Raises:
+        FxtpConfigError: a parameter or buffer (named by FQN) that differs, or models whose
+            parameter and buffer names differ, between the ranks.
+    """
+    mine = []
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if t.is_meta:
+            continue
+        t = t.detach()
+        floats = t if t.is_floating_point() or t.is_complex() else t.double()
+        mine.append((name, float(t.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(floats, dtype=torch.float64))))
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    for r, theirs in enumerate(every):
+        if [n for n, *_ in theirs] != [n for n, *_ in mine]:
+            raise FxtpConfigError(f"the model's parameters and buffers differ between this rank and rank {r} of the "
+                                  "tensor-parallel group (other names); fix: build the same model on every rank")
+        for (name, *a), (_, *b) in zip(mine, theirs):
+            if any(abs(x - y) > 1e-9 * max(abs(x), abs(y)) for x, y in zip(a, b)):
+                raise FxtpConfigError(
+                    f"the model differs between the ranks: {name!r} has sum {a[0]:.6g} here (rank "
+                    f"{dist.get_rank(group)}) and {b[0]:.6g} on rank {r} of the tensor-parallel group; every rank "
+                    "slices its shards from its own copy, so they must start from one model. fix: seed every rank "
+                    "the same before building the model (torch.manual_seed(0)), or load the same weights on each")
 
 
 def check_strategy(

@@ -430,3 +430,45 @@ def test_weight_decay_groups_by_module_type_match_one_device(pool):
     ``nn.LayerNorm``), so the decay groups and 3 AdamW steps equal the single device's."""
     for rank in pool.run(_decay_groups):
         assert 0 < rank["decay"] < rank["all"], rank
+
+
+def _rank_divergent_models() -> list[str]:
+    """Ranks that hold different models (each seeded by its rank; one element of one parameter,
+    one float buffer or one integer buffer changed on the last rank; other parameter names) are
+    refused on every rank at compile, before capture, naming the tensor (ranks that hold one
+    model compile: every other test)."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    last = rank == ws - 1
+
+    def seeded(m: nn.Module) -> nn.Module:
+        m.register_buffer("scale", torch.ones(16))
+        m.register_buffer("steps", torch.tensor(7))
+        return m
+
+    def perturbed(where: str) -> nn.Module:
+        m = seeded(_block())
+        if last:
+            with torch.no_grad():
+                {"param": lambda: m.fc2.weight[3, 5].add_(1e-3), "buffer": lambda: m.scale[0].add_(1e-3),
+                 "int": lambda: m.steps.add_(1), "names": lambda: m.register_parameter("extra", nn.Parameter(torch.ones(1))),
+                 "seed": lambda: m.load_state_dict(seeded(_block(seed=1)).state_dict())}[where]()
+        return m
+
+    found = []
+    for where in ("seed", "param", "buffer", "int", "names"):
+        try:
+            fxtp.compile(perturbed(where), ws, (X,), dynamic=False)
+            found.append(f"{where}: compiled")
+        except fxtp.FxtpConfigError as e:
+            found.append(f"{where}: {e}")
+    return found
+
+
+def test_ranks_holding_different_models_are_refused(pool):
+    """Each rank slices its shards from its own copy of the model: copies that differ (another
+    seed, one element, a buffer) would silently run a model that is none of theirs."""
+    for found in pool.run(_rank_divergent_models):
+        assert "'attn.in_proj_weight' has sum" in found[0] and "torch.manual_seed(0)" in found[0], found[0]
+        for line, name in zip(found[1:4], ("fc2.weight", "scale", "steps")):
+            assert f"the model differs between the ranks: {name!r} has sum" in line, line
+        assert "other names" in found[4], found[4]

@@ -336,10 +336,11 @@ def llama3_8b(n_layers: int = 32) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return model, (torch.zeros(1, 8192, dtype=torch.long, device="meta"),)
 
 
-# Llama-3.1's published configs (meta-llama/Llama-3.1-{70B,405B}/config.json): hidden, layers,
+# Llama-3.1's published configs (meta-llama/Llama-3.1-{8B,70B,405B}/config.json): hidden, layers,
 # heads, kv heads, MLP width; vocab 128256, bf16. For ``fxtp plan`` (and inspect, which at full
 # depth takes minutes for 405B).
 LLAMA31 = {
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336),
     "70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672),
     "405b": dict(hidden_size=16384, num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
                  intermediate_size=53248),
@@ -347,7 +348,7 @@ LLAMA31 = {
 
 
 def llama31(size: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """Llama-3.1-70B or -405B shapes (``size`` ``"70b"`` or ``"405b"``) on ``meta`` in bf16;
+    """Llama-3.1-8B, -70B or -405B shapes (``size`` ``"8b"``, ``"70b"`` or ``"405b"``) on ``meta`` in bf16;
     example input ``(1, 8192)`` token ids."""
     from transformers import LlamaForCausalLM
 
@@ -405,6 +406,7 @@ EXAMPLES: dict[str, Example] = {
     "gpt2-124m": Example(gpt2_124m, meta=True),
     "llama-7b": Example(llama_7b, meta=True),
     "llama-3-8b": Example(llama3_8b, meta=True),
+    "llama-3.1-8b": Example(lambda: llama31("8b"), meta=True),
     "llama-3.1-70b": Example(lambda: llama31("70b"), meta=True),
     "llama-3.1-405b": Example(lambda: llama31("405b"), meta=True),
     "mixtral": Example(mixtral),

@@ -42,8 +42,8 @@ MODEL:
   a built-in example:  mlp, tiny-gpt, transformer (torch's TP reference model), gpt2, llama,
                        bert, mixtral, qwen2-moe, qwen3-moe, deepseek-v2, gpt-oss (tiny
                        configs, random weights, real inputs);
-                       gpt2-124m, llama-7b, llama-3-8b, llama-3.1-70b, llama-3.1-405b,
-                       mixtral-8x7b, qwen2-moe-a2.7b (full size on the meta device: tables
+                       gpt2-124m, llama-7b, llama-3-8b, llama-3.1-8b, llama-3.1-70b,
+                       llama-3.1-405b, mixtral-8x7b, qwen2-moe-a2.7b (full size on the meta device: tables
                        and graphs, no --verify);
                        all but mlp and tiny-gpt need: pip install 'fxtp[examples]'
   path/to/config.json  a Hugging Face config (its architectures / model_type), built on the
@@ -147,8 +147,8 @@ def _deferred(module: str, name: str, what: str) -> Callable[[str], Any]:
 # The built-in examples' names, in the order of fxtp.cli.examples.EXAMPLES, which imports
 # torch: MODEL is checked before torch loads (tests/test_cli.py keeps the two equal).
 EXAMPLE_NAMES = (
-    "mlp", "tiny-gpt", "transformer", "gpt2", "llama", "bert", "gpt2-124m", "llama-7b", "llama-3-8b", "llama-3.1-70b",
-    "llama-3.1-405b", "mixtral", "qwen2-moe", "qwen3-moe", "deepseek-v2", "gpt-oss", "mixtral-8x7b", "qwen2-moe-a2.7b",
+    "mlp", "tiny-gpt", "transformer", "gpt2", "llama", "bert", "gpt2-124m", "llama-7b", "llama-3-8b", "llama-3.1-8b",
+    "llama-3.1-70b", "llama-3.1-405b", "mixtral", "qwen2-moe", "qwen3-moe", "deepseek-v2", "gpt-oss", "mixtral-8x7b", "qwen2-moe-a2.7b",
 )
 
 
