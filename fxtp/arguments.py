@@ -130,7 +130,8 @@ def resolve_group(ws: int, rank: Optional[int], group: Group) -> tuple[Optional[
 
 def check_same_model(model: nn.Module, group: "dist.ProcessGroup") -> None:
     """Raise unless every rank of ``group`` holds the same ``model`` (a collective: one
-    ``all_gather_object`` of each parameter's and buffer's float64 sum and 2-norm).
+    ``all_gather_object`` of each parameter's and buffer's float64 sum and 2-norm;
+    a complex tensor is compared by its real view).
 
     Each rank slices its shards from its own copy of the model, so ranks that built it from
     different seeds, or loaded different weights, would run a model that is none of theirs.
@@ -146,8 +147,9 @@ def check_same_model(model: nn.Module, group: "dist.ProcessGroup") -> None:
         if t.is_meta:
             continue
         t = t.detach()
-        floats = t if t.is_floating_point() or t.is_complex() else t.double()
-        mine.append((name, float(t.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(floats, dtype=torch.float64))))
+        t = torch.view_as_real(t) if t.is_complex() else t  # a complex buffer (rotary freqs_cis): its real view
+        floats = t if t.is_floating_point() else t.double()
+        mine.append((name, float(floats.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(floats, dtype=torch.float64))))
     every: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
     for r, theirs in enumerate(every):

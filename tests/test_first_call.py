@@ -1,6 +1,7 @@
 """The first call as people make it (issue 21), on real gloo ranks against the single device:
 a batch or sequence of 1 after a compile at 2 (NOTE: [size-1 graphs]), a Hugging Face model
-with its default ``use_cache=True``, and what ``fxtp.compile`` imports on a plain module."""
+with its default ``use_cache=True``, what ``fxtp.compile`` imports on a plain module, and ranks
+that hold different models (refused before capture)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from _helpers import loss_of
 
 import fxtp
@@ -192,3 +194,62 @@ def test_compile_of_a_plain_module_imports_nothing_optional():
         "print(heavy); assert not heavy"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=300)
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _mlp(seed: int = 0) -> _Mlp:
+    torch.manual_seed(seed)
+    return _Mlp()
+
+
+def _rank_divergent_models() -> list[str]:
+    """Ranks that hold different models (each seeded by its rank; one element of one parameter,
+    one float, integer or complex buffer changed on the last rank; other parameter names) are
+    refused on every rank at compile, before capture, naming the tensor (ranks that hold one
+    model compile, a complex buffer among them)."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    last = rank == ws - 1
+
+    def seeded(m: nn.Module) -> nn.Module:
+        m.register_buffer("scale", torch.ones(16))
+        m.register_buffer("steps", torch.tensor(7))
+        m.register_buffer("freqs_cis", torch.polar(torch.ones(4), torch.arange(4.0)))  # rotary's complex buffer
+        return m
+
+    def perturbed(where: str) -> nn.Module:
+        m = seeded(_mlp())
+        if last:
+            with torch.no_grad():
+                {"same": lambda: None, "param": lambda: m.fc2.weight[3, 5].add_(1e-3), "buffer": lambda: m.scale[0].add_(1e-3),
+                 "int": lambda: m.steps.add_(1), "complex": lambda: m.freqs_cis[1].mul_(1j),
+                 "names": lambda: m.register_parameter("extra", nn.Parameter(torch.ones(1))),
+                 "seed": lambda: m.load_state_dict(seeded(_mlp(seed=1)).state_dict())}[where]()
+        return m
+
+    found = []
+    for where in ("same", "seed", "param", "buffer", "int", "complex", "names"):
+        try:
+            fxtp.compile(perturbed(where), ws, (torch.randn(2, 5, 16),), dynamic=False)
+            found.append(f"{where}: compiled")
+        except fxtp.FxtpConfigError as e:
+            found.append(f"{where}: {e}")
+    return found
+
+
+def test_ranks_holding_different_models_are_refused(pool):
+    """Each rank slices its shards from its own copy of the model: copies that differ (another
+    seed, one element, a buffer) would silently run a model that is none of theirs."""
+    for found in pool.run(_rank_divergent_models):
+        assert found[0] == "same: compiled", found[0]
+        assert "'fc1.weight' has sum" in found[1] and "torch.manual_seed(0)" in found[1], found[1]
+        for line, name in zip(found[2:6], ("fc2.weight", "scale", "steps", "freqs_cis")):
+            assert f"the model differs between the ranks: {name!r} has sum" in line, line
+        assert "other names" in found[6], found[6]
