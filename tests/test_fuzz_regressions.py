@@ -70,11 +70,11 @@ REGRESSIONS: dict[str, tuple[Spec, dict[int, str]]] = {
         {},  # fixed: a call under autocast runs a graph captured under it (NOTE: [autocast graphs])
     ),
     "autocast-iadd-residual": (
-        # bf16 autocast: ``y += x`` keeps y's bf16 on one device; fxtp's graph adds out of place (float32).
+        # bf16 autocast: ``y += x`` keeps y's bf16 on one device; fxtp's graph added out of place (float32).
         # Found by the longer autocast fuzz run of issue 35; also before the autocast graphs (not their bug):
-        # torch.fx's symbolic_trace records ``y += x`` as ``y + x`` (a Proxy has no in-place add)
+        # torch.fx's symbolic_trace recorded ``y += x`` as ``y + x`` (a Proxy has no in-place add)
         Spec(hidden=16, blocks=(Mlp(ffn=16, act="relu", gate="none", bias=True, residual="iadd"),), autocast=True),
-        {ws: "output float32 where the single device's is bf16 under autocast" for ws in (2, 4)},
+        {},  # fixed: the fx frontend records ``y += x`` as an in-place add (NOTE: [in-place arithmetic at fx capture])
     ),
     "sp-autocast-embed-report": (
         # bf16 autocast, sequence parallel after a replicated embedding, batch 1: the report counts 3 backward
