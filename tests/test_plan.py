@@ -284,9 +284,11 @@ def test_pipelining_on_the_published_llama31_configs(plans):
     assert all(row in docs for row in rows), "\n".join(rows)
 
 
-def test_planning_takes_at_most_10_s(plans):
-    assert plans["70b:seconds"] <= 10 and plans["405b-512:seconds"] <= 10, (plans["70b:seconds"], plans["405b-512:seconds"])
+def test_planning_analyzes_two_blocks_whatever_the_depth(plans):
+    # the solve time stays flat with depth because two blocks are analyzed (timed in
+    # tools/bench_plan.py, not here: no timed assertion in the suite)
     assert plans["70b"].analyzed_blocks == 2 and plans["70b"].n_blocks == 80
+    assert plans["405b-512"].analyzed_blocks == 2 and plans["405b-512"].n_blocks == 126
 
 
 def test_to_dict_is_json_with_the_figures(plans):
