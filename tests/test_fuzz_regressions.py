@@ -85,6 +85,14 @@ REGRESSIONS: dict[str, tuple[Spec, dict[int, str]]] = {
              sequence_parallel=True, autocast=True),
         {},  # fixed: _cast_source matches the gathered value's own autograd node too (NOTE: [regathered activations])
     ),
+    "selective-lora-iadd": (
+        # "selective" checkpointing: the LoRA's ``u += up_b(up_a(h))``, recorded in place since the fx frontend
+        # keeps ``+=`` (issue 35), wrote into up's addmm output, which the policy had cached: torch raised
+        # "Tensor cached during selective activation checkpoint has been mutated" in backward. Found by the CI fuzz run
+        Spec(hidden=16, blocks=(Mlp(ffn=16, act="relu", gate="none", bias=True, lora=True),), checkpointing="selective",
+             dynamic=False),
+        {},  # fixed: the write goes to a clone (NOTE: [in-place ops under selective checkpointing])
+    ),
     "sp-einsum-ff-swiglu": (
         # sequence parallel, w1 and w3 rowwise: the gate entered the mul (the reduce_scatter site) as its token
         # shard. ws 4, seq 4 (one token a rank): it broadcast, output off by 0.044, gradients by ~5e-4; ws 2: 2 tokens

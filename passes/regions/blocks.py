@@ -48,6 +48,7 @@ from torch.fx import GraphModule, Node
 from fxtp.core.recompute import Recompute
 from passes.regions.checkpointing import (
     Region,
+    clone_mutated,
     may_draw_random,
     outline_span,
     recompute_regions,
@@ -130,6 +131,8 @@ def outline_blocks(gm: GraphModule, program: ExportedProgram, blocks: tuple[str,
         at = span[0]
         span = _state_ops(gm, span, own) + span
         checkpointed = whole.get(block)
+        if checkpointed is not None and region_context(checkpointed, context_fns or {}) is not None:
+            span = clone_mutated(span)  # NOTE: [in-place ops under selective checkpointing]
         body = outline_span(gm, span, remake_sizes=checkpointed is not None, single=True,
                             order=lambda inputs: [i for i in inputs if not own(i)] + [i for i in inputs if own(i)])
         args = [i for i in body.inputs if not own(i)]

@@ -56,7 +56,7 @@ from fxtp.core import collectives, rng
 from fxtp.core.errors import FxtpConfigError
 from fxtp.core.recompute import TAG, Recompute, selective_context
 
-__all__ = ["Region", "MODES", "Outlined", "checkpoint_regions", "outline_span", "recompute_regions", "region_context",
+__all__ = ["Region", "MODES", "Outlined", "checkpoint_regions", "clone_mutated", "outline_span", "recompute_regions", "region_context",
            "region_of", "region_span", "may_draw_random", "repeated_blocks", "splice"]
 
 MODES = ("blocks", "selective")
@@ -162,11 +162,51 @@ def recompute_regions(gm: GraphModule, regions: tuple[Region, ...],
     policies by checkpoint tag."""
     for index, region in enumerate(regions):
         span = region_span(gm, region, regions)
+        context = region_context(region, context_fns or {})
+        if span and context is not None:
+            span = clone_mutated(span)
         if span:
-            _outline(gm, span, f"fxtp_recompute_{index}", region_context(region, context_fns or {}), region.name)
+            _outline(gm, span, f"fxtp_recompute_{index}", context, region.name)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _mutates_first(node: Node) -> bool:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments:
+        return False
+    alias = target._schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
+
+
+def clone_mutated(span: list[Node]) -> list[Node]:
+    """NOTE: [in-place ops under selective checkpointing]
+    A selective policy caches the outputs of the ops it saves (``mm``, ``addmm``) and torch
+    refuses a cached tensor that is mutated afterwards ("Tensor cached during selective
+    activation checkpoint has been mutated"): the recompute would read the mutated value. So
+    where an op of the region writes in place into the output of another op of it (``u =
+    self.up(h); u += lora(h)``, recorded in place, NOTE: [in-place arithmetic at fx capture]),
+    the write goes to a clone of that output, made just before it, and every later reader of the
+    output (inside the region or after it) reads the clone: the values are the same, and the
+    cached tensor stays as computed.
+    Returns the span with the clones in it."""
+    order = {n: i for i, n in enumerate(span)}
+    out = list(span)
+    for node in span:
+        if not _mutates_first(node) or not isinstance(node.args[0], Node):
+            continue
+        value = node.args[0]
+        if value not in order or _mutates_first(value) or getattr(value.target, "is_view", True):
+            continue
+        with node.graph.inserting_before(node):
+            clone = node.graph.call_function(aten.clone.default, (value,))
+        clone.meta = dict(value.meta)
+        for user in list(value.users):
+            if user is not clone and (user not in order or order[user] >= order[node]):  # those outside come after
+                user.replace_input_with(value, clone)
+        out.insert(out.index(node), clone)
+    return out
 
 
 def region_context(region: Region, context_fns: dict[int, Callable[[], Any]]) -> Optional[Callable[[], Any]]:
