@@ -127,6 +127,9 @@ class ParallelModule(nn.Module):
                 inputs, blocks = bind_blocks(self, gm, self._bind(prog, placements))
                 built[id(gm)] = ModeGraph.of(prog, gm, inputs, blocks)
             self._graphs[key] = built[id(gm)]
+        # the module holds its Parameters now: kept here, each would outlive FSDP2's fully_shard, which
+        # replaces it with its shard (every rank would keep its whole tp-local copy of every parameter)
+        self._shared.clear()
         self.register_state_dict_post_hook(layout.state_dict_hook)  # NOTE: [checkpoint layouts]
         self.register_load_state_dict_pre_hook(layout.load_state_dict_hook)
 
