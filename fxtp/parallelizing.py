@@ -90,7 +90,7 @@ def parallelize(
 
     Raises:
         FxtpConfigError: a mesh without dims named ``"dp"``/``"tp"``, a mesh whose sizes are not
-            the strategy's ``dp x tp``, ``world_size``/``group``/``rank`` given, a bad
+            the strategy's ``dp x tp``, a pipelined plan (``plan.pp > 1``: ``fxtp.pipeline`` runs it), ``world_size``/``group``/``rank`` given, a bad
             ``compile_blocks`` or one for a model without blocks, an ``mp_policy`` with a
             ``param_dtype`` and ``dynamic=False``; and what ``fxtp.compile`` raises.
 
@@ -139,6 +139,11 @@ def _sub_meshes(mesh: Any, strategy: Any) -> tuple[Optional["DeviceMesh"], Optio
                               f"mesh; {_MESH_FIX}")
     dp_mesh, tp_mesh = (mesh[name] if name in names else None for name in _DIMS)
     dp, tp = (1 if m is None else m.size() for m in (dp_mesh, tp_mesh))
+    if getattr(strategy, "pp", 1) > 1:
+        raise FxtpConfigError(f"the plan is pipelined (pp {strategy.pp} x tp {strategy.tp} x dp {strategy.dp}, {strategy.schedule}); "
+                              "parallelize applies dp x tp only. fix: fxtp.pipeline(model, mesh, (ids,), "
+                              "n_microbatches=plan.n_microbatches, schedule=plan.schedule, ...) on a ('pp', 'dp', 'tp') mesh "
+                              "(docs/pipeline.md), or fxtp.plan(..., pp=1)")
     want_tp, want_dp = getattr(strategy, "tp", None), getattr(strategy, "dp", None)
     if (want_tp is not None and want_tp != tp) or (want_dp is not None and want_dp != dp):
         plan = f"dp {want_dp} x tp {want_tp}" if want_dp is not None else f"tp {want_tp}"

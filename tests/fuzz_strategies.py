@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from fuzz_loop import Call, Load, Loop, Mode, Save, Step
 from fuzz_models import Attn, Einsum, Embed, Mha, Mlp, Moe, Spec
 from hypothesis import strategies as st
 
-__all__ = ["specs"]
+__all__ = ["specs", "loops"]
 
 HIDDEN = (16, 32, 24, 48, 64, 40, 20, 15)
 FFN = (16, 32, 10, 24, 30, 48, 64)
@@ -162,8 +163,37 @@ def specs(draw: st.DrawFn, exclude: frozenset[str] = frozenset()) -> Spec:
         aliased=draw(_flag("aliased", exclude)) if loss and embed is not None else False,
         ignored=draw(_flag("ignored", exclude)) if loss else False,
         # with MoE blocks too: Hugging Face's experts' .to(hidden.dtype) is in the graph captured under autocast
-        # (NOTE: [autocast graphs] in fxtp/core/autocast.py; test_fuzz_regressions' autocast-mlp-then-moe)
-        # not with an in-place residual (y += x): fx records it as y + x, float32 under autocast (test_fuzz_regressions'
-        # autocast-iadd-residual, xfail until the fx frontend keeps in-place adds)
-        autocast=draw(_flag("autocast", exclude)) if not any(getattr(b, "residual", None) == "iadd" for b in blocks) else False,
+        # (NOTE: [autocast graphs] in fxtp/core/autocast.py; test_fuzz_regressions' autocast-mlp-then-moe), and with an
+        # in-place residual (y += x keeps y's dtype: NOTE: [in-place arithmetic at fx capture], autocast-iadd-residual)
+        autocast=draw(_flag("autocast", exclude)),
+    )
+
+
+# token counts: divisible by 2 and 4, by 2 only, by neither, and 1 (NOTE: [size-1 graphs])
+TOKENS = (8, 4, 12, 1, 2, 6, 3, 5)
+
+
+@st.composite
+def loops(draw: st.DrawFn) -> Loop:
+    """A random :class:`fuzz_loop.Loop`: a tiny HF Llama (or GPT-2), its compile, and up to 10
+    user-loop operations ending in an optimizer step (which compares the gradients)."""
+    labels = draw(st.booleans().map(lambda b: not b))
+    kinds = ("ids", "some", "all") if labels else ("none",)
+    calls = st.builds(Call, tokens=st.sampled_from(TOKENS), batch=st.sampled_from((1, 2)), labels=st.sampled_from(kinds),
+                      grad=st.sampled_from(("grad", "no_grad", "inference_mode")))
+    ops = st.one_of(calls, st.builds(Step, clip=st.sampled_from(("none", "pm", "torch"))), st.builds(Mode, st.booleans()),
+                    st.builds(Load, seed=st.sampled_from((0, 1))), st.just(Save()))
+    family = draw(st.sampled_from(("llama", "gpt2")))
+    return Loop(
+        ops=(*draw(st.lists(ops, min_size=1, max_size=10)), Step()),
+        family=family,
+        layers=draw(st.sampled_from((1, 2))),
+        kv_heads=draw(st.sampled_from((4, 2))) if family == "llama" else 4,
+        tokens=draw(st.sampled_from((8, 4, 12))),
+        batch=draw(st.sampled_from((1, 2))),
+        sequence_parallel=draw(st.booleans()),
+        dynamic=draw(st.booleans().map(lambda b: not b)),
+        labels=labels,
+        dropout=draw(st.booleans()),
+        seed=draw(st.integers(0, 3)),
     )

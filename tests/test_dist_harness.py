@@ -120,3 +120,22 @@ def test_collective_divergence_compares_each_group_in_order() -> None:
     missing = [list(log) for log in same]
     del missing[1][0]
     assert collective_divergence(missing).endswith("rank 1: nothing (rank 1 issued 0 on it)")
+
+
+def test_fuzzers_fail_on_ranks_that_issued_different_collectives() -> None:
+    """Both fuzzers' checks compare every rank's collectives before anything else: a rank with
+    one more all_reduce fails the example with the first difference, even where each rank's own
+    numbers came out right (issue 35, item 7)."""
+    from fuzz_check import Outcome, check_outcomes
+    from fuzz_loop import LoopOutcome, check_loop
+
+    log = [("all_gather_into_tensor", (0, 1), ((4, 2, 16),)), ("all_reduce", (0, 1), ((16,),))]
+    extra = [("all_reduce", (0, 1), ((2,),)), *log]
+    want = "rank 0: all_reduce of [(2,)]\n  rank 1: all_gather_into_tensor of [(4, 2, 16)]"
+    with pytest.raises(AssertionError, match="fxtp's ranks diverged at world_size 2") as info:
+        check_outcomes("spec", [Outcome("ok", collectives=extra), Outcome("ok", collectives=log)])
+    assert want in str(info.value)
+    with pytest.raises(AssertionError, match="fxtp's ranks diverged at world_size 2") as info:
+        check_loop("loop", [LoopOutcome(events=["ok"], collectives=extra), LoopOutcome(events=["ok"], collectives=log)])
+    assert want in str(info.value)
+    assert check_outcomes("spec", [Outcome("ok", collectives=log), Outcome("ok", collectives=list(log))]) == "ok"

@@ -12,7 +12,7 @@ dp 2 x tp 2 on real gloo ranks.
 * Peak memory per rank (``shared/tools/heap.py``: glibc's heap, sampled on a thread) of one
   forward and backward of ``tools/bench_fsdp.py``'s model (8 blocks 512 -> 2048 -> 512) is at most
   1.10x the hand-written torchtitan plan's, with sequence parallelism and with
-  ``activation_checkpointing="blocks"`` too.
+  ``activation_checkpointing="blocks"`` too; so are the bytes the wrapped model holds.
 """
 
 from __future__ import annotations
@@ -199,10 +199,14 @@ def test_fully_shard_per_block_peak_memory_near_the_hand_plan(rank_pools):
     written by hand (DTensor ``parallelize_module`` per block, ``fully_shard`` per block and
     root), on 8 blocks of 512 -> 2048 -> 512 (64 MiB of fp32 weights, so a whole-model gather
     would show), at dp 2 x tp 2: plain, with sequence parallelism, and with
-    ``activation_checkpointing="blocks"``."""
+    ``activation_checkpointing="blocks"``; and the bytes each rank holds once wrapped (16 MiB of
+    shards, measured on the same heap) are at most 1.10x the hand plan's."""
     result = rank_pools(4).run(_run_memory)[0]
     for label, peaks in result.items():
         assert peaks["fxtp"] <= 1.10 * peaks["hand"], (label, {k: v / 2**20 for k, v in peaks.items()})
+        # held after wrapping: each rank's quarter of the weights (16 MiB), not also its tp-local half
+        # (a ParallelModule that kept its Parameters held 48 MiB: FSDP2's shards plus the old copies)
+        assert peaks["fxtp_resident"] <= 1.10 * peaks["hand_resident"], (label, {k: v / 2**20 for k, v in peaks.items()})
 
 
 def test_compile_per_block_is_exact():

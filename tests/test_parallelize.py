@@ -44,12 +44,12 @@ def _llama() -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def planned():
     """``fxtp.plan`` for 4 devices as 2 nodes of 2 on 1 Gb/s Ethernet (tp 2 x dp 2, as
-    tests/test_plan_apply.py), pinned to sequence parallelism, block checkpointing and 2
+    tests/test_plan_apply.py; ``pp=1``: unpinned, the search pipelines across the slow link), pinned to sequence parallelism, block checkpointing and 2
     micro-batches of 2: what the planner may choose, fixed so the test sees each."""
     from fxtp.planner import HARDWARE
 
     ethernet = dataclasses.replace(HARDWARE["h100"], inter_node_bw=125e6)
-    plan = fxtp.plan(_llama(), 4, device_memory=2**30, batch=BATCH, seq=SEQ, devices_per_node=2, hardware=ethernet)
+    plan = fxtp.plan(_llama(), 4, device_memory=2**30, batch=BATCH, seq=SEQ, devices_per_node=2, hardware=ethernet, pp=1)
     assert (plan.tp, plan.dp) == (2, 2), plan
     choice = dataclasses.replace(plan.chosen.choice, sequence_parallel=True, activation_checkpointing="blocks",
                                  micro_batch=2, accumulation=2)
@@ -143,6 +143,10 @@ def _run_meshes(plan) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
 
+    # what fxtp.plan(..., pp=2) chooses here: pp 2 x tp 2 x dp 1 under 1F1B
+    pipelined = dataclasses.replace(plan, chosen=dataclasses.replace(
+        plan.chosen, choice=dataclasses.replace(plan.chosen.choice, pp=2, dp=1, schedule="1F1B")))
+
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
     torch.manual_seed(0)
@@ -181,6 +185,7 @@ def _run_meshes(plan) -> dict:
         "group": lambda: fxtp.parallelize(ref, mesh, (x,), group=mesh["tp"]),
         "compile": lambda: fxtp.parallelize(ref, mesh, (x,), compile_blocks="yes"),
         "mesh": lambda: fxtp.parallelize(ref, 4, (x,)),
+        "pipelined": lambda: fxtp.parallelize(ref, mesh["tp"], (x,), strategy=pipelined),
         "static_bf16": lambda: fxtp.parallelize(ref, mesh, (x,), mp_policy=policy, dynamic=False),
         "no_blocks": lambda: fxtp.parallelize(torch.nn.Linear(16, 16), mesh["tp"], (x,), compile_blocks=True),
     }.items():
@@ -210,3 +215,4 @@ def test_parallelize_on_one_d_meshes_with_compile_and_bad_meshes(rank_pools, pla
         assert "compile_blocks must be" in errors["compile"] and "got int" in errors["mesh"], errors
         assert "no repeated blocks" in errors["no_blocks"], errors
         assert "fix: drop dynamic=False" in errors["static_bf16"], errors
+        assert "the plan is pipelined (pp 2 x tp 2 x dp 1, 1F1B)" in errors["pipelined"] and "fxtp.pipeline(" in errors["pipelined"], errors

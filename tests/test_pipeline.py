@@ -3,8 +3,8 @@
 
 A Llama of 6 blocks (hidden 64, 4 heads, 2 kv heads, vocab 128, tied embeddings), a global
 batch of 8 sequences of 8 tokens in 4 micro-batches, the cross entropy on the last stage: at
-pp 2 x tp 2 and at pp 4, under 1F1B and Interleaved1F1B (2 stages a rank), and ZBVZeroBubble at
-pp 2 x tp 2, the loss, every gradient (the tied embedding's summed across its two stages), the
+pp 2 x tp 2 and at pp 4, under 1F1B and Interleaved1F1B (2 stages a rank), and the split-backward
+(zero-bubble) schedules DualPipeV at pp 2 x tp 2 (stages in a V) and InterleavedZeroBubble at pp 4, the loss, every gradient (the tied embedding's summed across its two stages), the
 global norm of ``clip_grad_norm_`` and 3 AdamW steps equal the single device's; the bytes the
 ranks send between stages (counted on c10d's ``send`` ops by a dispatch mode, not by fxtp) equal
 the report's; the cut puts the embedding with stage 0 and the head with the last. Attention
@@ -68,8 +68,8 @@ def _run(pp: int, schedule: str) -> dict:
     pipe = fxtp.pipeline(copy.deepcopy(ref), mesh, (_IDS,), n_microbatches=4, loss_fn=_loss, schedule=schedule,
                          dynamic=False)
     seconds = {"build": time.perf_counter() - clock}
-    with pytest.raises(fxtp.FxtpConfigError, match=r"ScheduleZBVZeroBubble splits backward.*fix: schedule="):
-        fxtp.pipeline(ref, mesh, (_IDS,), n_microbatches=4, loss_fn=_loss, schedule="ZBVZeroBubble")
+    with pytest.raises(fxtp.FxtpConfigError, match=r"ScheduleZBVZeroBubble cannot run 1 stages a rank; fix: stages_per_rank=2"):
+        fxtp.pipeline(ref, mesh, (_IDS,), n_microbatches=4, loss_fn=_loss, schedule="ZBVZeroBubble", stages_per_rank=1)
     with pytest.raises(fxtp.FxtpConfigError, match=r"batch of 8 does not split into 3 equal micro-batches"):
         fxtp.pipeline(ref, mesh, (_IDS,), n_microbatches=3, loss_fn=_loss, schedule=schedule)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
@@ -109,7 +109,8 @@ def _run(pp: int, schedule: str) -> dict:
             "names": sorted(n for s in pipe.stages for n, _ in s.named_parameters())}
 
 
-@pytest.mark.parametrize("pp,schedule", [(2, "1F1B"), (2, "Interleaved1F1B"), (4, "1F1B"), (4, "Interleaved1F1B")])
+@pytest.mark.parametrize("pp,schedule", [(2, "1F1B"), (2, "Interleaved1F1B"), (4, "1F1B"), (4, "Interleaved1F1B"),
+                                         (2, "DualPipeV"), (4, "InterleavedZeroBubble")])
 def test_pipeline_trains_like_one_device(rank_pools, pp, schedule):
     """Loss, every gradient, the global norm and 3 AdamW steps with clipping equal the single
     device's (asserted on the ranks); every block is on exactly one stage, in order, the
@@ -128,6 +129,10 @@ def test_pipeline_trains_like_one_device(rank_pools, pp, schedule):
         assert r["sent"][0] > r["sent"][1]
     if schedule == "1F1B":
         assert report.bubble == pytest.approx((pp - 1) / (4 + pp - 1))
+    if schedule == "InterleavedZeroBubble":  # ZB1P: a third of 1F1B's bubble (Qi et al. 2024 s2.1)
+        assert report.bubble == pytest.approx((pp - 1) / (3 * 4 + pp - 1))
+    if schedule == "DualPipeV":  # V placement: rank r holds stages r and 2 pp - 1 - r
+        assert [r.pp_rank for r in report.stages] == [0, 1, 1, 0], report
     print(results[0]["text"], [r["seconds"] for r in results])
 
 

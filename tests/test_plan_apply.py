@@ -36,7 +36,8 @@ ETHERNET = dataclasses.replace(HARDWARE["h100"], inter_node_bw=125e6)
 @pytest.fixture(scope="module")
 def planned():
     model = tiny_llama(3)
-    return model, fxtp.plan(model, 4, device_memory=GiB, batch=8, seq=16, devices_per_node=2, hardware=ETHERNET)
+    # pp=1: fxtp.parallelize applies tp x dp (unpinned, the search pipelines across the slow link: pp 2 x dp 2)
+    return model, fxtp.plan(model, 4, device_memory=GiB, batch=8, seq=16, devices_per_node=2, hardware=ETHERNET, pp=1)
 
 
 def test_strategy_applies_the_plans_layer_styles(planned):

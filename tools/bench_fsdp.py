@@ -102,8 +102,12 @@ def _peak(model: nn.Module, x: torch.Tensor) -> int:
 
 
 def measure(sequence_parallel: bool = False, checkpointing: bool = False, blocks: int = BLOCKS) -> dict[str, int]:
-    """On 4 initialized gloo ranks: peak bytes above entry of one forward and backward, for fxtp
-    and the hand plan, each ``fully_shard`` per block then root; the max over the ranks."""
+    """On 4 initialized gloo ranks, for fxtp and the hand plan, each ``fully_shard`` per block
+    then root: ``{name}`` the peak bytes above entry of one forward and backward, and
+    ``{name}_resident`` the bytes the wrapped model holds (heap in use after wrapping, less before
+    its copy of the model was made, after one compile of a 1-block model has filled the
+    process's one-time caches); each the max over the ranks."""
+    from heap import in_use
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.utils.checkpoint import checkpoint
@@ -112,8 +116,11 @@ def measure(sequence_parallel: bool = False, checkpointing: bool = False, blocks
     torch.manual_seed(0)
     ref = Net(blocks)
     x = torch.randn(BATCH, SEQ, DIM, generator=torch.Generator().manual_seed(mesh["dp"].get_local_rank()))
-    peaks = {}
+    fxtp.compile(Net(1), 2, (x,), group=mesh["tp"], dynamic=False, sequence_parallel=sequence_parallel)  # warm-up
+    peaks, resident = {}, {}
     for name in ("fxtp", "hand"):
+        gc.collect()
+        before = in_use()
         model = copy.deepcopy(ref)
         if name == "fxtp":
             model = fxtp.compile(model, 2, (x,), group=mesh["tp"], dynamic=False, sequence_parallel=sequence_parallel,
@@ -129,12 +136,15 @@ def measure(sequence_parallel: bool = False, checkpointing: bool = False, blocks
             fully_shard(unit, mesh=mesh["dp"], reshard_after_forward=True)
         fully_shard(model, mesh=mesh["dp"], reshard_after_forward=True)
         dist.barrier()
+        gc.collect()
+        resident[name] = in_use() - before
         peaks[name] = _peak(model, x)
-        del model, units
+        del model, units, unit  # the loop variable holds the last block (and through FSDP2, the model)
         gc.collect()
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, peaks)
-    return {k: max(p[k] for p in gathered) for k in peaks}
+    dist.all_gather_object(gathered, (peaks, resident))
+    return {**{k: max(p[k] for p, _ in gathered) for k in peaks},
+            **{f"{k}_resident": max(r[k] for _, r in gathered) for k in resident}}
 
 
 def compile_seconds(blocks: int) -> dict[str, float]:
@@ -182,11 +192,15 @@ def _all_configs() -> dict[str, Any]:
 
 
 def bench() -> dict[str, Any]:
-    """``{config: {"fxtp": MiB, "hand": MiB, "ratio": x}}`` on 4 spawned gloo ranks (dp 2 x tp 2)."""
+    """``{config: {"fxtp_mib", "hand_mib", "ratio", "fxtp_resident_mib", "hand_resident_mib"}}``
+    on 4 spawned gloo ranks (dp 2 x tp 2): peak MiB of a step and MiB held by the wrapped model."""
     raw = spawn_ranks(_all_configs, 4, 300)
-    return {k: {"fxtp_mib": v["fxtp"] / 2**20, "hand_mib": v["hand"] / 2**20, "ratio": v["fxtp"] / v["hand"]} for k, v in raw.items()}
+    return {k: {"fxtp_mib": v["fxtp"] / 2**20, "hand_mib": v["hand"] / 2**20, "ratio": v["fxtp"] / v["hand"],
+                "fxtp_resident_mib": v["fxtp_resident"] / 2**20, "hand_resident_mib": v["hand_resident"] / 2**20}
+            for k, v in raw.items()}
 
 
 if __name__ == "__main__":
     for config, row in bench().items():
-        print(f"{config:10s} fxtp {row['fxtp_mib']:7.1f} MiB  hand {row['hand_mib']:7.1f} MiB  ratio {row['ratio']:.2f}")
+        print(f"{config:10s} peak: fxtp {row['fxtp_mib']:7.1f} MiB  hand {row['hand_mib']:7.1f} MiB  ratio {row['ratio']:.2f}"
+              f"   held: fxtp {row['fxtp_resident_mib']:6.1f} MiB  hand {row['hand_resident_mib']:6.1f} MiB")

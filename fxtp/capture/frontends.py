@@ -42,6 +42,7 @@ from torch.export.graph_signature import InputKind
 from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
 
 from fxtp.capture.hf_experts import check_experts_implementation
+from fxtp.capture.in_place import InPlaceProxy
 from fxtp.capture.index_lists import cpu_index_lists
 from fxtp.capture.isolation import capture_copy, independent_inputs
 from fxtp.capture.regions import recording_checkpoints
@@ -132,13 +133,17 @@ def _fx(model: nn.Module, args: tuple, kwargs: dict, shapes: Any) -> tuple[torch
 class _StackTracer(torch.fx.Tracer):
     """``torch.fx.Tracer`` that records each node's module stack in ``meta["fxtp_module_stack"]``
     (the tracer's own ``nn_module_stack`` is not written under ``preserve_node_meta``, which
-    the checkpoint regions need)."""
+    the checkpoint regions need) and augmented assignments as in-place ops."""
 
     def create_node(self, *args: Any, **kwargs: Any) -> torch.fx.Node:
         node = super().create_node(*args, **kwargs)
         if self.module_stack:
             node.meta["fxtp_module_stack"] = dict(self.module_stack)
         return node
+
+    def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
+        """``y += x`` stays in place (NOTE: [in-place arithmetic at fx capture])."""
+        return InPlaceProxy(node, self)
 
     def _filter_traceback_frames(self, user_stack_summary: traceback.StackSummary) -> traceback.StackSummary:
         """torch.fx's filter (the hook its ``TracerBase`` offers for overriding), less this

@@ -305,10 +305,10 @@ def _add_plan_parser(sub: Any) -> None:
     plan.add_argument("--seq", "-s", metavar="T", type=_world_size, default=None, help="tokens per sequence")
     plan.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw", help="its state is priced (default: adamw)")
     plan.add_argument("--tp", metavar="T", type=_world_size, default=None,
-                      help="pin the tensor-parallel degree; the other degrees are still priced, to show what the pin costs")
-    plan.add_argument("--tp-overlap", choices=("async-tp", "megatron"), default=None,
-                      help="price tp collectives under sequence parallelism as hidden behind the matmuls, as torch's async TP "
-                      "or Megatron-LM's --tp-comm-overlap run them (default: not overlapped; docs/plan_command.md)")
+                      help="pin the tensor-parallel degree (alone: not pipelined); the others are still priced, to show what the pin costs")
+    plan.add_argument("--pp", metavar="P", type=_world_size, default=None, help="pin the pipeline degree (1: not pipelined), likewise")
+    plan.add_argument("--tp-overlap", choices=("async-tp", "megatron"), default=None, help="price tp collectives under sequence "
+                      "parallelism as hidden behind the matmuls, as torch's async TP or Megatron-LM's --tp-comm-overlap run them (default: not overlapped; docs/plan_command.md)")
     plan.add_argument("--inference", action="store_true", help="price a forward with a KV cache instead of a training step")
     add_measuring_arguments(plan)
     plan.add_argument("--format", "-f", choices=("table", "json"), default="table", help="table (default) or the plan's JSON")
@@ -327,7 +327,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.tp is not None:  # before the model is built: seconds for a large config
         from fxtp.planner.search import check_pinned_tp
 
-        check_pinned_tp(args.tp, args.devices, None if args.inference else args.batch)
+        check_pinned_tp(args.tp, args.devices, None if args.inference or args.pp not in (None, 1) else args.batch)
     from fxtp.cli.calibration import calibrated, check_measuring, run_measure
 
     check_measuring(args)
@@ -340,7 +340,7 @@ def _plan(args: argparse.Namespace) -> int:
     result = fxtp.plan(
         loaded.model, args.devices, device_memory=args.device_memory or hardware.memory_bytes, example_inputs=loaded.inputs,
         example_kwargs=loaded.kwargs, batch=args.batch, seq=args.seq, devices_per_node=args.devices_per_node,
-        hardware=hardware, optimizer=args.optimizer, training=not args.inference, tp=args.tp,
+        hardware=hardware, optimizer=args.optimizer, training=not args.inference, tp=args.tp, pp=args.pp,
         reserve=args.reserve, tp_overlap=args.tp_overlap, progress=progress.stage,
     )
     progress.done()

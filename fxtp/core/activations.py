@@ -16,7 +16,8 @@ the same graph, so the backward's all_gathers come in the same order on every ra
 Under autocast a layer casts its input first (``linear`` of a float32 value under bf16 autocast
 saves a bf16 copy, not the gathered value nor a view of it): ``pack`` recognizes such a copy by
 its autograd node (``ToCopyBackward0`` of the gathered value or of a whole-tensor ``view`` of
-it) and saves it as the same token; the unpack gathers the float32 shard once, as for the
+it; the value's own node where it is a contiguous view of a buffer that has none, as a
+gather along the sequence dim at batch 1 is) and saves it as the same token; the unpack gathers the float32 shard once, as for the
 other layers that saved the value, and casts it (a cast of a gather is the gather of the cast,
 bit for bit). One regather per value whatever the dtypes its layers save: the count
 ``fxtp/explain/counts.py`` reports. A copy without an autograd node (a value no gradient flows
@@ -63,6 +64,7 @@ _GATHERED: list[dict[int, "_Entry"]] = []
 @dataclass
 class _Entry:
     root: Any  # weakref to the gathered value's root tensor
+    value: Any  # weakref to the gathered value (a view of its root whose base has no autograd node, at batch 1)
     shard: torch.Tensor
     gather: Callable[[torch.Tensor], torch.Tensor]
     token: Optional["_Regathered"] = None
@@ -78,7 +80,8 @@ def gathered(full: torch.Tensor, shard: torch.Tensor, gather: Callable[[torch.Te
         return
     root = _root(full)
     table = _GATHERED[-1]
-    table[id(root)] = _Entry(weakref.ref(root, lambda _, k=id(root), tb=table: tb.pop(k, None)), shard.detach(), gather)
+    table[id(root)] = _Entry(weakref.ref(root, lambda _, k=id(root), tb=table: tb.pop(k, None)), weakref.ref(full),
+                             shard.detach(), gather)
 
 
 class _Regathered:
@@ -122,8 +125,12 @@ def _cast_source(copy: torch.Tensor, table: dict[int, "_Entry"]) -> Optional["_E
     if source is None:
         return None
     for entry in table.values():
-        root = entry.root()
-        if root is not None and root.grad_fn is source and root.is_contiguous() and root.numel() == copy.numel():
+        root, value = entry.root(), entry.value()
+        # the autograd node is the root's, or (a gather that is a view of its buffer: a size-1 dim
+        # moved, as at batch 1) the value's, laid out as its contiguous root
+        node_of = root is not None and (root.grad_fn is source or value is not None and value.grad_fn is source
+                                        and value.is_contiguous() and not value.storage_offset())
+        if node_of and root.is_contiguous() and root.numel() == copy.numel():
             return entry
     return None
 

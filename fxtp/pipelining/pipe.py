@@ -11,11 +11,12 @@ A stage's output is the full hidden states on every tensor-parallel rank, so eac
 its copy to the same ``tp`` rank of the next stage.
 
 * Stages to ranks: stage ``s`` on pipeline rank ``s % pp`` (torchtitan's ``"loop"`` style of
-  ``stage_ids_this_rank``), for GPipe, 1F1B, Interleaved1F1B and LoopedBFS. The zero-bubble
-  schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) split backward into an input and a
-  weight pass (``stage_backward_input`` / ``stage_backward_weight``); on fxtp's tensor-parallel
-  stages they left parameter gradients ``None`` (see ``_SPLIT_BACKWARD``), so they are refused
-  (``FxtpConfigError``) rather than run wrong.
+  ``stage_ids_this_rank``), for GPipe, 1F1B, Interleaved1F1B, LoopedBFS and
+  InterleavedZeroBubble; ZBVZeroBubble and DualPipeV place two stages a rank in a V (``"v"``
+  style: rank ``r`` holds stages ``r`` and ``2 * pp - 1 - r``, so rank 0 holds the first and the
+  last), as their schedules require. The zero-bubble schedules split backward into an input and
+  a weight pass; the stages are :class:`fxtp.pipelining.stage.FxtpStage` s, whose backward sees
+  sharded parameters plain (NOTE: [split backward of sharded parameters] in stage.py).
 * The loss: ``loss_fn(logits, target)`` runs on the last stage per micro-batch; the schedule
   scales the gradients by ``1 / n_microbatches`` (``scale_grads=True``), so a mean loss over
   equal micro-batches gives the global batch's mean.
@@ -43,13 +44,8 @@ from fxtp.pipelining.split import StageModule, balance, blocks_of, check_divisib
 
 __all__ = ["Pipeline", "pipeline"]
 
-# The schedules that split backward into input- and weight-gradient passes (torch's
-# ``stage_backward_input`` / ``stage_backward_weight``): under ZBVZeroBubble at pp 2 x tp 2 some
-# parameter gradients stayed None; called directly on one tp 2 stage, ``stage_backward_input``
-# fails on ``detach_()`` of the stage's output, a view ("Can't detach views in-place"), a clone
-# at the end of the stage's forward included. At tp 1 the split passes give every gradient.
-# Refused until fixed.
-_SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+# The schedules whose stages sit in a V on the pipeline ranks (``generate_stage_to_rank_mapping(..., style="v")``).
+_V_STYLE = ("ZBVZeroBubble", "DualPipeV")
 _TIED = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -182,8 +178,9 @@ def pipeline(model: nn.Module, mesh: Any, example_inputs: tuple[torch.Tensor], *
         loss_fn: ``loss_fn(logits (b, s, vocab), target)`` -> a 0-dim tensor, a mean over the
             micro-batch; run on the last stage.
         schedule: a name of ``torch.distributed.pipelining.schedules.get_schedule_class``
-            (``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"LoopedBFS"``; the zero-bubble
-            ones are refused, see ``_SPLIT_BACKWARD``).
+            (``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"LoopedBFS"``, and the zero-bubble
+            ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``, ``"DualPipeV"``; the last two need 2
+            stages a rank and, DualPipeV, at least as many micro-batches as stages).
         stages_per_rank: 1 for single-stage schedules, default 2 for the others.
         **compile_options: passed to ``fxtp.compile`` for every stage (``dynamic``, ``plan``, ...).
 
@@ -193,11 +190,12 @@ def pipeline(model: nn.Module, mesh: Any, example_inputs: tuple[torch.Tensor], *
     Raises:
         FxtpConfigError: a mesh without ``pp`` or not over every rank, a model that is not a
             decoder LM, a batch that does not split into ``n_microbatches``, more stages than
-            units, ``stages_per_rank`` the schedule cannot run, a zero-bubble schedule, or tied
+            units, ``stages_per_rank`` the schedule cannot run, or tied
             embeddings sharded differently on their two stages.
     """
-    from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    from fxtp.pipelining.stage import FxtpStage
 
     import fxtp
 
@@ -211,19 +209,14 @@ def pipeline(model: nn.Module, mesh: Any, example_inputs: tuple[torch.Tensor], *
     pp, dp, tp = size["pp"], size["dp"], size["tp"]
     cls = get_schedule_class(schedule)
     name = cls.__name__.removeprefix("Schedule")
-    if name in _SPLIT_BACKWARD:
-        raise FxtpConfigError(
-            f"fxtp.pipeline: {cls.__name__} splits backward into input and weight passes, whose weight pass does "
-            "not reach fxtp's parameters yet (their gradients stay None); fix: schedule='Interleaved1F1B' or '1F1B'"
-        )
     single = issubclass(cls, PipelineScheduleSingle)
     per_rank = stages_per_rank or (1 if single else 2)
-    if single and per_rank != 1 or per_rank < 1:
+    if single and per_rank != 1 or per_rank < 1 or name in _V_STYLE and per_rank != 2:
         raise FxtpConfigError(
             f"fxtp.pipeline: {cls.__name__} cannot run {per_rank} stages a rank; fix: stages_per_rank="
             f"{1 if single else 2}"
         )
-    ranks = [s % pp for s in range(pp * per_rank)]
+    ranks = _stage_ranks(pp, per_rank, v_style=name in _V_STYLE)
     n_stages = len(ranks)
     (ids,) = example_inputs
     batch, seq = ids.shape[:2]
@@ -243,7 +236,7 @@ def pipeline(model: nn.Module, mesh: Any, example_inputs: tuple[torch.Tensor], *
         if dp > 1:
             _fully_shard(pm, cut.blocks[s], mesh["dp"])
         stages.append(pm)
-        pipe_stages.append(PipelineStage(pm, s, n_stages, weight.device, group=mesh["pp"].get_group()))
+        pipe_stages.append(FxtpStage(pm, s, n_stages, weight.device, group=mesh["pp"].get_group()))
     sched = cls(pipe_stages[0] if single else pipe_stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
     tied = _tie(model, mesh, ranks, stages, mine)
     bubble, source = bubble_fraction(name, pp, n_microbatches, per_rank)
@@ -255,6 +248,12 @@ def pipeline(model: nn.Module, mesh: Any, example_inputs: tuple[torch.Tensor], *
                             n_microbatches=n_microbatches, bubble=bubble, bubble_source=source,
                             sent_bytes_per_step=2 * crossing * n_microbatches * act_bytes, micro_batch_bytes=act_bytes)
     return Pipeline(stages, mine, sched, report, tied, mesh["pp"].get_group())
+
+
+def _stage_ranks(pp: int, per_rank: int, *, v_style: bool) -> list[int]:
+    """The pipeline rank of each stage: ``s % pp`` (loop), or back and forth in a V for the V
+    schedules (torch's ``generate_stage_to_rank_mapping`` styles ``"loop"`` and ``"v"``)."""
+    return [s % pp if not v_style or (s // pp) % 2 == 0 else pp - 1 - s % pp for s in range(pp * per_rank)]
 
 
 def _fully_shard(pm: nn.Module, blocks: range, dp_mesh: Any) -> None:

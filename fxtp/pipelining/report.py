@@ -9,9 +9,16 @@ the idle fraction of a step (the bubble over the whole step time):
   Megatron-LM", section 2.2.1: bubble time over ideal time ``(p - 1) / m``);
 * interleaved 1F1B (and looped BFS) with ``v`` stages per rank: ``(p - 1) / (v * m + p - 1)``
   (Narayanan et al. 2021, section 2.2.2: the bubble shrinks by ``v``);
-* zero-bubble schedules (``InterleavedZeroBubble``, ``ZBVZeroBubble``): 0 when the forward, the
-  input-gradient and the weight-gradient passes cost the same (Qi et al. 2024, "Zero Bubble
-  Pipeline Parallelism", section 3); a real model's unequal passes leave some, not priced here.
+* the zero-bubble schedules, with the forward (F), input-gradient (B) and weight-gradient (W)
+  passes of equal cost (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", arXiv 2401.10241):
+  ``InterleavedZeroBubble`` is their ZB1P (torch's docstring), whose bubble is a third of 1F1B's,
+  ``(p - 1)(T_F + T_B - T_W)`` against ``(p - 1)(T_F + T_B + T_W)`` (section 2.1, ZB-H1): a bubble
+  time over ideal time of ``(p - 1) / (3 m)``, so ``(p - 1) / (3 m + p - 1)`` of the step. That
+  is the paper's one-stage-a-rank figure; torch interleaves ``v`` stages a rank, which can only
+  shorten the warm-up, so it is an upper bound there. ``ZBVZeroBubble`` is their ZB-V (section 6):
+  0. A real model's unequal passes leave some bubble, not priced here.
+* ``DualPipeV`` (DeepSeek-V3's DualPipe, arXiv 2412.19437, cut to a V): no formula here (``nan``);
+  its published bubble, ``(p / 2 - 1)(F&B + B - 3W)``, is DualPipe's, not DualPipeV's.
 
 Bytes between stages: a stage boundary that crosses ranks carries, per micro-batch, the
 activation forward and its gradient backward, each ``micro_batch * seq * hidden`` elements, on
@@ -30,8 +37,8 @@ _SOURCES = {
     "1f1b": "Narayanan et al. 2021 s2.2.1 (PipeDream-Flush)",
     "interleaved1f1b": "Narayanan et al. 2021 s2.2.2",
     "loopedbfs": "Narayanan et al. 2021 s2.2.2",
-    "interleavedzerobubble": "Qi et al. 2024 s3 (F = B = W)",
-    "zbvzerobubble": "Qi et al. 2024 s6 (F = B = W)",
+    "interleavedzerobubble": "Qi et al. 2024 s2.1, ZB1P: a third of 1F1B's (F = B = W)",
+    "zbvzerobubble": "Qi et al. 2024 s6, ZB-V (F = B = W)",
 }
 
 
@@ -40,8 +47,10 @@ def bubble_fraction(schedule: str, pp: int, n_microbatches: int, stages_per_rank
     name = schedule.lower()
     if name not in _SOURCES:
         return float("nan"), "no formula for this schedule"
-    if "zerobubble" in name:
+    if name == "zbvzerobubble":
         return 0.0, _SOURCES[name]
+    if name == "interleavedzerobubble":
+        return (pp - 1) / (3 * n_microbatches + pp - 1), _SOURCES[name]
     v = stages_per_rank if name in ("interleaved1f1b", "loopedbfs") else 1
     return (pp - 1) / (v * n_microbatches + pp - 1), _SOURCES[name]
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from fxtp.planner.hardware import Hardware
 
@@ -44,24 +44,34 @@ ASSUMPTIONS = (
     ("NVLink bandwidth", "intra_node_bw", 0.5, 1.0, "collectives"),
 )
 
-Price = Callable[[Hardware, int], Optional[float]]  # (hardware, tp) -> the tp's best step seconds, None if none fits
+# (hardware, layout) -> the layout's best step seconds, None if none fits; a layout is a tp
+# (no pipelining) or a (pp, tp) pair
+Price = Callable[[Hardware, Any], Optional[float]]
+
+
+def _name(layout: Any) -> str:
+    return f"pp {layout[0]} x tp {layout[1]}" if isinstance(layout, tuple) else f"tp {layout}"
+
+
+def _order(layout: Any) -> tuple:
+    return layout if isinstance(layout, tuple) else (1, layout)
 
 
 def _fmt(field: str, value: float) -> str:
     return f"{value:.2f}" if field == "mfu" else f"{value / 1e9:.0f} GB/s"
 
 
-def _winner(price: Price, hw: Hardware, tps: tuple[int, ...]) -> int:
-    times = [(t, tp) for tp in tps for t in (price(hw, tp),) if t is not None]
-    return min(times)[1] if times else tps[0]
+def _winner(price: Price, hw: Hardware, tps: tuple[Any, ...]) -> Any:
+    times = [(t, _order(tp), tp) for tp in tps for t in (price(hw, tp),) if t is not None]
+    return min(times, key=lambda x: x[:2])[2] if times else tps[0]
 
 
-def _flip(price: Price, hw: Hardware, field: str, lo: float, hi: float, tps: tuple[int, ...]) -> Optional[tuple[float, bool, int]]:
+def _flip(price: Price, hw: Hardware, field: str, lo: float, hi: float, tps: tuple[Any, ...]) -> Optional[tuple[float, bool, Any]]:
     """The value of ``field`` in ``[lo, hi]`` (absolute) nearest the table's where another
     degree than ``tps[0]`` starts to win, whether that is above it (True) or below, and that
     degree; None if ``tps[0]`` wins over the whole range."""
 
-    def winner(value: float) -> int:
+    def winner(value: float) -> Any:
         return _winner(price, dataclasses.replace(hw, **{field: value}), tps)
 
     here, found = getattr(hw, field), None
@@ -78,24 +88,24 @@ def _flip(price: Price, hw: Hardware, field: str, lo: float, hi: float, tps: tup
     return found
 
 
-def close_calls(hw: Hardware, price: Price, best: int, best_s: float, others: dict[int, float]) -> tuple[str, ...]:
+def close_calls(hw: Hardware, price: Price, best: Any, best_s: float, others: dict[Any, float]) -> tuple[str, ...]:
     """The plan's close-call lines (NOTE: [close calls]); empty for a clear win.
 
     Args:
         hw: the hardware the plan was priced with.
         price: re-prices a degree's best row under other hardware figures (None: nothing fits).
-        best, best_s: the chosen ``tp`` and its step seconds.
-        others: the other degrees that fit, each with its best row's step seconds.
+        best, best_s: the chosen layout (its ``tp``, or ``(pp, tp)`` when pipelined) and its step seconds.
+        others: the other layouts that fit, each with its best row's step seconds.
     """
     if not others:
         return ()
     lines = []
-    other, other_s = min(others.items(), key=lambda kv: (kv[1], kv[0]))
+    other, other_s = min(others.items(), key=lambda kv: (kv[1], _order(kv[0])))
     gap = math.log(other_s / best_s) if best_s > 0 else math.inf
     if gap <= MEASURED_ERROR:
-        lines.append(f"tp {other} is {other_s / best_s - 1:.1%} slower than tp {best}, within the model's measured error "
+        lines.append(f"{_name(other)} is {other_s / best_s - 1:.1%} slower than {_name(best)}, within the model's measured error "
                      f"({math.exp(MEASURED_ERROR) - 1:.0%}, the median over published runs): either may be faster")
-    tps = (best, *sorted(others))
+    tps = (best, *sorted(others, key=_order))
     for name, field, low, high, measured in ASSUMPTIONS:
         if getattr(hw, measured):  # calibrated: priced with the measurement, not this figure
             continue
@@ -105,6 +115,6 @@ def close_calls(hw: Hardware, price: Price, best: int, best_s: float, others: di
         if found is not None:
             value, above, flipped = found
             side, other_side = ("below", "above") if above else ("above", "below")
-            lines.append(f"tp {best} wins while {name} is {side} {_fmt(field, value)}; {other_side}, tp {flipped} "
+            lines.append(f"{_name(best)} wins while {name} is {side} {_fmt(field, value)}; {other_side}, {_name(flipped)} "
                          f"(the hardware table's: {_fmt(field, here)})")
     return tuple(lines)

@@ -43,6 +43,15 @@ reduce_scatter runs while the unit after it, in backward order, computes (Zhao e
   ``j-1``'s all_gather and unit ``j+1``'s reduce_scatter share the links:
   ``max(0, AG_{j-1} + RS_{j+1} - B_j)``; the first unit's reduce_scatter, and unit 1's that
   the embedding's near-zero backward cannot hide, are exposed.
+- under pipeline parallelism (``regather=False``, NOTE: [pipeline costs] in
+  fxtp/planner/pipeline_costs.py) a unit is gathered once a step and kept: no backward
+  all_gather, only the reduce_scatters behind the backward.
+
+NOTE: [point-to-point time]
+One NCCL send/recv of ``payload`` bytes between two ranks is one step of its ring:
+``collective_latency`` plus one hop's (``nvlink_step_latency`` inside a node,
+``network_step_latency`` across nodes), and the bytes over that link (NVLink's per-direction
+bandwidth, or the GPU's own NIC), from the same table as NOTE: [collective time].
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ from dataclasses import dataclass
 
 from fxtp.planner.hardware import Hardware
 
-__all__ = ["Group", "Unit", "ring_time", "ring_latency", "fsdp_exposed"]
+__all__ = ["Group", "Unit", "ring_time", "ring_latency", "fsdp_exposed", "p2p_time"]
 
 
 @dataclass(frozen=True)
@@ -129,20 +138,29 @@ def ring_latency(kind: str, group: Group, hw: Hardware) -> float:
     return ring_time(kind, 0.0, group, hw)
 
 
-def fsdp_exposed(units: list[Unit]) -> float:
+def p2p_time(payload: float, across_nodes: bool, hw: Hardware) -> float:
+    """Seconds of one point-to-point send of ``payload`` bytes (NOTE: [point-to-point time])."""
+    if across_nodes:
+        return hw.collective_latency + hw.network_step_latency + payload / hw.inter_node_bw
+    return hw.collective_latency + hw.nvlink_step_latency + payload / hw.intra_node_bw
+
+
+def fsdp_exposed(units: list[Unit], regather: bool = True) -> float:
     """Seconds of FSDP2 communication compute does not hide in one micro-batch (NOTE: [fsdp overlap]).
 
     Args:
         units: the FSDP units in forward order.
+        regather: the units are gathered again for backward (``reshard_after_forward=True``);
+            False: gathered once and kept (under pipeline parallelism).
     """
     if not units:
         return 0.0
     exposed = units[0].all_gather
     for before, unit in zip(units, units[1:]):
         exposed += max(0.0, unit.all_gather - before.forward)
-    exposed += units[-1].all_gather
+    exposed += units[-1].all_gather if regather else 0.0
     for j in range(len(units) - 1, -1, -1):
-        gather = units[j - 1].all_gather if j > 0 else 0.0
+        gather = units[j - 1].all_gather if j > 0 and regather else 0.0
         scatter = units[j + 1].reduce_scatter if j + 1 < len(units) else 0.0
         exposed += max(0.0, gather + scatter - units[j].backward)
     return exposed + units[0].reduce_scatter

@@ -111,7 +111,8 @@ bf16 on H100, benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md: a bound to c
 option against, docs/plan_command.md "Published runs").
 
 Not modelled: NVLink shared by tensor-parallel and FSDP
-collectives inside a node, NCCL's tree and NVLS algorithms, pipeline parallelism.
+collectives inside a node, NCCL's tree and NVLS algorithms. Pipeline parallelism is priced in
+fxtp/planner/pipeline_costs.py (NOTE: [pipeline costs]).
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ from fxtp.planner.hardware import Hardware, gemm_efficiency
 from fxtp.planner.model import TransformerShape
 from fxtp.planner.params import ParamShapes
 
-__all__ = ["Choice", "Estimate", "OPTIMIZER_BYTES", "TP_OVERLAP", "Workload", "compute_efficiency", "estimate", "step_moments"]
+__all__ = ["Choice", "Estimate", "OPTIMIZER_BYTES", "TP_OVERLAP", "TpComm", "Workload", "compute_efficiency", "estimate", "rate_per_device",
+           "step_moments", "tp_comm"]
 
 # Bytes of optimizer state per parameter element, fp32 (NOTE: [mixed precision])
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 0}
@@ -145,7 +147,10 @@ class Choice:
     sequence_parallel: bool
     activation_checkpointing: Optional[str]
     micro_batch: int  # sequences per micro-batch on a dp rank
-    accumulation: int  # micro-batches per optimizer step
+    accumulation: int  # micro-batches per optimizer step (the pipeline's micro-batches when pp > 1)
+    pp: int = 1  # pipeline ranks (NOTE: [pipeline costs] in fxtp/planner/pipeline_costs.py)
+    schedule: Optional[str] = None  # torch's schedule name when pp > 1: "1F1B", "Interleaved1F1B"
+    stages_per_rank: int = 1  # pipeline stages a pp rank holds (2 for Interleaved1F1B)
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,7 @@ class Estimate:
     step: dict[str, float]
     comm_bytes: dict[str, int]  # sent per device per step, by kind
     rate: float = 0.0  # FLOP/s per device the compute is priced at (NOTE: [cost model])
+    stages: tuple[int, ...] = ()  # blocks per pipeline stage, in stage order (pp > 1)
 
     @property
     def peak(self) -> int:
@@ -193,44 +199,71 @@ def compute_efficiency(hw: Hardware, shape: TransformerShape, tokens: int, tp: i
     return weight / sum(w / gemm_efficiency(hw, tokens, n) for n, w in gemms)
 
 
-def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: Hardware, work: Workload) -> Estimate:
-    """Predicted memory and time of ``choice`` (NOTE: [mixed precision], NOTE: [cost model])."""
-    tp, dp, b = choice.tp, choice.dp, choice.micro_batch
+@dataclass(frozen=True)
+class TpComm:
+    """One micro-batch's tensor-parallel collectives on a rank (NOTE: [cost model]): seconds a
+    block's cost exposed (``block_s``) and before any overlap (``block_all_s``), seconds outside
+    the blocks, and the bytes a rank sends for a block and outside."""
+
+    block_s: float
+    block_all_s: float
+    outside_s: float
+    block_bytes: float
+    outside_bytes: float
+
+
+def rate_per_device(choice: Choice, shape: TransformerShape, hw: Hardware, work: Workload) -> float:
+    """FLOP/s a device computes at: the rate calibrated at ``tp``'s GEMMs where one was measured,
+    else the peak at the efficiency by hardware and GEMM size (NOTE: [cost model])."""
+    measured = dict(hw.achieved_flops).get(choice.tp)
+    return measured if measured else hw.peak_flops * compute_efficiency(hw, shape, choice.micro_batch * work.seq, choice.tp)
+
+
+def tp_comm(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: Hardware, work: Workload,
+            rate: float) -> TpComm:
+    """A micro-batch's tensor-parallel collectives (NOTE: [cost model], NOTE: [tp overlap]);
+    ``rate`` the device's FLOP/s (:func:`rate_per_device`)."""
+    tp, b = choice.tp, choice.micro_batch
     sp, ac = choice.sequence_parallel, choice.activation_checkpointing
-    memory = _memory(choice, shape, params, work)
-    tokens = work.batch * work.seq
-    devices = tp * dp
-    # the rate calibrated at tp's GEMMs where one was measured, else the peak at the efficiency by
-    # hardware and GEMM size (a calibrated Hardware priced at a degree it did not measure included)
-    measured = dict(hw.achieved_flops).get(tp)
-    rate_per_device = measured if measured else hw.peak_flops * compute_efficiency(hw, shape, b * work.seq, tp)
-    rate = devices * rate_per_device
-    if work.training:
-        compute = shape.flops_per_token(work.seq, ac) * tokens / rate
-        recompute = compute - shape.flops_per_token(work.seq) * tokens / rate
-        per_block = 4 + (1 if sp else 0) + (2 if ac in ("blocks", "selective") else 0)
-    else:
-        compute = (shape.matmul_params * 2 + 4 * shape.layers * shape.hidden * work.seq) * tokens / rate
-        recompute, per_block = 0.0, 2
+    per_block = 4 + (1 if sp else 0) + (2 if ac in ("blocks", "selective") else 0) if work.training else 2
     payload = b * work.seq * shape.hidden * work.activation_bytes
     outside = sum(params.outside_sent) if work.training else params.outside_sent[0]  # per payload byte
     if sp and work.training:  # the head input's regather; the norms' partial gradients, all_reduced
         outside += (tp - 1) / tp + 2 * (tp - 1) / tp * shape.norm_params * work.activation_bytes / payload
-    weights = shape.layers * params.block_weight_sent if work.training else 0.0  # grouped kv gradients, per backward
-    tp_bytes = round(choice.accumulation * ((shape.layers * per_block * 2 * (tp - 1) / tp + outside) * payload + weights))
+    weights = params.block_weight_sent if work.training else 0.0  # grouped kv gradients, per block and backward
     tp_group = Group.tp(tp, work.devices_per_node)
     # a block's all_reduce-equivalents of one payload: all_reduces, or under sequence
     # parallelism all_gather/reduce_scatter pairs moving the same bytes (NOTE: [collective time])
     block_s = (2 * per_block * ring_time("all_gather", payload, tp_group, hw) if sp
                else per_block * ring_time("all_reduce", payload, tp_group, hw))
     outside_s = ring_time("all_reduce", outside * payload * tp / (2 * (tp - 1)), tp_group, hw) if tp > 1 and outside else 0.0
-    if params.block_weight_sent and work.training:
-        block_s += ring_time("all_reduce", params.block_weight_sent * tp / (2 * (tp - 1)), tp_group, hw)
-    tp_all_s = choice.accumulation * (shape.layers * block_s + outside_s)
+    if weights:
+        block_s += ring_time("all_reduce", weights * tp / (2 * (tp - 1)), tp_group, hw)
+    block_all_s = block_s
     if work.tp_overlap and sp and tp > 1:  # NOTE: [tp overlap]
-        matmul_s = 6 * shape.block_params / tp * b * work.seq / rate_per_device if work.training else 0.0
+        matmul_s = 6 * shape.block_params / tp * b * work.seq / rate if work.training else 0.0
         block_s = max(0.0, block_s - matmul_s)
-    tp_s = choice.accumulation * (shape.layers * block_s + outside_s)
+    return TpComm(block_s, block_all_s, outside_s, per_block * 2 * (tp - 1) / tp * payload + weights, outside * payload)
+
+
+def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: Hardware, work: Workload) -> Estimate:
+    """Predicted memory and time of ``choice`` without pipelining (NOTE: [mixed precision], NOTE:
+    [cost model]); a pipelined one (``pp > 1``) is :func:`fxtp.planner.pipeline_costs.estimate_pipeline`'s."""
+    tp, dp, ac = choice.tp, choice.dp, choice.activation_checkpointing
+    memory = _memory(choice, shape, params, work)
+    tokens = work.batch * work.seq
+    rate_device = rate_per_device(choice, shape, hw, work)
+    rate = tp * dp * rate_device
+    if work.training:
+        compute = shape.flops_per_token(work.seq, ac) * tokens / rate
+        recompute = compute - shape.flops_per_token(work.seq) * tokens / rate
+    else:
+        compute = (shape.matmul_params * 2 + 4 * shape.layers * shape.hidden * work.seq) * tokens / rate
+        recompute = 0.0
+    comm = tp_comm(choice, shape, params, hw, work, rate_device)
+    tp_bytes = round(choice.accumulation * (shape.layers * comm.block_bytes + comm.outside_bytes))
+    tp_all_s = choice.accumulation * (shape.layers * comm.block_all_s + comm.outside_s)
+    tp_s = choice.accumulation * (shape.layers * comm.block_s + comm.outside_s)
     fsdp_bytes, fsdp_s, fsdp_exposed_s = 0, 0.0, 0.0
     if work.training and dp > 1:
         # a rank sends (dp-1)/dp of each all_gather's output and reduce_scatter's input, whose
@@ -249,7 +282,7 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
         "fsdp_exposed": fsdp_exposed_s,
         "total": compute + tp_s + fsdp_exposed_s,
     }
-    return Estimate(choice, memory, step, {"tp": tp_bytes, "fsdp": fsdp_bytes}, rate_per_device)
+    return Estimate(choice, memory, step, {"tp": tp_bytes, "fsdp": fsdp_bytes}, rate_device)
 
 
 def _fsdp_units(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: Hardware, work: Workload,

@@ -253,7 +253,7 @@ def _plan_on_rank0(model: nn.Module, memory: int, batch: int, seq: int, hw: Hard
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         box[0] = plan(model, dist.get_world_size(), device_memory=memory, batch=batch, seq=seq,
-                      devices_per_node=dist.get_world_size(), hardware=hw, optimizer=optimizer)
+                      devices_per_node=dist.get_world_size(), hardware=hw, optimizer=optimizer, pp=1)  # measures tp x FSDP2
     dist.broadcast_object_list(box, src=0)
     return box[0]
 

@@ -94,12 +94,33 @@ def _figures(e: Estimate, budget: int) -> dict[str, Any]:
         "memory_per_device": {k: e.memory[k] for k in _MEMORY_KEYS},
         "step_s": dict(e.step),
         "comm_bytes_per_device": dict(e.comm_bytes),
+        "pipeline": {"pp": c.pp, "schedule": c.schedule, "stages_per_rank": c.stages_per_rank, "stage_blocks": list(e.stages)},
     }
+
+
+def _schedule_name(c: Choice) -> str:
+    return "-" if c.pp == 1 else c.schedule + (f" x{c.stages_per_rank}" if c.stages_per_rank > 1 else "")
+
+
+def _layout(c: Choice) -> str:
+    """``tp 2 x dp 256``, or ``pp 8 x tp 8 x dp 8`` when pipelined."""
+    return (f"pp {c.pp} x " if c.pp > 1 else "") + f"tp {c.tp} x dp {c.dp}"
+
+
+def _spans(counts: Sequence[int]) -> str:
+    """Blocks per stage as index ranges: ``0-14 | 15-30 | ...``."""
+    out, start = [], 0
+    for n in counts:
+        out.append("-" if not n else str(start) if n == 1 else f"{start}-{start + n - 1}")
+        start += n
+    return " | ".join(out)
 
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """The plan: a ``tp x dp`` mesh (tensor parallelism inside a node, FSDP2 over the rest),
+    """The plan: a ``tp x dp`` mesh (tensor parallelism inside a node, FSDP2 over the rest), or
+    a ``pp x tp x dp`` one whose ``pp`` pipeline ranks run torch's ``schedule`` (NOTE: [pipeline
+    costs] in fxtp/planner/pipeline_costs.py; ``fxtp.pipeline`` runs it, docs/pipeline.md),
     sequence parallelism, an activation-checkpointing policy and micro-batches, chosen for the
     least predicted step time whose predicted peak memory per device fits ``device_memory``
     less ``reserve``, the bytes kept for the runtime (NOTE: [runtime reserve] in
@@ -136,6 +157,7 @@ class ParallelPlan:
     # where the runner-up is within the model's error or an assumption flips the winner (NOTE: [close calls])
     close_calls: tuple[str, ...] = ()
     tp_overlap: Optional[str] = None  # the runtime priced as overlapping tp collectives (NOTE: [tp overlap])
+    pinned_pp: Optional[int] = None  # the caller's fxtp.plan(..., pp=)
 
     @property
     def usable_memory(self) -> int:
@@ -149,6 +171,30 @@ class ParallelPlan:
     @property
     def dp(self) -> int:
         return self.chosen.choice.dp
+
+    @property
+    def pp(self) -> int:
+        """Pipeline ranks (1: not pipelined)."""
+        return self.chosen.choice.pp
+
+    @property
+    def schedule(self) -> Optional[str]:
+        """torch's schedule name for ``fxtp.pipeline(..., schedule=)`` (``None`` at pp 1)."""
+        return self.chosen.choice.schedule
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.chosen.choice.stages_per_rank
+
+    @property
+    def n_microbatches(self) -> int:
+        """Micro-batches per step on a dp rank (``fxtp.pipeline(..., n_microbatches=)`` at pp > 1)."""
+        return self.chosen.choice.accumulation
+
+    @property
+    def stage_blocks(self) -> tuple[int, ...]:
+        """Blocks per pipeline stage, in stage order, as priced (empty at pp 1)."""
+        return self.chosen.stages
 
     @property
     def sequence_parallel(self) -> bool:
@@ -203,6 +249,7 @@ class ParallelPlan:
             "block_kinds": self.block_kinds,
             "layer_styles": dict(self.layer_styles),
             "pinned_tp": self.pinned_tp,
+            "pinned_pp": self.pinned_pp,
             "tp_overlap": self.tp_overlap,
             "close_calls": list(self.close_calls),
             "notes": list(self.notes),
@@ -214,15 +261,19 @@ class ParallelPlan:
     def __str__(self) -> str:
         c, m, s = self.chosen.choice, self.chosen.memory, self.chosen.step
         sp = ", sequence parallel" if c.sequence_parallel else ""
-        micro = f"micro-batch {c.micro_batch}" + (f" x {c.accumulation} accumulation steps" if c.accumulation > 1 else "")
+        micro = f"micro-batch {c.micro_batch}" + (f" x {c.accumulation} accumulation steps" if c.accumulation > 1 and c.pp == 1 else
+                                                  f" x {c.accumulation} pipeline micro-batches" if c.pp > 1 else "")
+        schedule = f", {c.schedule} ({c.stages_per_rank} stage(s) a rank)" if c.pp > 1 else ""
+        pinned = [f"pp {self.pinned_pp}"] * (self.pinned_pp is not None) + [f"tp {self.pinned_tp}"] * (self.pinned_tp is not None)
         what = "training step" if self.training else "forward (KV cache)"
         lines = [
             f"fxtp plan: {self.model} on {self.devices} devices of {fmt_size(self.device_memory)} ({self.hardware.name} "
             f"figures, {self.devices_per_node} per node), "
             f"{self.batch} x {self.seq} tokens per {what}" + (f", {self.optimizer}" if self.training else ""),
-            f"chosen: tp {c.tp} x dp {c.dp}{sp}, activation checkpointing: {_ac_name(c.activation_checkpointing)}, {micro}"
-            + (" (tp pinned by the caller)" if self.pinned_tp is not None else ""),
+            f"chosen: {_layout(c)}{sp}{schedule}, activation checkpointing: {_ac_name(c.activation_checkpointing)}, {micro}"
+            + (f" ({' and '.join(p.split()[0] for p in pinned)} pinned by the caller)" if pinned else ""),
             self._verdict(),
+            *self._pipeline_lines(),
             *(f"close call: {line}" for line in self.close_calls),
             "memory per device: " + " + ".join(f"{k.replace('_', ' ')} {fmt_size(m[k], like=m['total'])}" for k in _MEMORY_KEYS[:-1] if m[k])
             + f" = {fmt_size(m['total'])}",
@@ -230,20 +281,29 @@ class ParallelPlan:
             self._params_line(),
             self._styles_line(),
             "",
-            tabulate(self._rows(), headers=["tp", "dp", "sp", "checkpointing", "micro-batch x accumulation", "memory", "step", ""],
-                     colalign=("right", "right", "left", "left", "left", "right", "right", "left")),
+            tabulate(self._rows(), headers=["pp", "tp", "dp", "sp", "checkpointing", "micro-batch x accumulation", "schedule", "memory",
+                                            "step", ""],
+                     colalign=("right", "right", "right", "left", "left", "left", "left", "right", "right", "left")),
         ]
-        lines += [f"skipped tp {x['tp']}: {x['reason']}" for x in self.skipped]
+        lines += [f"skipped {'pp ' + str(x['pp']) + ' x ' if 'pp' in x else ''}tp {x['tp']}: {x['reason']}" for x in self.skipped]
         lines += [f"experts: {note}" for note in self.notes]
         lines += [f"solved in {self.solve_s:.1f} s"]
         return "\n".join(lines)
 
     def _per_tp(self) -> dict[int, Alternative]:
-        """Each other tp's best alternative: its fastest that fits, else its smallest."""
+        """Each other tp's best alternative without pipelining: its fastest that fits, else its smallest."""
+        return self._best_by(lambda c: c.tp if c.pp == 1 else None)
+
+    def _per_pp(self) -> dict[int, Alternative]:
+        """Each other pipeline degree's best alternative (any tp, schedule): likewise."""
+        return self._best_by(lambda c: c.pp if c.pp > 1 else None)
+
+    def _best_by(self, key: Any) -> dict[int, Alternative]:
         out: dict[int, Alternative] = {}
+        mine = key(self.chosen.choice)
         for a in self.alternatives:  # fastest first
-            tp, fits = a.estimate.choice.tp, a.estimate.peak <= self.usable_memory
-            if tp == self.tp:
+            tp, fits = key(a.estimate.choice), a.estimate.peak <= self.usable_memory
+            if tp is None or tp == mine:
                 continue
             held = out.get(tp)
             if held is None or (fits and held.estimate.peak > self.usable_memory) or (
@@ -260,15 +320,17 @@ class ParallelPlan:
         else:
             head = f"does not fit {fmt_size(budget)}{reserved}: the smallest configuration needs {fmt_size(peak)} per device"
         others = []
-        slowest = max((a.estimate.step["total"] for a in self._per_tp().values()), default=0.0)
-        for tp, a in self._per_tp().items():
-            e = a.estimate
-            if tp > self.devices_per_node:
-                others.append(f"tp {tp} crosses nodes")
+        rows = [*self._per_tp().values(), *self._per_pp().values()]
+        slowest = max((a.estimate.step["total"] for a in rows), default=0.0)
+        for a in rows:
+            e, c = a.estimate, a.estimate.choice
+            name = f"pp {c.pp} x tp {c.tp}" if c.pp > 1 else f"tp {c.tp}"
+            if c.tp > self.devices_per_node:
+                others.append(f"{name} crosses nodes")
             elif e.peak > self.usable_memory:
-                others.append(f"tp {tp} needs {fmt_size(e.peak)}")
+                others.append(f"{name} needs {fmt_size(e.peak)}")
             else:
-                others.append(f"tp {tp} takes {fmt_time(e.step['total'], like=slowest)}")
+                others.append(f"{name} takes {fmt_time(e.step['total'], like=slowest)}")
         return head + ("; " + "; ".join(others) if others else "")
 
     def _step_line(self) -> str:
@@ -279,8 +341,22 @@ class ParallelPlan:
             return fmt_time(s[key], like=s["total"])
 
         hidden = f" ({t('tp_comm_hidden')} more hidden by {self.tp_overlap})" if s.get("tp_comm_hidden") else ""
-        return (f"step: {t('total')} = compute {t('compute')} (recompute {t('recompute')}) + tp comm {t('tp_comm')}{hidden} "
-                f"+ fsdp comm not hidden {t('fsdp_exposed')} (of {t('fsdp_comm')})")
+        pipe = f" + stage sends {t('p2p')} + bubble {t('bubble')}" if "bubble" in s else ""
+        where = " (the slowest pipeline rank's)" if "bubble" in s else ""
+        return (f"step: {t('total')} = compute {t('compute')} (recompute {t('recompute')}) + tp comm {t('tp_comm')}{hidden}{pipe} "
+                f"+ fsdp comm not hidden {t('fsdp_exposed')} (of {t('fsdp_comm')}){where}")
+
+    def _pipeline_lines(self) -> list[str]:
+        """The stages' blocks, the bubble and the bytes between stages (pp > 1; NOTE: [pipeline costs])."""
+        c = self.chosen.choice
+        if c.pp == 1:
+            return []
+        from fxtp.pipelining.report import bubble_fraction
+
+        bubble, source = bubble_fraction(c.schedule, c.pp, c.accumulation, c.stages_per_rank)
+        return [f"pipeline: {len(self.chosen.stages)} stages of model.layers {_spans(self.chosen.stages)} (the embedding on the first, "
+                f"the head on the last; stage s on pp rank s % {c.pp}); bubble {bubble:.1%} of the step ({source}); "
+                f"sent between stages {fmt_size(self.chosen.comm_bytes['pp'])} a device per step"]
 
     def _params_line(self) -> str:
         counted = "block 1" if self.block_kinds == 1 else f"an analyzed block of their kind ({self.block_kinds} kinds)"
@@ -302,7 +378,8 @@ class ParallelPlan:
 
         def row(e: Estimate, verdict: str) -> list[Any]:
             c = e.choice
-            return [c.tp, c.dp, "yes" if c.sequence_parallel else "no", _ac_name(c.activation_checkpointing),
-                    f"{c.micro_batch} x {c.accumulation}", units.size(e.peak), units.time(e.step["total"]), verdict]
+            return [c.pp, c.tp, c.dp, "yes" if c.sequence_parallel else "no", _ac_name(c.activation_checkpointing),
+                    f"{c.micro_batch} x {c.accumulation}", _schedule_name(c), units.size(e.peak), units.time(e.step["total"]), verdict]
 
-        return [row(self.chosen, "<- chosen" if self.fits else "<- chosen: the smallest")] + [row(a.estimate, a.reason) for a in self._per_tp().values()]
+        others = [*self._per_tp().values(), *self._per_pp().values()]
+        return [row(self.chosen, "<- chosen" if self.fits else "<- chosen: the smallest")] + [row(a.estimate, a.reason) for a in others]

@@ -1,12 +1,16 @@
 """``fxtp.plan``: the mesh, sequence parallelism, checkpointing and micro-batches, by predicted
 step time under a memory budget.
 
-The search is exhaustive and small: ``tp`` over the divisors of ``devices_per_node`` that
-divide ``devices`` (plus the first degree that would cross nodes, shown rejected), ``dp =
-devices / tp`` with FSDP2, sequence parallelism on or off, checkpointing ``None``,
-``"selective"`` or ``"blocks"``, and micro-batches over the divisors of a dp rank's share of the
-global batch. Each is priced by :func:`fxtp.planner.costs.estimate`; the parameters come from
-fxtp's own analysis (NOTE: [repeated blocks]), the rest from the config
+The search is exhaustive and small: the pipeline degree ``pp`` over the divisors of ``devices``
+up to the block count (training only; 1 is no pipelining), ``tp`` over the divisors of
+``devices_per_node`` that divide ``devices / pp`` (at pp 1 plus the first degree that would
+cross nodes, shown rejected), ``dp = devices / (pp x tp)`` with FSDP2, sequence parallelism on
+or off, checkpointing ``None``, ``"selective"`` or ``"blocks"``, at pp > 1 torch's 1F1B and
+Interleaved1F1B (2 stages a rank) schedules, and micro-batches over the divisors of a dp rank's
+share of the global batch (at pp > 1 the pipeline's micro-batches, at least pp: torch's 1F1B
+asks it). Each is priced by :func:`fxtp.planner.costs.estimate` (pipelined ones by
+:func:`fxtp.planner.pipeline_costs.estimate_pipeline`, NOTE: [pipeline costs]); the parameters
+come from fxtp's own analysis (NOTE: [repeated blocks]), the rest from the config
 (NOTE: [activation bytes]).
 """
 
@@ -27,8 +31,9 @@ from fxtp.planner.hardware import Hardware, reserve_bytes, resolve_hardware
 from fxtp.planner.model import AC_POLICIES, TransformerShape
 from fxtp.planner.parallel_plan import Alternative, ParallelPlan, Units
 from fxtp.planner.params import ParamShapes, parameter_shapes, repeated_blocks
+from fxtp.planner.pipeline_costs import SCHEDULES, estimate_pipeline, schedule_runs
 
-__all__ = ["plan", "check_pinned_tp"]
+__all__ = ["plan", "check_pinned_tp", "check_pinned_pp"]
 
 
 def plan(
@@ -45,6 +50,7 @@ def plan(
     optimizer: str = "adamw",
     training: bool = True,
     tp: Optional[int] = None,
+    pp: Optional[int] = None,
     reserve: Union[int, float, None] = None,
     tp_overlap: Optional[str] = None,
     progress: Optional[Callable[[str], None]] = None,
@@ -54,7 +60,7 @@ def plan(
     Args:
         model: a Hugging Face decoder (``transformers`` model, any device, ``meta`` included);
             never mutated.
-        devices: devices in the job, ``tp x dp``.
+        devices: devices in the job, ``pp x tp x dp``.
         device_memory: bytes each device may use (e.g. ``80 * 2**30``).
         example_inputs: inputs the analysis captures the model with; default token ids
             ``(1, 128)`` (their size does not change a parameter's shard).
@@ -69,9 +75,14 @@ def plan(
         optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"`` (its state, NOTE: [mixed precision]).
         training: price a training step (else a forward with a KV cache).
         tp: pin the tensor-parallel degree (e.g. torchtitan's tp 8 for Llama-3-70B on 64
-            devices): the search then chooses only ``dp = devices / tp``, sequence
+            devices): the search then chooses only ``dp = devices / tp`` (no pipelining unless
+            ``pp`` is pinned too: ``dp = devices / (pp x tp)``), sequence
             parallelism, checkpointing and micro-batches. The other degrees stay in
             ``alternatives`` with their figures, so the plan says what the pin costs.
+        pp: pin the pipeline degree (e.g. torchtitan's pp 8 for Llama-3.1-405B on 512 devices;
+            1: no pipelining), alone or with ``tp``; the others stay in ``alternatives`` likewise.
+            The pipelined rows price torch's schedules (NOTE: [pipeline costs] in
+            fxtp/planner/pipeline_costs.py); ``fxtp.pipeline`` runs a chosen one.
         reserve: memory kept for the runtime (CUDA context, NCCL's buffers, fragmentation;
             NOTE: [runtime reserve] in fxtp/planner/hardware.py): bytes (an int), or a share
             of ``device_memory`` (a float in ``[0, 1)``); default 10%. A configuration fits
@@ -90,7 +101,8 @@ def plan(
 
     Raises:
         FxtpConfigError: bad arguments, a model the cost model does not cover; a pinned
-            ``tp`` that does not divide ``devices`` or whose ``dp`` does not divide ``batch``.
+            ``tp`` that does not divide ``devices`` or whose ``dp`` does not divide ``batch``; a
+            pinned ``pp`` as :func:`check_pinned_pp` refuses it.
         FxtpInputError: no batch/seq given and no example input to read them from.
     """
     start = time.perf_counter()
@@ -119,7 +131,8 @@ def plan(
                     tp_overlap=tp_overlap)
     inside = [t for t in range(1, per_node + 1) if per_node % t == 0 and devices % t == 0]
     across = [t for t in range(per_node + 1, devices + 1) if devices % t == 0][:1]
-    pin = None if tp is None else check_pinned_tp(tp, devices, batch if training else None)
+    pin_pp = None if pp is None else check_pinned_pp(pp, devices, blocks.count, tp, batch if training else None)
+    pin = None if tp is None else check_pinned_tp(tp, devices, batch if training and pin_pp in (None, 1) else None)
     across += [] if pin is None or pin in inside + across else [pin]
     say("analyze")
     moe = MoeShape.of(model)
@@ -129,37 +142,58 @@ def plan(
         params, notes = _experts_plans(moe, params, inside + across, devices, work, shape, blocks.fqn)
     say("search")
     estimates, skipped = [], []
+    # pipelined where fxtp.pipeline cuts stages: a dense decoder's model.layers, analyzed by block
+    pipelined = training and moe is None and blocks.fqn == "model.layers" and params[1].n_blocks > 0
+    pps = [1] + [p for p in range(2, blocks.count + 1) if devices % p == 0] if pipelined else [1]
+    if pin_pp is not None and pin_pp not in pps:
+        why = ("a mixture-of-experts model" if moe is not None else f"its blocks are {blocks.fqn}, not model.layers"
+               if blocks.fqn != "model.layers" else f"its {blocks.count} blocks are analyzed whole (3 or more are priced per block)")
+        raise FxtpConfigError(f"pp={pin_pp}: fxtp.plan pipelines dense Hugging Face decoders' model.layers, and {type(model).__name__} "
+                              f"is not one it can cut: {why}. fix: drop pp=")
 
-    def rows(tp: int, hw: Hardware) -> list[Estimate]:
-        dp = devices // tp
-        return [_best_micro_batch(tp, dp, sp, ac, shape, params[tp], hw, work, budget)
-                for sp in ((False, True) if tp > 1 and seq % tp == 0 else (False,)) for ac in (AC_POLICIES if training else (None,))]
+    def rows(pp: int, tp: int, hw: Hardware) -> list[Estimate]:
+        dp = devices // (pp * tp)
+        found = [_best_micro_batch(Choice(tp, dp, sp, ac, 0, 0, pp, schedule, v), shape, params[tp], hw, work, budget)
+                 for sp in ((False, True) if tp > 1 and seq % tp == 0 else (False,)) for ac in (AC_POLICIES if training else (None,))
+                 for schedule, v in (SCHEDULES if pp > 1 else ((None, 1),))]
+        return [e for e in found if e is not None]
 
-    for tp in inside + across:
-        dp = devices // tp
-        if training and batch % dp:
-            skipped.append({"tp": tp, "dp": dp, "reason": f"global batch {batch} is not divisible by dp {dp}"})
-            continue
-        estimates += rows(tp, hw)
+    for pp_ in pps:
+        for tp_ in (inside + across if pp_ == 1 else [t for t in inside if (devices // pp_) % t == 0]):
+            dp = devices // (pp_ * tp_)
+            where = {"tp": tp_, "dp": dp, **({"pp": pp_} if pp_ > 1 else {})}
+            if training and batch % dp:
+                skipped.append({**where, "reason": f"global batch {batch} is not divisible by dp {dp}"})
+                continue
+            found = rows(pp_, tp_, hw)
+            if not found:
+                skipped.append({**where, "reason": f"a dp rank's {batch // dp} sequences are fewer than pp {pp_} micro-batches"})
+            estimates += found
     if not estimates:
         raise FxtpConfigError(f"no mesh of {devices} devices divides the global batch {batch}: " + "; ".join(s["reason"] for s in skipped))
-    candidates = [e for e in estimates if (e.choice.tp == pin if pin is not None else e.choice.tp <= per_node)]
+    only_pp = 1 if pin is not None and pin_pp is None else pin_pp  # a pinned tp alone is a tp x dp layout
+    candidates = [e for e in estimates if (e.choice.tp == pin if pin is not None else e.choice.tp <= per_node)
+                  and (only_pp is None or e.choice.pp == only_pp)]
+    if not candidates:
+        raise FxtpConfigError(f"pp={pin_pp} leaves no mesh of {devices} devices that runs: " + "; ".join(s["reason"] for s in skipped))
     fitting = [e for e in candidates if e.peak <= budget]
     best = min(fitting, key=_rank) if fitting else min(candidates, key=lambda e: (e.peak, _rank(e)))
     units = Units.of(estimates)
     close: tuple[str, ...] = ()
-    others: dict[int, float] = {}
-    for e in fitting:  # each other degree's fastest row
-        if e.choice.tp != best.choice.tp and e.choice.tp <= per_node:
-            others[e.choice.tp] = min(others.get(e.choice.tp, e.step["total"]), e.step["total"])
-    if pin is None and others:
+    others: dict[Any, float] = {}  # each other degree's fastest row: by tp at pp 1, by pp (its fastest tp) above
+    for e in sorted((e for e in estimates if e.peak <= budget and e.choice.tp <= per_node), key=_rank):
+        key = _key(e)
+        if key != _key(best) and (e.choice.pp == 1 or all(k[0] != e.choice.pp for k in others if isinstance(k, tuple))):
+            others.setdefault(key, e.step["total"])
+    if pin is None and pin_pp is None and others:
 
-        def price(moved: Hardware, tp: int) -> Optional[float]:
-            fit = [e.step["total"] for e in rows(tp, moved) if e.peak <= budget]
+        def price(moved: Hardware, key: Any) -> Optional[float]:
+            fit = [e.step["total"] for e in rows(*(key if isinstance(key, tuple) else (1, key)), moved) if e.peak <= budget]
             return min(fit) if fit else None
 
-        close = close_calls(hw, price, best.choice.tp, best.step["total"], others)
-    alternatives = tuple(Alternative.of(e, _why(e, best, budget, per_node, units, pin)) for e in sorted(estimates, key=_rank) if e is not best)
+        close = close_calls(hw, price, _key(best), best.step["total"], others)
+    alternatives = tuple(Alternative.of(e, _why(e, best, budget, per_node, units, pin, only_pp))
+                         for e in sorted(estimates, key=_rank) if e is not best)
     return ParallelPlan(
         model=type(model).__name__,
         devices=devices,
@@ -183,6 +217,7 @@ def plan(
         notes=notes,
         layer_styles=dict(params[best.choice.tp].styles),
         pinned_tp=pin,
+        pinned_pp=pin_pp,
         close_calls=close,
         tp_overlap=tp_overlap,
     )
@@ -219,33 +254,52 @@ def _block_of(fqn: str, blocks_fqn: str) -> int:
 
 
 def _rank(e: Estimate) -> tuple:
-    """Faster first; then less memory; then the smaller degree."""
-    return (round(e.step["total"], 9), e.peak, e.choice.tp)
+    """Faster first; then less memory; then the smaller degrees."""
+    return (round(e.step["total"], 9), e.peak, e.choice.tp, e.choice.pp)
 
 
-def _why(e: Estimate, best: Estimate, budget: int, per_node: int, units: Units, pinned: Optional[int] = None) -> str:
+def _key(e: Estimate) -> Any:
+    """A row's layout for the close calls: its ``tp`` at pp 1, else ``(pp, tp)``."""
+    return e.choice.tp if e.choice.pp == 1 else (e.choice.pp, e.choice.tp)
+
+
+def _why(e: Estimate, best: Estimate, budget: int, per_node: int, units: Units, pinned: Optional[int] = None,
+         pinned_pp: Optional[int] = None) -> str:
     """Why ``e`` is not the plan, its figures in the plan table's ``units`` (one per column)."""
     c = e.choice
-    if pinned is not None and c.tp != pinned:
+    pins = [f"pp {pinned_pp}"] * (pinned_pp is not None and c.pp != pinned_pp) + [f"tp {pinned}"] * (pinned is not None and c.tp != pinned)
+    if pins:
         fits = "fits" if e.peak <= budget else f"needs {units.size(e.peak)}"
-        return f"not the pinned tp {pinned}: {fits}, {units.time(e.step['total'])}"
+        what = f"tp {pinned} without pipelining" if pinned_pp == 1 != c.pp and pinned is not None else " x ".join(pins)
+        return f"not the pinned {what}: {fits}, {units.time(e.step['total'])}"
     if c.tp > per_node:
         return f"tp {c.tp} crosses nodes ({per_node} devices per node)"
     if e.peak > budget:
         return f"needs {units.size(e.peak)}"
     if e.step["total"] > best.step["total"]:
-        return f"slower: {units.time(e.step['total'])} vs {units.time(best.step['total'])}"
+        bubble = f" (bubble {units.time(e.step['bubble'])})" if c.pp > 1 else ""
+        return f"slower: {units.time(e.step['total'])} vs {units.time(best.step['total'])}{bubble}"
     return f"as fast, but {units.size(e.peak)} vs {units.size(best.peak)}"
 
 
-def _best_micro_batch(tp, dp, sp, ac, shape, params, hw, work: Workload, budget: int) -> Estimate:
-    """The fastest micro-batch that fits for this mesh and policy; the smallest if none fits.
-    Between equally fast ones, the fewest micro-batches: each accumulation step costs what the
-    model does not price (launches, collective latency), and with dp 1 the time ties."""
-    share = work.batch // dp if work.training else -(-work.batch // dp)
+def _best_micro_batch(c: Choice, shape, params, hw, work: Workload, budget: int) -> Optional[Estimate]:
+    """The fastest micro-batch that fits for this mesh, policy and schedule; the smallest if none
+    fits; None when the schedule runs none (NOTE: [pipeline costs]). Between equally fast ones,
+    the fewest micro-batches: each accumulation step costs what the model does not price
+    (launches, collective latency), and with dp 1 the time ties."""
+    share = work.batch // c.dp if work.training else -(-work.batch // c.dp)
     sizes = [b for b in range(1, share + 1) if share % b == 0] if work.training else [share]
-    found = [estimate(Choice(tp, dp, sp, ac, b, share // b), shape, params, hw, work) for b in sizes]
+    if c.pp > 1:
+        sizes = [b for b in sizes if schedule_runs(c.schedule, c.pp, c.stages_per_rank, share // b, shape.layers)]
+    found: list[Estimate] = []
+    for b in sizes:
+        price = estimate_pipeline if c.pp > 1 else estimate
+        found.append(price(dataclasses.replace(c, micro_batch=b, accumulation=share // b), shape, params, hw, work))
+        if c.pp > 1 and found[-1].peak > budget:  # a pipeline's peak grows with b (NOTE: [pipeline costs]): none larger fits
+            break
     fitting = [e for e in found if e.peak <= budget]
+    if not found:
+        return None
     return min(fitting, key=lambda e: (round(e.step["total"], 9), e.choice.accumulation)) if fitting else found[0]
 
 
@@ -267,6 +321,33 @@ def check_pinned_tp(tp: Any, devices: int, batch: Optional[int]) -> int:
         raise FxtpConfigError(f"tp={tp} leaves dp {devices // tp}, which does not divide the global batch {batch}. "
                               f"fix: a batch that is a multiple of {devices // tp}, or another tp")
     return tp
+
+
+def check_pinned_pp(pp: Any, devices: int, blocks: int, tp: Any, batch: Optional[int]) -> int:
+    """A pinned ``pp`` (``fxtp.plan(..., pp=)``) checked against ``devices``, the model's
+    ``blocks``, a pinned ``tp`` (``None``: not pinned) and, in training, the global ``batch``
+    (``None``: not checked); returns it.
+
+    Raises:
+        FxtpConfigError: ``pp`` is not an int >= 1, does not divide ``devices``, is more than the
+            blocks, is above 1 for inference, or leaves with ``tp`` a ``dp`` that does not divide
+            ``batch``.
+    """
+    pp = _positive("pp", pp)
+    if devices % pp:
+        divisors = ", ".join(str(p) for p in range(1, min(devices, blocks) + 1) if devices % p == 0)
+        raise FxtpConfigError(f"pp={pp} does not divide the {devices} devices. fix: pin one of {divisors}")
+    if pp > blocks:
+        raise FxtpConfigError(f"pp={pp} is more than the model's {blocks} blocks. fix: pin at most {blocks}")
+    if pp > 1 and batch is None:
+        raise FxtpConfigError(f"pp={pp}: fxtp.plan pipelines training steps only. fix: pp=1 or training=True")
+    if tp is not None and (devices // pp) % _positive("tp", tp):
+        raise FxtpConfigError(f"tp={tp} does not divide the {devices // pp} devices of a pipeline stage (pp={pp}). fix: another tp or pp")
+    if tp is not None and batch is not None and batch % (devices // (pp * tp)):
+        dp = devices // (pp * tp)
+        raise FxtpConfigError(f"pp={pp} x tp={tp} leaves dp {dp}, which does not divide the global batch {batch}. fix: a batch "
+                              f"that is a multiple of {dp}, or other degrees")
+    return pp
 
 
 def _positive(name: str, value: Any) -> int:
