@@ -83,7 +83,6 @@ class HostCosts:
     Attributes:
         op, op_backward: seconds per dispatched forward op, in forward and in its backward.
         op_byte, op_backward_byte: seconds per byte a forward op writes, in forward and backward.
-        selective_op: seconds more per op of a ``"selective"`` checkpointed block (its forward and recompute).
         optimizer_tensor, optimizer_dtensor: seconds per parameter tensor of an optimizer step
             (with ``zero_grad``), a plain tensor and FSDP2's DTensor shard.
         optimizer_element: seconds per parameter element of an optimizer step.
@@ -92,11 +91,10 @@ class HostCosts:
         asynchronous: the host runs ahead of the device (CUDA); False: the host computes (CPU).
     """
 
-    op: float = 10e-6
-    op_backward: float = 10e-6
+    op: float = 0.0
+    op_backward: float = 0.0
     op_byte: float = 0.0
     op_backward_byte: float = 0.0
-    selective_op: float = 0.0
     optimizer_tensor: float = 0.0
     optimizer_dtensor: float = 0.0
     optimizer_element: float = 0.0
@@ -137,7 +135,7 @@ class Hardware:
             the step computes in: 2 (bf16, NOTE: [mixed precision]); a CPU calibration measures
             and prices fp32, 4.
         host: seconds the host spends per op, tensor and FSDP2 unit (NOTE: [host time] in
-            fxtp/planner/host.py); a GPU's default, 10 us an op.
+            fxtp/planner/host.py); not priced (zeros) unless a calibration on CPU ranks measured them.
     """
 
     name: str

@@ -14,11 +14,11 @@ its copy-in and copy-out (``torch/distributed/fsdp/_fully_shard/_fsdp_collective
   (every block's and those outside the blocks), the GEMMs left out (their rate is calibrated
   with their dispatch in it, NOTE: [calibration] in fxtp/planner/calibration.py); backward
   ``ops x op_backward + bytes x op_backward_byte`` per forward op and byte.
-  ``bytes``: what the ops write, on a rank: the sharded share over ``tp`` (``ParamShapes.sharded_share``).
-  A block recomputed (``"blocks"``) dispatches its forward again in backward; a ``"selective"``
-  one runs its forward and its recompute under torch's selective-checkpoint dispatch mode (a
-  Python call per op, NOTE: [recomputed regions] in fxtp/core/recompute.py): ``selective_op``
-  more per op of the block.
+  ``bytes``: what the ops write, on a rank: the share of a block's bytes in tensors whose last
+  dim is not the model's hidden size (heads, the MLP's features: what tensor parallelism
+  shards) over ``tp``, the rest whole. A block recomputed (``"blocks"``) dispatches its forward
+  again in backward; a ``"selective"`` one is priced so too (an upper bound: it recomputes some
+  of the ops, each through torch's selective-checkpoint dispatch mode).
 - optimizer: ``tensors x optimizer_tensor`` (``optimizer_dtensor`` for FSDP2's sharded
   parameters, DTensors, whose every op goes through DTensor's Python dispatch) plus ``elements x
   optimizer_element``; torch's AdamW runs its per-tensor loop on CPU tensors (its foreach path is
@@ -29,29 +29,24 @@ its copy-in and copy-out (``torch/distributed/fsdp/_fully_shard/_fsdp_collective
 
 The counts come from the model itself (:func:`count_ops`): its forward and backward run once on
 ``meta`` tensors under a dispatch mode that counts each op and what it writes, the forward's by
-block (forward hooks on the blocks), the backward's shared out as the forward's.
+block (each node's ``nn_module_stack``), the backward's shared out as the forward's.
 
 On a CPU (``asynchronous=False``) the host is the device: host seconds add to the GEMMs'. On a
 GPU the host queues kernels ahead of the device and its time shows only where it exceeds the
-device's (``asynchronous=True``: compute is the larger of the two). The default (a GPU's) is
-10 us an op, forward and backward, and nothing else: PyTorch's CPU-side launch of a CUDA kernel
-takes 5-20 us (Holistic Trace Analysis documentation, "CUDA Kernel Launch Statistics",
-facebookresearch/HolisticTraceAnalysis); the rest is hidden behind a large model's kernels (a
-calibration measures it). A calibration on CPU ranks measures every figure
-(not yet: ``calibrate_host`` is to come), on all the local ranks at once: ranks sharing a host's cores contend
-as they will in the run.
+device's (``asynchronous=True``: compute is the larger of the two). The tables' GPUs do not
+price it (every figure 0): PyTorch's CPU-side launch of a CUDA kernel takes 5-20 us (Holistic
+Trace Analysis documentation, "CUDA Kernel Launch Statistics"), hidden behind a large model's
+kernels. A calibration on CPU ranks measures every figure (``host_costs`` in
+fxtp/planner/calibration.py), on all the local ranks at once: ranks sharing a host's cores
+contend as they will in the run.
 """
 
 from __future__ import annotations
 
-import contextlib
-import statistics
-import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxtp.planner.hardware import HostCosts
@@ -69,33 +64,40 @@ class OpCounts:
     Attributes:
         block, other: ``(ops, bytes per token)`` of one block and of everything outside the blocks.
         backward_ops, backward_bytes: the backward's ops and bytes per forward op and byte.
+        sharded_share: the share of the forward's bytes in tensors whose last dim is not the
+            hidden size (those tensor parallelism shards, NOTE: [host time]).
     """
 
     block: tuple[int, float]
     other: tuple[int, float]
     backward_ops: float
     backward_bytes: float
+    sharded_share: float = 0.0
 
 
 class _Counter(TorchDispatchMode):
-    """Counts the ops dispatched while on, and the bytes they write (a view writes none), into ``into``."""
+    """Counts the ops dispatched, and the bytes they write (a view writes none), into ``into``;
+    the bytes of outputs whose last dim is not ``hidden`` into ``sharded``."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: int) -> None:
         super().__init__()
         self.into: list[float] = [0, 0.0]
-        self.on = True
+        self.hidden, self.sharded = hidden, 0.0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if self.on and str(func) not in _GEMMS:
+        if str(func) not in _GEMMS:
             self.into[0] += 1
             if not func.is_view:
-                self.into[1] += sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(out)
-                                    if isinstance(t, torch.Tensor))
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        self.into[1] += t.numel() * t.element_size()
+                        if t.dim() and t.shape[-1] != self.hidden:
+                            self.sharded += t.numel() * t.element_size()
         return out
 
 
-def count_ops(program: Any, blocks_fqn: Optional[str], inputs: tuple, kwargs: dict) -> Optional[OpCounts]:
+def count_ops(program: Any, blocks_fqn: Optional[str], hidden: int, inputs: tuple, kwargs: dict) -> Optional[OpCounts]:
     """:class:`OpCounts` of a captured ``program`` (``torch.export``'s, the analysis's) on its
     example ``inputs``, run on ``meta`` (its state swapped for meta copies) node by node, each
     node's ops counted to its block (``nn_module_stack``; NOTE: [repeated blocks] in
@@ -111,7 +113,7 @@ def count_ops(program: Any, blocks_fqn: Optional[str], inputs: tuple, kwargs: di
     meta = [torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t for t in inputs]
     meta_kwargs = {k: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     tokens = next((t.numel() for t in (*inputs, kwargs.get("input_ids")) if isinstance(t, torch.Tensor)), 0)
-    counter, per_block, outside = _Counter(), {}, [0, 0.0]
+    counter, per_block, outside = _Counter(hidden), {}, [0, 0.0]
     head = f"{blocks_fqn}." if blocks_fqn else ""
 
     class _ByBlock(torch.fx.Interpreter):
@@ -126,7 +128,8 @@ def count_ops(program: Any, blocks_fqn: Optional[str], inputs: tuple, kwargs: di
             out = _ByBlock(gm).run(*meta, *meta_kwargs.values())
             first = next(t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad)
             forward = [outside[0] + sum(b[0] for b in per_block.values()), outside[1] + sum(b[1] for b in per_block.values())]
-            counter.into = backward = [0, 0.0]
+            sharded, counter.into = counter.sharded, [0, 0.0]
+            backward = counter.into
             first.float().sum().backward()
     except Exception:  # an op without a meta kernel, a state the swap missed: unpriced
         return None
@@ -134,35 +137,30 @@ def count_ops(program: Any, blocks_fqn: Optional[str], inputs: tuple, kwargs: di
         return None
     block = per_block[max(per_block)]
     return OpCounts((int(block[0]), block[1] / tokens), (int(outside[0]), outside[1] / tokens),
-                    backward[0] / forward[0], backward[1] / max(forward[1], 1.0))
+                    backward[0] / forward[0], backward[1] / max(forward[1], 1.0), sharded / max(forward[1], 1.0))
 
 
 def host_seconds(costs: HostCosts, ops: Optional[OpCounts], *, layers: int, tokens: int, tp: int, dp: int,
-                 sharded_share: float, checkpointing: Optional[str], micro_batches: int, tensors: int, elements: int,
+                 checkpointing: Optional[str], micro_batches: int, tensors: int, elements: int,
                  units: tuple[int, ...]) -> dict[str, float]:
     """A step's host seconds on one rank (NOTE: [host time]): ``{"compute", "optimizer", "fsdp"}``.
 
     Args:
         ops: the model's counts (None: no op priced); ``layers``: blocks in the model.
         tokens: a micro-batch's tokens on a rank; ``tp``, ``dp``: the mesh.
-        sharded_share: the share of the forward's bytes ``tp`` shards (divided by ``tp`` on a rank).
         checkpointing: the blocks' (``None``, ``"blocks"``, ``"selective"``); ``micro_batches`` a step.
         tensors, elements: the parameter tensors and elements a rank's optimizer steps.
         units: FSDP2's units, each one's parameter tensors (the blocks', then the root's); empty at dp 1.
     """
     out = {"compute": 0.0, "optimizer": 0.0, "fsdp": 0.0}
     if ops is not None:
-        scale = tokens * (1 - sharded_share + sharded_share / tp)
+        scale = tokens * (1 - ops.sharded_share + ops.sharded_share / tp)
         block_ops, block_bytes = ops.block[0], ops.block[1] * scale
         forward_ops = layers * block_ops + ops.other[0]
         forward_bytes = layers * block_bytes + ops.other[1] * scale
         forward = forward_ops * costs.op + forward_bytes * costs.op_byte
         backward = ops.backward_ops * forward_ops * costs.op_backward + ops.backward_bytes * forward_bytes * costs.op_backward_byte
-        redo = 0.0
-        if checkpointing == "blocks":
-            redo = layers * (block_ops * costs.op + block_bytes * costs.op_byte)
-        elif checkpointing == "selective":
-            redo = layers * block_ops * costs.selective_op
+        redo = layers * (block_ops * costs.op + block_bytes * costs.op_byte) if checkpointing else 0.0
         out["compute"] = micro_batches * (forward + backward + redo)
     per_tensor = costs.optimizer_dtensor if dp > 1 else costs.optimizer_tensor
     out["optimizer"] = tensors * per_tensor + elements * costs.optimizer_element
