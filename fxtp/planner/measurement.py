@@ -24,11 +24,11 @@ fxtp/planner/calibration.py) unless one is given:
    ``FSDP::all_gather_copy_out``, ``FSDP::post_backward_reduce``, ``FSDP::post_backward_rs_wait``);
    both are time the computing thread spends in them, so exposed time, and each includes
    waiting for a slower peer. Compute is the rest. Each share is the mean over the ranks.
-4. Peak memory, from one more step: glibc's heap in use (``mallinfo2``: arena blocks plus
-   mmap'd blocks, which hold torch's CPU tensors), sampled every 0.2 ms on a thread, the most
-   seen above the level before the rank built its model; the largest rank's. It is glibc's
-   counter, not fxtp's accounting (the instrument of the repository's ``shared/tools/heap.py``,
-   its few lines kept here so the package carries it). On GPUs, ``torch.cuda.max_memory_allocated``.
+4. Peak memory, from one more step: glibc's heap in use (``mallinfo2``: arena and mmap'd
+   blocks, which hold torch's CPU tensors), sampled every 0.2 ms on a thread, the most seen
+   above the level before the rank built its model (after one throwaway build: a process's
+   first compile keeps caches no layout holds); the largest rank's. glibc's counter, not fxtp's
+   (``shared/tools/heap.py``'s few lines, kept here). On GPUs, ``torch.cuda.max_memory_allocated``.
 5. The measured figures make a second ``Hardware``: each degree's rate scaled by predicted over
    measured compute (its host seconds, NOTE: [host time], kept), each collective of a tp group
    of ``n`` ranks (sequence parallelism's too) by the tp ``n`` layout's measured over predicted
@@ -96,9 +96,7 @@ class Measurement:
     calibrate_s: float
     run_s: float
 
-    @property
-    def choice_changed(self) -> bool:
-        return self.plan.chosen.choice != self.replan.chosen.choice
+    choice_changed = property(lambda self: self.plan.chosen.choice != self.replan.chosen.choice)
 
     def order(self, measured: bool) -> list[int]:
         """The degrees ``tp`` from fastest to slowest, predicted or measured."""
@@ -181,6 +179,7 @@ def measure_on_ranks(model: nn.Module, *, batch: int, seq: int, device_memory: O
     memory = device_memory or found[0].memory_bytes
     first = _plan_on_rank0(model, memory, batch, seq, found[0], optimizer)
     start = time.perf_counter()
+    _Layout(model, _rows(first)[0].choice, seq, optimizer).close()  # the process's one-time caches, not a layout's
     layouts = [_Layout(model, e.choice, seq, optimizer) for e in _rows(first)]
     times: list[list[float]] = [[] for _ in layouts]
     interleaved = 0.0
