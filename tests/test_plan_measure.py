@@ -75,6 +75,9 @@ def test_calibration_measures_every_degree_and_group(measured):
         total = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
     assert 0 < hw.memory_bytes <= total // 4
     assert (hw.compute_bytes, hw.overlap_fsdp) == (4, False)  # fp32, one stream on a CPU
+    host = hw.host  # NOTE: [host time]: a dispatched op costs microseconds, an optimizer tensor more
+    assert not host.asynchronous and 1e-7 < host.op < 1e-2 and 1e-7 < host.op_backward < 1e-2, host
+    assert 0 < host.optimizer_tensor < host.optimizer_dtensor < 1.0 and host.optimizer_element < 1e-6, host
     assert m.calibrate_s / m.steps < 60, m.calibrate_s  # a calibration a round
 
 
@@ -113,6 +116,7 @@ def test_the_measured_hardware_prices_each_row_as_measured():
 
     from fxtp.planner import Hardware
     from fxtp.planner.costs import Choice, Workload, estimate
+    from fxtp.planner.hardware import HostCosts
     from fxtp.planner.measurement import measured_hardware
     from fxtp.planner.model import TransformerShape
     from fxtp.planner.params import parameter_shapes, repeated_blocks
@@ -123,7 +127,8 @@ def test_the_measured_hardware_prices_each_row_as_measured():
     hw = Hardware("calibrated", 1e10, 2**30, 1e9, 1e9, devices_per_node=4, mfu=1.0, overlap_fsdp=False, compute_bytes=4,
                   achieved_flops=((1, 1e10), (2, 9e9), (4, 8e9)),
                   collectives=tuple((kind, n, 1e-4, 1e9) for kind in ("all_reduce", "all_gather", "reduce_scatter")
-                                    for n in (2, 4)))
+                                    for n in (2, 4)),
+                  host=HostCosts(op=2e-5, op_backward=2e-5, optimizer_tensor=1e-4, asynchronous=False))  # kept as priced
     work = Workload(BATCH, SEQ, True, "adamw", 4, activation_bytes=4, gather_bytes=4)
     rows = []
     for i, c in enumerate([Choice(1, 4, False, None, 2, 1), Choice(2, 2, True, None, 4, 1), Choice(4, 1, True, None, 8, 1)]):
@@ -131,6 +136,7 @@ def test_the_measured_hardware_prices_each_row_as_measured():
         rows.append((e, {"compute": e.step["compute"] * (1.5 + i), "tp_comm": e.step["tp_comm"] * (2.5 + i),
                          "fsdp_exposed": e.step["fsdp_exposed"] * (0.5 + i)}))
     again = measured_hardware(hw, tuple(rows))
+    assert all(e.step["gemm"] < e.step["compute"] for e, _ in rows)  # the host's seconds are in the compute
     for e, m in rows:
         priced = estimate(e.choice, shape, params[e.choice.tp], again, work)
         for term in ("compute", "tp_comm", "fsdp_exposed"):
@@ -163,3 +169,38 @@ def test_calibrate_and_measure_usage(capsys):
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         assert exit_.value.code == 2 and message in capsys.readouterr().err, argv
+
+
+def test_host_time_adds_to_a_cpus_compute_and_hides_behind_a_gpus():
+    """No ranks (NOTE: [host time]): a tiny Llama's counted ops priced at 100 us each (50 us a
+    backward op, 1 ms an optimizer tensor): on a CPU they add to the GEMMs' seconds, as
+    ``ops x op`` per micro-batch plus the optimizer's tensors; on a GPU the larger of the two."""
+    import dataclasses
+
+    import torch
+
+    from fxtp.planner import Hardware
+    from fxtp.planner.costs import Choice, Workload, estimate
+    from fxtp.planner.hardware import HostCosts
+    from fxtp.planner.model import TransformerShape
+    from fxtp.planner.params import parameter_shapes, repeated_blocks
+
+    model = _model()
+    shape = TransformerShape.of(model, repeated_blocks(model).fqn)
+    params = parameter_shapes(model, (1, 2), (torch.zeros(1, SEQ, dtype=torch.long),), {})
+    ops = params[1].ops
+    assert ops is not None and ops.block[0] > 20 and ops.other[0] > 10 and 0 < ops.sharded_share < 1, ops
+    host = HostCosts(op=1e-4, op_backward=5e-5, optimizer_tensor=1e-3, asynchronous=False)
+    cpu = Hardware("cpu", 1e10, 2**30, 1e9, 1e9, devices_per_node=4, mfu=1.0, overlap_fsdp=False, compute_bytes=4,
+                   achieved_flops=((1, 1e10), (2, 1e10)), host=host)
+    work = Workload(BATCH, SEQ, True, "adamw", 4, activation_bytes=4, gather_bytes=4)
+    choice = Choice(2, 1, False, None, BATCH, 2)  # 2 micro-batches of 8 sequences on tp 2
+    plain = estimate(choice, shape, params[2], dataclasses.replace(cpu, host=HostCosts()), work)
+    priced = estimate(choice, shape, params[2], cpu, work)
+    forward_ops = shape.layers * ops.block[0] + ops.other[0]
+    tensors = len(params[2].other) + params[2].n_blocks * len(params[2].block)
+    host_s = 2 * forward_ops * (1e-4 + ops.backward_ops * 5e-5) + tensors * 1e-3
+    assert priced.step["gemm"] == pytest.approx(plain.step["compute"]) == pytest.approx(plain.step["gemm"])
+    assert priced.step["compute"] == pytest.approx(plain.step["compute"] + host_s, rel=1e-9)
+    gpu = estimate(choice, shape, params[2], dataclasses.replace(cpu, host=dataclasses.replace(host, asynchronous=True)), work)
+    assert gpu.step["compute"] == pytest.approx(max(plain.step["compute"], host_s), rel=1e-9)

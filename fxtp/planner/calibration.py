@@ -22,6 +22,10 @@ they will in the run), each figure the slowest rank's:
   (the latency) and the model's (an activation all_reduce or a block's parameters, the larger),
   fitted to ``latency + payload x steps / n / bus_bw`` (NOTE: [collective time] in
   fxtp/planner/comm.py): ``Hardware.collectives``.
+- host (CPU ranks): the seconds a dispatched op costs the host, forward and backward, fixed and
+  per byte it writes; an optimizer step per parameter tensor (plain, and FSDP2's DTensor shards)
+  and per element; FSDP2's own work per collective, per unit and per parameter tensor
+  (:func:`host_costs`; NOTE: [host time] in fxtp/planner/host.py). On GPUs they are not priced.
 - memory: per rank, a GPU's free memory (``torch.cuda.mem_get_info``), or on a CPU the host's
   ``MemAvailable`` (``/proc/meminfo``) shared by the local ranks: ``Hardware.memory_bytes``.
 
@@ -48,11 +52,11 @@ import torch.distributed as dist
 from torch import nn
 
 from fxtp.core.errors import FxtpConfigError
-from fxtp.planner.hardware import Hardware
+from fxtp.planner.hardware import Hardware, HostCosts
 from fxtp.planner.model import TransformerShape
 from fxtp.planner.params import repeated_blocks
 
-__all__ = ["calibrate", "calibrate_on_ranks", "gemm_shapes", "spawn_ranks"]
+__all__ = ["calibrate", "calibrate_on_ranks", "gemm_shapes", "host_costs", "spawn_ranks"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 _SMALL = 16 << 10  # bytes: a payload whose time is mostly latency
@@ -108,14 +112,125 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
             latency, bw = _fit(kind, group, n, large, device, dtype, repeats, lambda: torch.mm(x, w.t()))
             collectives.append((kind, n, latency, bw))
     memory = _slowest(_usable_memory(device, ranks), op=dist.ReduceOp.MIN)
+    host = HostCosts() if cuda else host_costs(dict(((k, n), lat) for k, n, lat, _ in collectives), repeats)
     widest = [c for c in collectives if c[0] == "all_reduce"][-1:] or [("", 1, 0.0, 1e9)]
     return Hardware(
         name=f"calibrated {ranks} x {torch.cuda.get_device_name(device) if cuda else 'CPU'} ({dist.get_backend()})",
         peak_flops=max(r for _, r in rates), memory_bytes=int(memory), intra_node_bw=widest[0][3],
         inter_node_bw=widest[0][3], devices_per_node=ranks, mfu=1.0, collective_latency=widest[0][2],
         nvlink_step_latency=0.0, network_step_latency=0.0, achieved_flops=tuple(rates),
-        collectives=tuple(collectives), overlap_fsdp=cuda, compute_bytes=element,
+        collectives=tuple(collectives), overlap_fsdp=cuda, compute_bytes=element, host=host,
     )
+
+
+def host_costs(latency: dict[tuple[str, int], float], repeats: int = 5) -> HostCosts:
+    """The host's figures on CPU ranks (NOTE: [host time] in fxtp/planner/host.py), each the
+    slowest rank's median of ``repeats``, all ranks measuring at once:
+
+    - ops: a chain of ``aten.mul`` on a tensor that needs grad (each op dispatched and recorded
+      by autograd as a graph's op is), forward and backward, at 64 and 65536 elements: the
+      small one gives the seconds per op, the difference the seconds per byte written;
+    - optimizer: ``torch.optim.AdamW`` (its per-tensor loop on CPU) with ``zero_grad``, on 64
+      tensors of 16 elements (per tensor) and on one of 2**18 (per element); on 64 DTensor
+      shards over all the ranks, as FSDP2's parameters are (per tensor);
+    - FSDP2: ``fully_shard`` on 4 units of ``nn.Linear(8, 8)`` layers and a root, forward and
+      backward, against the same module unsharded; the difference, less the collectives'
+      calibrated latencies (``latency``: ``(kind, ranks) -> s``), over its collectives (an
+      all_gather in forward and in backward and a reduce_scatter per unit, 2 for the root), at
+      1 and 8 layers a unit: per collective and per parameter tensor.
+    """
+    per_op, per_op_back = {}, {}
+    for numel in (64, 1 << 16):
+        per_op[numel], per_op_back[numel] = _op_seconds(numel, 200, repeats)
+    small, large = 64 * 4, (1 << 16) * 4  # bytes an op writes
+    op_byte = max(0.0, (per_op[1 << 16] - per_op[64]) / (large - small))
+    op_back_byte = max(0.0, (per_op_back[1 << 16] - per_op_back[64]) / (large - small))
+    tensor = _optimizer_seconds([16] * 64, repeats) / 64
+    element = max(0.0, (_optimizer_seconds([1 << 18], repeats) - tensor) / (1 << 18))
+    dtensor = _optimizer_seconds([16 * dist.get_world_size()] * 64, repeats, sharded=True) / 64
+    ranks = dist.get_world_size()
+    gather, scatter = latency.get(("all_gather", ranks), 0.0), latency.get(("reduce_scatter", ranks), 0.0)
+    waits = 4 * (2 * gather + scatter) + gather + scatter  # 4 units' 3 collectives, the root's 2
+    per_collective = {layers: max(0.0, (_fsdp_seconds(layers, repeats) - waits) / 14) for layers in (1, 8)}
+    fsdp_tensor = max(0.0, (per_collective[8] - per_collective[1]) / 7)
+    return HostCosts(op=max(0.0, per_op[64] - small * op_byte), op_backward=max(0.0, per_op_back[64] - small * op_back_byte),
+                     op_byte=op_byte, op_backward_byte=op_back_byte, optimizer_tensor=tensor, optimizer_dtensor=dtensor,
+                     optimizer_element=element, fsdp_unit=max(0.0, per_collective[1] - fsdp_tensor), fsdp_tensor=fsdp_tensor,
+                     asynchronous=False)
+
+
+def _median_slowest(once: Callable[[], float], repeats: int) -> float:
+    once()  # warm-up
+    return _slowest(statistics.median(once() for _ in range(repeats)))
+
+
+def _op_seconds(numel: int, n: int, repeats: int) -> tuple[float, float]:
+    """Seconds of one ``aten.mul`` in a chain of ``n`` on ``numel`` floats, forward and backward."""
+    x = torch.randn(numel, requires_grad=True)
+    forward, backward = [], []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        start = time.perf_counter()
+        y = x
+        for _ in range(n):
+            y = torch.ops.aten.mul.Tensor(y, 1.0001)
+        middle = time.perf_counter()
+        y.backward(torch.ones_like(y))
+        x.grad = None
+        forward.append(middle - start)
+        backward.append(time.perf_counter() - middle)
+    return _slowest(statistics.median(forward[1:])) / n, _slowest(statistics.median(backward[1:])) / n
+
+
+def _optimizer_seconds(sizes: list[int], repeats: int, sharded: bool = False) -> float:
+    """Seconds of one AdamW step and ``zero_grad`` over parameters of ``sizes`` elements (DTensor
+    shards over all the ranks where ``sharded``, as FSDP2's)."""
+    params = [nn.Parameter(torch.randn(n)) for n in sizes]
+    if sharded:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        params = [nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])) for p in params]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+
+    def once() -> float:
+        for p in params:
+            p.grad = torch.ones_like(p)
+        start = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - start
+
+    return _median_slowest(once, repeats)
+
+
+def _fsdp_seconds(layers: int, repeats: int) -> float:
+    """Seconds FSDP2 adds to a forward and backward of 4 units of ``layers`` ``nn.Linear(8, 8)``
+    and a root ``nn.Linear(8, 8)``, against the same module without it."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(*[nn.Linear(8, 8, bias=False) for _ in range(layers)]) for _ in range(4)],
+                          nn.Linear(8, 8, bias=False))
+    plain = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for unit in list(model)[:4]:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    x = torch.randn(4, 8)
+
+    def timed(m: nn.Module) -> Callable[[], float]:
+        def once() -> float:
+            start = time.perf_counter()
+            m(x).sum().backward()
+            m.zero_grad(set_to_none=True)
+            return time.perf_counter() - start
+        return once
+
+    return _median_slowest(timed(model), repeats) - _median_slowest(timed(plain), repeats)
 
 
 def gemm_shapes(shape: TransformerShape, tokens: int, tp: int) -> list[tuple[int, int, int, int]]:

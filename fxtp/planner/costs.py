@@ -122,6 +122,7 @@ from typing import Optional
 
 from fxtp.planner.comm import Group, Unit, fsdp_exposed, ring_time
 from fxtp.planner.hardware import Hardware, gemm_efficiency
+from fxtp.planner.host import host_seconds
 from fxtp.planner.model import TransformerShape
 from fxtp.planner.params import ParamShapes
 
@@ -260,6 +261,11 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
     else:
         compute = (shape.matmul_params * 2 + 4 * shape.layers * shape.hidden * work.seq) * tokens / rate
         recompute = 0.0
+    host = _host(choice, shape, params, hw, work) if work.training else {"compute": 0.0, "optimizer": 0.0, "fsdp": 0.0}
+    gemms = compute
+    # NOTE: [host time]: a CPU's host computes (its seconds add), a GPU's runs ahead of the device
+    host_compute = host["compute"] + host["optimizer"]
+    compute = max(compute, host_compute) if hw.host.asynchronous else compute + host_compute
     comm = tp_comm(choice, shape, params, hw, work, rate_device)
     tp_bytes = round(choice.accumulation * (shape.layers * comm.block_bytes + comm.outside_bytes))
     tp_all_s = choice.accumulation * (shape.layers * comm.block_all_s + comm.outside_s)
@@ -270,10 +276,11 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
         # dim 0 FSDP2 pads to a multiple of dp: (dp-1) x its padded shard (NOTE: [collective time])
         fsdp_bytes = choice.accumulation * (2 * work.gather_bytes + _GRAD) * (dp - 1) * params.elements(dp)
         units = _fsdp_units(choice, shape, params, hw, work, compute / choice.accumulation)
-        fsdp_s = choice.accumulation * sum(2 * u.all_gather + u.reduce_scatter for u in units)
+        fsdp_s = choice.accumulation * sum(2 * u.all_gather + u.reduce_scatter for u in units) + host["fsdp"]
         fsdp_exposed_s = choice.accumulation * fsdp_exposed(units) if hw.overlap_fsdp else fsdp_s
     step = {
         "compute": compute,
+        "gemm": gemms,  # of which the GEMMs (FLOPs at the rate); the rest is the host's (NOTE: [host time])
         "recompute": recompute,
         "comm": tp_s + fsdp_exposed_s,
         "tp_comm": tp_s,
@@ -283,6 +290,15 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
         "total": compute + tp_s + fsdp_exposed_s,
     }
     return Estimate(choice, memory, step, {"tp": tp_bytes, "fsdp": fsdp_bytes}, rate_device)
+
+
+def _host(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: Hardware, work: Workload) -> dict[str, float]:
+    """A training step's host seconds on a rank (NOTE: [host time] in fxtp/planner/host.py)."""
+    tensors = len(params.other) + params.n_blocks * len(params.block) if params.n_blocks else len(params.other)
+    units = (len(params.block),) * params.n_blocks + (len(params.other),) if params.n_blocks else (len(params.other),)
+    return host_seconds(hw.host, params.ops, layers=shape.layers, tokens=choice.micro_batch * work.seq, tp=choice.tp,
+                        dp=choice.dp, checkpointing=choice.activation_checkpointing, micro_batches=choice.accumulation,
+                        tensors=tensors, elements=-(-params.elements() // choice.dp), units=units)
 
 
 def _fsdp_units(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: Hardware, work: Workload,

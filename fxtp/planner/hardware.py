@@ -70,10 +70,37 @@ from typing import Union
 
 from fxtp.core.errors import FxtpConfigError
 
-__all__ = ["Hardware", "HARDWARE", "DEFAULT_RESERVE", "gemm_efficiency", "resolve_hardware", "reserve_bytes"]
+__all__ = ["Hardware", "HostCosts", "HARDWARE", "DEFAULT_RESERVE", "gemm_efficiency", "resolve_hardware", "reserve_bytes"]
 
 GiB = 1 << 30
 DEFAULT_RESERVE = 0.10  # of device_memory, kept for the runtime (NOTE: [runtime reserve])
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """Seconds the host spends per op, byte, tensor and unit (NOTE: [host time] in fxtp/planner/host.py).
+
+    Attributes:
+        op, op_backward: seconds per dispatched forward op, in forward and in its backward.
+        op_byte, op_backward_byte: seconds per byte a forward op writes, in forward and backward.
+        optimizer_tensor, optimizer_dtensor: seconds per parameter tensor of an optimizer step
+            (with ``zero_grad``), a plain tensor and FSDP2's DTensor shard.
+        optimizer_element: seconds per parameter element of an optimizer step.
+        fsdp_unit, fsdp_tensor: seconds of FSDP2's own work per unit and per its parameter
+            tensors, for each of its collectives.
+        asynchronous: the host runs ahead of the device (CUDA); False: the host computes (CPU).
+    """
+
+    op: float = 0.0
+    op_backward: float = 0.0
+    op_byte: float = 0.0
+    op_backward_byte: float = 0.0
+    optimizer_tensor: float = 0.0
+    optimizer_dtensor: float = 0.0
+    optimizer_element: float = 0.0
+    fsdp_unit: float = 0.0
+    fsdp_tensor: float = 0.0
+    asynchronous: bool = True
 
 
 @dataclass(frozen=True)
@@ -107,6 +134,8 @@ class Hardware:
         compute_bytes: bytes of an activation and of a gathered parameter element in the dtype
             the step computes in: 2 (bf16, NOTE: [mixed precision]); a CPU calibration measures
             and prices fp32, 4.
+        host: seconds the host spends per op, tensor and FSDP2 unit (NOTE: [host time] in
+            fxtp/planner/host.py); not priced (zeros) unless a calibration on CPU ranks measured them.
     """
 
     name: str
@@ -124,6 +153,7 @@ class Hardware:
     collectives: tuple[tuple[str, int, float, float], ...] = ()
     overlap_fsdp: bool = True
     compute_bytes: int = 2
+    host: HostCosts = HostCosts()
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "memory_bytes", "intra_node_bw", "inter_node_bw", "devices_per_node"):

@@ -24,15 +24,15 @@ fxtp/planner/calibration.py) unless one is given:
    ``FSDP::all_gather_copy_out``, ``FSDP::post_backward_reduce``, ``FSDP::post_backward_rs_wait``);
    both are time the computing thread spends in them, so exposed time, and each includes
    waiting for a slower peer. Compute is the rest. Each share is the mean over the ranks.
-4. Peak memory, from one more step: glibc's heap in use (``mallinfo2``: arena blocks plus
-   mmap'd blocks, which hold torch's CPU tensors), sampled every 0.2 ms on a thread, the most
-   seen above the level before the rank built its model; the largest rank's. It is glibc's
-   counter, not fxtp's accounting (the instrument of the repository's ``shared/tools/heap.py``,
-   its few lines kept here so the package carries it). On GPUs, ``torch.cuda.max_memory_allocated``.
+4. Peak memory, from one more step: glibc's heap in use (``mallinfo2``: arena and mmap'd
+   blocks, which hold torch's CPU tensors), sampled every 0.2 ms on a thread, the most seen
+   above the level before the rank built its model (after one throwaway build: a process's
+   first compile keeps caches no layout holds); the largest rank's. glibc's counter, not fxtp's
+   (``shared/tools/heap.py``'s few lines, kept here). On GPUs, ``torch.cuda.max_memory_allocated``.
 5. The measured figures make a second ``Hardware``: each degree's rate scaled by predicted over
-   measured compute, each collective of a tp group of ``n`` ranks (sequence parallelism's too) by
-   the tp ``n`` layout's measured over predicted tp time, of a dp group by the dp ``n`` layout's
-   FSDP time, apart by role (``"tp:all_gather"``: dp 2 x tp 2's groups both have 2 ranks);
+   measured compute (its host seconds, NOTE: [host time], kept), each collective of a tp group
+   of ``n`` ranks (sequence parallelism's too) by the tp ``n`` layout's measured over predicted
+   tp time, of a dp group by the dp ``n`` layout's FSDP time, apart by role (``"tp:all_gather"``: dp 2 x tp 2's groups both have 2 ranks);
    ``fxtp.plan`` runs again with it: the result says whether the choice changes.
 
 On CPU ranks FSDP2 has no streams to overlap on (NOTE: [calibration]), so the run cannot show
@@ -96,9 +96,7 @@ class Measurement:
     calibrate_s: float
     run_s: float
 
-    @property
-    def choice_changed(self) -> bool:
-        return self.plan.chosen.choice != self.replan.chosen.choice
+    choice_changed = property(lambda self: self.plan.chosen.choice != self.replan.chosen.choice)
 
     def order(self, measured: bool) -> list[int]:
         """The degrees ``tp`` from fastest to slowest, predicted or measured."""
@@ -116,8 +114,7 @@ class Measurement:
         slowest = max(max(e.step["total"], m["total"]) for e, m in self.rows)
         largest = max(max(e.peak, m["peak"]) for e, m in self.rows)
         table = []
-        for e, m in self.rows:
-            layout = _layout(e.choice)
+        for layout, e, m in ((_layout(e.choice), e, m) for e, m in self.rows):
             predicted = [e.step[k] for k in TERMS] + [e.peak]
             measured = [m[k] for k in TERMS] + [m["peak"]]
             table.append([layout, "predicted"] + [fmt_time(v, like=slowest) for v in predicted[:-1]] + [fmt_size(predicted[-1], like=largest)])
@@ -182,6 +179,7 @@ def measure_on_ranks(model: nn.Module, *, batch: int, seq: int, device_memory: O
     memory = device_memory or found[0].memory_bytes
     first = _plan_on_rank0(model, memory, batch, seq, found[0], optimizer)
     start = time.perf_counter()
+    _Layout(model, _rows(first)[0].choice, seq, optimizer).close()  # the process's one-time caches, not a layout's
     layouts = [_Layout(model, e.choice, seq, optimizer) for e in _rows(first)]
     times: list[list[float]] = [[] for _ in layouts]
     interleaved = 0.0
@@ -232,8 +230,9 @@ def measured_hardware(hw: Hardware, rows: tuple[tuple[Estimate, dict[str, float]
     tp_factor, fsdp_factor = {}, {}
     for e, m in rows:
         c = e.choice
-        if m["compute"] > 0:
-            rates[c.tp] = e.rate * e.step["compute"] / m["compute"]  # the rate the row was priced at, rescaled
+        host = e.step["compute"] - e.step.get("gemm", e.step["compute"])  # kept as priced (NOTE: [host time])
+        if m["compute"] > host:  # the rate the row's GEMMs were priced at, rescaled
+            rates[c.tp] = e.rate * (e.step["compute"] - host) / (m["compute"] - host)
         if e.step["tp_comm"] > 0 and m["tp_comm"] > 0:
             tp_factor[c.tp] = m["tp_comm"] / e.step["tp_comm"]
         if e.step["fsdp_exposed"] > 0 and m["fsdp_exposed"] > 0:

@@ -27,6 +27,7 @@ be planned alike; one of them is counted once per block of that kind in the real
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -36,6 +37,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxtp.core.placement import Shard
+from fxtp.planner.host import OpCounts, count_ops
 
 __all__ = ["ParamShapes", "Blocks", "block_kinds", "repeated_blocks", "parameter_shapes"]
 
@@ -69,6 +71,7 @@ class ParamShapes:
     # A stack of several block kinds (NOTE: [block kinds]): each kind's pieces and its count in the
     # real model, in order of first appearance (``block`` is the first's); empty for one kind
     kinds: tuple[tuple[tuple[Piece, ...], int], ...] = ()
+    ops: Optional[OpCounts] = None  # what a forward dispatches besides its GEMMs (NOTE: [host time]); None: unpriced
 
     def block_kinds(self) -> tuple[tuple[tuple[Piece, ...], int], ...]:
         """Each block kind's pieces and count (``((block, n_blocks),)`` for one kind)."""
@@ -212,7 +215,9 @@ def parameter_shapes(
                                           expert_parallel=expert_parallel)
         out = _collect(program, plans, blocks, blocks.count, payload)
     assert out is not None
-    return out
+    hidden = getattr(getattr(model, "config", None), "hidden_size", 0)
+    ops = count_ops(program, blocks.fqn if blocks is not None and depth else None, hidden, inputs, kwargs)
+    return {key: dataclasses.replace(shapes, ops=ops) for key, shapes in out.items()}
 
 
 def _collect(
