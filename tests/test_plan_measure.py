@@ -128,7 +128,8 @@ def test_the_measured_hardware_prices_each_row_as_measured():
                   achieved_flops=((1, 1e10), (2, 9e9), (4, 8e9)),
                   collectives=tuple((kind, n, 1e-4, 1e9) for kind in ("all_reduce", "all_gather", "reduce_scatter")
                                     for n in (2, 4)),
-                  host=HostCosts(op=2e-5, op_backward=2e-5, optimizer_tensor=1e-4, asynchronous=False))  # kept as priced
+                  host=HostCosts(op=2e-5, op_backward=2e-5, optimizer_tensor=1e-4, fsdp_unit=1e-4,
+                                 asynchronous=False))  # kept as priced
     work = Workload(BATCH, SEQ, True, "adamw", 4, activation_bytes=4, gather_bytes=4)
     rows = []
     for i, c in enumerate([Choice(1, 4, False, None, 2, 1), Choice(2, 2, True, None, 4, 1), Choice(4, 1, True, None, 8, 1)]):
@@ -137,6 +138,7 @@ def test_the_measured_hardware_prices_each_row_as_measured():
                          "fsdp_exposed": e.step["fsdp_exposed"] * (0.5 + i)}))
     again = measured_hardware(hw, tuple(rows))
     assert all(e.step["gemm"] < e.step["compute"] for e, _ in rows)  # the host's seconds are in the compute
+    assert [e.step["fsdp_host"] > 0 for e, _ in rows] == [True, True, False]  # and FSDP2's in its term, at dp > 1
     for e, m in rows:
         priced = estimate(e.choice, shape, params[e.choice.tp], again, work)
         for term in ("compute", "tp_comm", "fsdp_exposed"):

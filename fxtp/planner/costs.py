@@ -287,6 +287,7 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
         "tp_comm_hidden": tp_all_s - tp_s,
         "fsdp_comm": fsdp_s,
         "fsdp_exposed": fsdp_exposed_s,
+        "fsdp_host": host["fsdp"] if work.training and dp > 1 else 0.0,  # of which FSDP2's own host work (NOTE: [host time])
         "total": compute + tp_s + fsdp_exposed_s,
     }
     return Estimate(choice, memory, step, {"tp": tp_bytes, "fsdp": fsdp_bytes}, rate_device)

@@ -235,8 +235,9 @@ def measured_hardware(hw: Hardware, rows: tuple[tuple[Estimate, dict[str, float]
             rates[c.tp] = e.rate * (e.step["compute"] - host) / (m["compute"] - host)
         if e.step["tp_comm"] > 0 and m["tp_comm"] > 0:
             tp_factor[c.tp] = m["tp_comm"] / e.step["tp_comm"]
-        if e.step["fsdp_exposed"] > 0 and m["fsdp_exposed"] > 0:
-            fsdp_factor[c.dp] = m["fsdp_exposed"] / e.step["fsdp_exposed"]
+        wire = e.step["fsdp_exposed"] - e.step.get("fsdp_host", 0.0)  # FSDP2's host work kept as priced
+        if wire > 0 and m["fsdp_exposed"] > e.step.get("fsdp_host", 0.0):
+            fsdp_factor[c.dp] = (m["fsdp_exposed"] - e.step.get("fsdp_host", 0.0)) / wire
     collectives = list(hw.collectives) + [  # per role: dp 2 x tp 2's two groups both have 2 ranks
         (f"{role}:{kind}", n, found[0] * f, found[1] / f) for role, factors in (("tp", tp_factor), ("dp", fsdp_factor))
         for n, f in sorted(factors.items()) for kind in ("all_reduce", "all_gather", "reduce_scatter")
