@@ -60,7 +60,9 @@ not hide.
   quantization of the block's GEMMs on a rank (NOTE: [GEMM efficiency]), averaged over them by
   FLOPs: q/k/v and the MLP's up (and gate) projections ``(b s, h) @ (h, n / tp)``, the output
   and down projections ``(b s, n / tp) @ (n / tp, h)``. The same share for their backward
-  GEMMs, the attention and the head.
+  GEMMs, the attention and the head. Plus the host's seconds for the ops it dispatches besides
+  them, the optimizer's tensors and FSDP2's own work (NOTE: [host time] in
+  fxtp/planner/host.py: added on a CPU, the larger of the two on a GPU; zero unless calibrated).
   A calibrated ``Hardware`` (NOTE: [calibration] in fxtp/planner/calibration.py) gives the rate
   measured at each ``tp``'s GEMMs instead (``Hardware.achieved_flops``; a degree it did not
   measure is priced as above), and on CPU ranks prices FSDP2's collectives as exposed
