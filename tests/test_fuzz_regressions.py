@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 from fuzz_check import check_outcomes, differential
-from fuzz_models import Attn, Einsum, Embed, Mlp, Moe, Spec
+from fuzz_models import Attn, Einsum, Embed, Mha, Mlp, Moe, Spec
 
 REGRESSIONS: dict[str, tuple[Spec, dict[int, str]]] = {
     # name: (spec, {world_size: symptom today}); a world size not listed passes today
@@ -92,6 +92,13 @@ REGRESSIONS: dict[str, tuple[Spec, dict[int, str]]] = {
         Spec(hidden=16, blocks=(Mlp(ffn=16, act="relu", gate="none", bias=True, lora=True),), checkpointing="selective",
              dynamic=False),
         {},  # fixed: the write goes to a clone (NOTE: [in-place ops under selective checkpointing])
+    ),
+    "sp-autocast-dropout-strided": (
+        # found by the CI fuzz run of issue 35 (ws 4): under bf16 autocast with SDPA dropout in the attention block
+        # before it, the gradient of blocks.1.up is off (ws 4: by 2.5, on rank 2 only; ws 2 too); right without autocast, without the
+        # dropout, or with the MLP alone; also on the code before this session's autocast regather change. Not yet known
+        Spec(hidden=24, blocks=(Attn(heads=6, kv_heads=6, proj='strided', repeat='expand', rotary='real', alibi=False, causal=False, qk_norm='none', head_scale=False, shared_head_linear=False, sdpa_dropout=True, bias=True, norm='none', residual=True, dropout=False), Mlp(ffn=32, act='relu', gate='strided', bias=True, norm='none', residual='add', dropout=False, lora=False), Mha(heads=3, bias=True, norm='layer', residual=True)), embed=Embed(padding_idx=None, scale_grad_by_freq=False, max_norm=None), vocab=128, final_norm='layer_noaffine', head='tied', loss=True, train=True, also_hidden=False, batch=2, seq=8, seed=1, sequence_parallel=True, clip=False, type_groups=False, checkpointing='none', dynamic=False, expert_parallel=False, aliased=True, ignored=False, autocast=True),
+        {ws: "mismatch: gradient of blocks.1.up (ws 4: max abs error 2.5, rank 2)" for ws in (2, 4)},
     ),
     "sp-einsum-ff-swiglu": (
         # sequence parallel, w1 and w3 rowwise: the gate entered the mul (the reduce_scatter site) as its token

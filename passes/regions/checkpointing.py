@@ -172,6 +172,11 @@ def recompute_regions(gm: GraphModule, regions: tuple[Region, ...],
     return gm
 
 
+# graph ops whose output is (a view of) the output of an op a selective policy saves (recompute.SAVED_OPS)
+_CACHED = frozenset({aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
+                     aten.baddbmm.default, aten.einsum.default, aten.scaled_dot_product_attention.default})
+
+
 def _mutates_first(node: Node) -> bool:
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments:
@@ -197,7 +202,7 @@ def clone_mutated(span: list[Node]) -> list[Node]:
         if not _mutates_first(node) or not isinstance(node.args[0], Node):
             continue
         value = node.args[0]
-        if value not in order or _mutates_first(value) or getattr(value.target, "is_view", True):
+        if value not in order or value.target not in _CACHED:  # only a cached op's output (or its view) is refused
             continue
         with node.graph.inserting_before(node):
             clone = node.graph.call_function(aten.clone.default, (value,))
