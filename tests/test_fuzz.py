@@ -24,9 +24,7 @@ from hypothesis import HealthCheck, event, example, given, seed, settings
 
 # Grammar features with a known bug, never drawn here (each is a regression test in
 # test_fuzz_regressions.py); remove an entry when its fix lands.
-KNOWN_BROKEN: dict[str, str] = {
-    "attn.sdpa_dropout": "sp-autocast-dropout-strided: under bf16 autocast a later MLP's gradient is off on one rank (ws 4)",
-}
+KNOWN_BROKEN: dict[str, str] = {}
 
 EXAMPLES = int(os.environ.get("FXTP_FUZZ_EXAMPLES", "12"))
 SEED = os.environ.get("FXTP_FUZZ_SEED")

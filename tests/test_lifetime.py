@@ -144,6 +144,38 @@ def test_case17_attention_dropout_one_global_mask(pool):
         assert redraws
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sharded_attention_is_sdpa_bitwise(autocast, dtype):
+    """Each rank's heads of ``rng.sharded_attention`` (its slice of one global mask), put together,
+    are ATen's SDPA with dropout, bitwise, forward and backward; under bf16 autocast too, where
+    ATen casts the inputs to bf16 and then runs its math form in float32 (the form run in bf16
+    rounded otherwise: the fuzz regression sp-autocast-dropout-strided). No ranks: every rank's
+    call is made here in turn, from the same generator state."""
+    from fxtp.core.rng import sharded_attention
+
+    gen = torch.Generator().manual_seed(3)
+    for ws, causal, mask in ((2, False, False), (3, True, False), (2, False, True), (1, False, False)):
+        q, k, v = (torch.randn(2, 6, 5, 4, generator=gen, dtype=dtype).requires_grad_() for _ in range(3))
+        bias = torch.randn(5, 5, generator=gen, dtype=dtype) if mask else None
+        cotangent = torch.randn(2, 6, 5, 4, generator=gen, dtype=dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            torch.manual_seed(7)
+            want = F.scaled_dot_product_attention(q, k, v, bias, dropout_p=0.3, is_causal=causal)
+            parts = []
+            for rank in range(ws):
+                heads = slice(rank * 6 // ws, (rank + 1) * 6 // ws)
+                torch.manual_seed(7)
+                parts.append(sharded_attention(1, (6,), rank, ws, q[:, heads], k[:, heads], v[:, heads], bias,
+                                               0.3, causal))
+        got = torch.cat(parts, 1)
+        assert got.dtype == want.dtype and torch.equal(got, want), (ws, causal, mask)
+        want_grads = torch.autograd.grad(want, (q, k, v), cotangent.to(want.dtype))
+        got_grads = torch.autograd.grad(got, (q, k, v), cotangent.to(got.dtype))
+        for a, b in zip(got_grads, want_grads):
+            assert torch.equal(a, b), (ws, causal, mask)
+
+
 class RandomOps(nn.Module):
     """F.dropout, bernoulli and rand_like on a sharded hidden value; a replicated dropout too."""
 

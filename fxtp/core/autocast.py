@@ -32,7 +32,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-__all__ = ["AutocastState", "autocast_as", "autocast_state", "fp32_policy_dtype"]
+__all__ = ["ELIGIBLE", "AutocastState", "autocast_as", "autocast_state", "fp32_policy_dtype"]
 
 # ((device type, dtype), ...) for each device type with autocast on, sorted; () for none
 AutocastState = tuple[tuple[str, torch.dtype], ...]
@@ -75,7 +75,7 @@ _FP32_DEVICES: dict[str, frozenset[str]] = {
     "layer_norm": frozenset({"cuda", "xpu", "mps"}),
 }
 # Autocast casts only these (``is_autocast_eligible``: floating, not float64).
-_ELIGIBLE = frozenset({torch.float16, torch.bfloat16, torch.float32})
+ELIGIBLE = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
 
 def fp32_policy_dtype(op: str, x: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
@@ -84,6 +84,6 @@ def fp32_policy_dtype(op: str, x: torch.Tensor, dtype: torch.dtype) -> torch.dty
     type, lists ``op`` in fp32 there and ``x`` is eligible; ``dtype`` (the op's dtype without
     autocast) otherwise."""
     device = x.device.type
-    if device in _FP32_DEVICES[op] and x.dtype in _ELIGIBLE and torch.is_autocast_enabled(device):
+    if device in _FP32_DEVICES[op] and x.dtype in ELIGIBLE and torch.is_autocast_enabled(device):
         return torch.float32
     return dtype

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from fxtp.core import local_ops
+from fxtp.core.autocast import ELIGIBLE
 from fxtp.core.placement import Shard, local_ranges
 
 __all__ = [
@@ -218,11 +219,35 @@ def sharded_attention(
     """``scaled_dot_product_attention`` in train mode on this rank's heads (``query`` etc.
     sharded on ``dim``, a dim before the last two), dropping out with this rank's slice of the
     full ``(..., L, S)`` mask. Follows ATen's ``_scaled_dot_product_attention_math`` (the
-    single-device CPU path) step by step, so on CPU the result is the single device's.
+    single-device CPU path) step by step, under autocast too (its cast of the inputs, then the
+    math form in float32), so on CPU the result and its gradients are the single device's, bitwise.
 
     Shapes: ``query`` (..., H_local, L, E), ``key``/``value`` (..., H_kv_local, S, E); returns
     (..., H_local, L, E_v).
     """
+    device = query.device.type
+    if torch.is_autocast_enabled(device):  # SDPA's autocast policy is lower_precision_fp (autocast_mode.cpp)
+        low = torch.get_autocast_dtype(device)
+        query, key, value = (t.to(low) if t.dtype in ELIGIBLE else t for t in (query, key, value))
+        if attn_mask is not None and attn_mask.dtype in ELIGIBLE:
+            attn_mask = attn_mask.to(low)
+    with torch.autocast(device, enabled=False):  # the math form runs below autocast, as ATen's does
+        return _math_attention(dim, segments, rank, world_size, query, key, value, attn_mask, dropout_p, is_causal,
+                               scale, enable_gqa)
+
+
+def _math_attention(
+    dim: int, segments: tuple[int, ...], rank: int, world_size: int, query: torch.Tensor, key: torch.Tensor,
+    value: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: Optional[float],
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """:func:`sharded_attention`'s body, with autocast off: ATen's math form keeps half and bfloat16
+    query, key and value in float32 "for accuracy" (mask, softmax and dropout in float32) and casts
+    the result back; a form run in bfloat16 rounds otherwise, which a ReLU after it can turn into
+    a gradient off by a whole token's contribution (the fuzz regression sp-autocast-dropout-strided)."""
+    origin = query.dtype
+    if origin in (torch.float16, torch.bfloat16):
+        query, key, value = query.float(), key.float(), value.float()
     length, source = query.size(-2), key.size(-2)
     factor = math.sqrt(abs(scale)) if scale is not None else math.sqrt(1.0 / math.sqrt(query.size(-1)))
     query = query * (-factor if scale is not None and scale < 0 else factor)
@@ -244,7 +269,7 @@ def sharded_attention(
         full_shape = _with(attn.shape, dim, shard.size)
         noise = torch.empty(full_shape, dtype=attn.dtype, device=attn.device).bernoulli_(1 - dropout_p)
         attn = attn * _local(noise, shard, rank, world_size).div_(1 - dropout_p)
-    return torch.matmul(attn, value)
+    return torch.matmul(attn, value).to(origin)
 
 
 def sharded_grouped_attention(
