@@ -180,12 +180,14 @@ class ShapeBranch(nn.Module):
 class SelfAttentionMHA(nn.Module):
     """Case 14: nn.MultiheadAttention as self-attention (packed in_proj_weight)."""
 
-    def __init__(self) -> None:
+    def __init__(self, weights: str = "none") -> None:
         super().__init__()
         self.mha = nn.MultiheadAttention(64, 4, batch_first=True)
+        self.weights = weights  # "none": need_weights=False; "unused": computed, not used; "used": both returned
 
     def forward(self, x):
-        return self.mha(x, x, x, need_weights=False)[0]
+        out, weights = self.mha(x, x, x, need_weights=self.weights != "none")
+        return (out, weights) if self.weights == "used" else out
 
 
 class GluFFN(nn.Module):
@@ -249,6 +251,10 @@ CASES = {
         lambda: (nn.TransformerEncoderLayer(64, nhead=4, dim_feedforward=128, batch_first=True).eval(), _inputs((2, 10, 64)))
     ),
     "14-mha": _seeded(lambda: (SelfAttentionMHA(), _inputs((B, T, 64)))),
+    # need_weights=True: the head-averaged weights are a partial sum over the ranks' heads (1 more all_reduce),
+    # dropped with them where the model does not use them (the report counted it: 2 reported, 1 ran)
+    "14-mha-weights-unused": _seeded(lambda: (SelfAttentionMHA("unused"), _inputs((B, T, 64)))),
+    "14-mha-weights-used": _seeded(lambda: (SelfAttentionMHA("used"), _inputs((B, T, 64)))),
     "18-glu": _seeded(lambda: (GluFFN(), _inputs((B, T, 64)))),
     "19-gqa-enable-gqa": _seeded(lambda: (Attention(64, 8, 2, repeat="enable_gqa"), _inputs((B, T, 64)))),
     "21-in-place": _seeded(lambda: (InPlaceMLP(), _inputs((B, T, 64), (B, T, 256)))),

@@ -78,12 +78,13 @@ class Attn:
 
 @dataclass(frozen=True)
 class Mha:
-    """``nn.MultiheadAttention(hidden, heads, batch_first=True)`` as self-attention."""
+    """``nn.MultiheadAttention`` self-attention; ``weights``: none, unused, used (``weights @ h`` added)."""
 
     heads: int
     bias: bool = True
     norm: str = "none"
     residual: bool = True
+    weights: str = "none"
 
 
 @dataclass(frozen=True)
@@ -357,7 +358,8 @@ class MhaBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
-        y = self.mha(h, h, h, need_weights=False)[0]
+        y, weights = self.mha(h, h, h, need_weights=self.s.weights != "none")
+        y = y + weights @ h if self.s.weights == "used" else y
         return x + y if self.s.residual else y
 
 

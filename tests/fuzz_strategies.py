@@ -92,6 +92,7 @@ def mhas(draw: st.DrawFn, hidden: int, exclude: frozenset[str]) -> Mha:
         bias=draw(st.booleans().map(lambda b: not b)),
         norm=draw(_pick("norm", NORMS, exclude)),
         residual=draw(st.booleans().map(lambda b: not b)),
+        weights=draw(_pick("weights", ("none", "unused", "used"), exclude)),
     )
 
 

@@ -230,13 +230,14 @@ def test_case13_fast_path_does_not_hide_the_linears(pool):
     assert pool.run(_encoder_under_no_grad)[0] == expected
 
 
-def test_case14_multihead_attention_packed_in_proj(pool):
-    (r, *_) = pool.run(_train, "14-mha")
+@pytest.mark.parametrize("name,all_reduce", [("14-mha", 1), ("14-mha-weights-unused", 1), ("14-mha-weights-used", 2)])
+def test_case14_multihead_attention_packed_in_proj(pool, name, all_reduce):
+    (r, *_) = pool.run(_train, name)  # also: the report's counts are the run's (compare_training)
     layers = _layers(r)
     assert layers["mha.in_proj_weight"]["style"] == "colwise"
     assert "[64, 64, 64]" in layers["mha.in_proj_weight"]["reason"]
     assert layers["mha.out_proj"]["style"] == "rowwise"
-    assert r["forward"] == {"all_reduce": 1}
+    assert r["forward"] == {"all_reduce": all_reduce}
 
 
 # Second set (shared/cases 15-23; 17, 18, 19 and 21 live beside the features that fix them).

@@ -94,6 +94,22 @@ def nbytes_of(val: Any) -> int:
     return math.prod(optimization_hint(s) for s in val.shape) * val.element_size()
 
 
+def live_nodes(program: ExportedProgram) -> set[str]:
+    """The names of the program's nodes that the rewrite keeps: those the output or an impure
+    node (a random op, an in-place write) reads, directly or through others. ``passes.rewrite``
+    ends with FX's ``eliminate_dead_code``, which drops the rest with their collectives (e.g.
+    ``nn.MultiheadAttention``'s head-averaged weights with ``need_weights=True`` when the model
+    uses only its output): the report counts what runs."""
+    todo = [n for n in program.graph.nodes if n.op == "output" or n.op == "call_function" and n.is_impure()]
+    seen: set[str] = set()
+    while todo:
+        node = todo.pop()
+        if node.name not in seen:
+            seen.add(node.name)
+            todo.extend(node.all_input_nodes)
+    return seen
+
+
 def collectives(program: ExportedProgram, plan: ShardingPlan, nodes: dict[str, Any], needs_grad: set[str]) -> tuple[CollectiveStat, ...]:
     """Collectives per forward and backward on the example, as the rewrite emits them: one per
     value and kind (the rewrite shares an ``f``, a gather, a slice among consumers). The first
@@ -102,21 +118,23 @@ def collectives(program: ExportedProgram, plan: ShardingPlan, nodes: dict[str, A
     def nbytes(names) -> int:
         return sum(nbytes_of(nodes[n].meta["val"]) for n in names)
 
-    reduces = [name for name in plan.reduces if name not in plan.scatters]
-    reduce_scattered = [name for name in plan.scatters if name in plan.reduces]
-    sliced_out = [name for name in plan.scatters if name not in plan.reduces and name in needs_grad]
-    tp_gathered = {p for (_, p), a in plan.edges.items() if a.kind == "gather"}
+    alive = live_nodes(program)  # a dead value's collective is dropped with it
+    reduces = [name for name in plan.reduces if name not in plan.scatters and name in alive]
+    reduce_scattered = [name for name in plan.scatters if name in plan.reduces and name in alive]
+    sliced_out = [name for name in plan.scatters if name not in plan.reduces and name in needs_grad and name in alive]
+    edges = {(c, p): a for (c, p), a in plan.edges.items() if c in alive}
+    tp_gathered = {p for (_, p), a in edges.items() if a.kind == "gather"}
     # NOTE: [sequence parallelism]: a token shard is gathered once per kind of backward it needs
-    sp_gathered = {(p, a.enter) for (_, p), a in plan.edges.items() if a.kind == "sp_gather"}
+    sp_gathered = {(p, a.enter) for (_, p), a in edges.items() if a.kind == "sp_gather"}
     def enters(a) -> bool:  # the edge work wraps its value in f (all_reduce backward)
         return a.kind == "enter" or a.kind in ("slice", "gather") and a.enter
 
-    entered = {p for (_, p), a in plan.edges.items() if enters(a) and p in needs_grad}
-    entered |= {b for n, b in plan.reduces.items() if n in plan.scatters and b is not None and b in needs_grad}  # the bias's f
+    entered = {p for (_, p), a in edges.items() if enters(a) and p in needs_grad}
+    entered |= {b for n, b in plan.reduces.items() if n in plan.scatters and n in alive and b is not None and b in needs_grad}  # the bias's f
     # an f on a gathered token shard (its consumer's own edge work): one more per value
-    entered_gathered = {p for (_, p), a in plan.edges.items() if a.kind == "sp_gather" and a.then is not None and enters(a.then) and p in needs_grad}
+    entered_gathered = {p for (_, p), a in edges.items() if a.kind == "sp_gather" and a.then is not None and enters(a.then) and p in needs_grad}
     scattered_back = {p for p, summed in sp_gathered if summed and p in needs_grad}
-    sliced_in = {p for (_, p), a in plan.edges.items() if a.kind == "sp_scatter" and a.enter and p in needs_grad}
+    sliced_in = {p for (_, p), a in edges.items() if a.kind == "sp_scatter" and a.enter and p in needs_grad}
     regathered = regathered_values(program, plan, nodes)
     # NOTE: [grouped shards]: copy_to_holders all_reduces the gradient of a grouped parameter's grouped segments
     held = [[p for p in names if p in needs_grad] for names in plan.holders]
@@ -130,7 +148,7 @@ def collectives(program: ExportedProgram, plan: ShardingPlan, nodes: dict[str, A
     inside = [
         (plan.local_args.get(name, ()), local_ops.EMITTED_COLLECTIVES[target])
         for name, target in plan.local_targets.items()
-        if target in local_ops.EMITTED_COLLECTIVES
+        if target in local_ops.EMITTED_COLLECTIVES and name in alive
     ]
     inside = [(args, emitted) for args, emitted in inside if emitted.kind == "all_reduce"]
     inside_count = sum(emitted.forward for _, emitted in inside)
