@@ -253,3 +253,31 @@ def test_ranks_holding_different_models_are_refused(pool):
         for line, name in zip(found[2:6], ("fc2.weight", "scale", "steps", "freqs_cis")):
             assert f"the model differs between the ranks: {name!r} has sum" in line, line
         assert "other names" in found[6], found[6]
+
+
+def _under_torch_modes():
+    """pm under torch's own debugging modes, with and without grad: CommDebugMode counts the
+    graph's collective, FlopCounterMode the single device's FLOPs over world_size; no_grad used to
+    raise "Expected gradient function to be set" from their module hooks (a fresh user's find)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ws = dist.get_world_size()
+    model, x = _mlp(), torch.randn(4, 16)
+    want = model(x)
+    pm = fxtp.compile(model, ws, (x,))
+    found = []
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), CommDebugMode() as comms, FlopCounterMode(display=False) as flops:
+            out = pm(x)
+        torch.testing.assert_close(out, want)
+        found.append((grad, comms.get_total_counts(), flops.get_total_flops()))
+    with FlopCounterMode(display=False) as single:
+        model(x)
+    return found, single.get_total_flops()
+
+
+def test_torch_debug_modes_under_no_grad(pool):
+    for found, single_flops in pool.run(_under_torch_modes):
+        assert [(grad, comms) for grad, comms, _ in found] == [(True, 1), (False, 1)]
+        assert all(flops * pool.world_size == single_flops for _, _, flops in found)

@@ -115,9 +115,11 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def plain_inputs(inputs: list[Any]) -> list[Any]:
     """The rank graph's inputs with sharded parameters as plain aliases (autograd reaches the
     parameters through them), eagerly (while Dynamo traces, :func:`plain_views`); a DTensor parameter
-    (NOTE: [DTensor parameters for FSDP2] in fxtp/runtime/dtensor_params.py) as its ``to_local()``."""
-    return [local_tensor(t) if isinstance(t, ShardedTensor) else t.to_local() if isinstance(t, DTensor) else t
-            for t in inputs]
+    (NOTE: [DTensor parameters for FSDP2] in fxtp/runtime/dtensor_params.py) as its ``to_local()``; detached
+    under ``no_grad`` (an alias there requires grad with no grad_fn: CommDebugMode's module hooks raise)."""
+    grad = torch.is_grad_enabled()
+    return [(local_tensor(t) if grad else local_tensor(t).detach()) if isinstance(t, ShardedTensor)
+            else (t.to_local() if grad else t.to_local().detach()) if isinstance(t, DTensor) else t for t in inputs]
 
 
 def plain_views(inputs: list[Any]) -> list[Any]:
