@@ -56,6 +56,10 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
     last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
     ws = plan.world_size
     cache: dict[tuple, Node] = {}
+    # what consumers read for each original name: the node, or what replaced it (its reduction, its
+    # token slice, its bias share). A rule's local args name the original: they must read this
+    # (a token-sharded view right after a rowwise layer's reduce_scatter, "sp-bmm-heads-batch1")
+    current: dict[str, Node] = {}
 
     def after(node: Node):
         return graph.inserting_after(last_placeholder if node.op == "placeholder" else node)
@@ -156,7 +160,8 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
         shard = placement[0] if isinstance(placement, tuple) else placement
         random_on_shard = isinstance(shard, Shard) and rng.is_random(node.target, node.args, node.kwargs)
         if name in plan.local_args:
-            node.args = _fill_rank_values(map_arg(plan.local_args[name], lambda n: nodes[n.name]), plan, rank, group_name)
+            node.args = _fill_rank_values(map_arg(plan.local_args[name], lambda n: current.get(n.name, nodes[n.name])),
+                                          plan, rank, group_name)
         if name in plan.local_targets:
             node.target = plan.local_targets[name]
         for inp in list(node.all_input_nodes):
@@ -177,12 +182,13 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
                 sliced = graph.call_function(collectives.scatter_to_sp, (node, plan.scatters[name].dim, rank, ws, group_name))
             node.replace_all_uses_with(sliced, delete_user_cb=lambda user: user is not sliced)
             old_name[sliced] = name
+            current[name] = sliced
             sliced.meta["fxtp_placement"] = str(plan.scatters[name])
         if name in plan.bias_shares:  # NOTE: [bias share] in passes/moe/reductions.py
             with graph.inserting_after(node):
                 shared = graph.call_function(local_ops.add_bias_share, (node, nodes[plan.bias_shares[name]], ws))
             node.replace_all_uses_with(shared, delete_user_cb=lambda user: user is not shared)
-            old_name[shared] = name
+            old_name[shared], current[name] = name, shared
             shared.meta["fxtp_placement"] = node.meta.get("fxtp_placement", "P(sum)")
         if name in plan.reduces:
             scatter = plan.scatters.get(name)  # NOTE: [sequence parallelism]
@@ -204,7 +210,7 @@ def rewrite(gm: GraphModule, plan: ShardingPlan, *, rank: int, group_name: str) 
                 with graph.inserting_after(cast):
                     final = graph.call_function(aten.add.Tensor, (reduced, cast))
             node.replace_all_uses_with(final, delete_user_cb=lambda user: user is not reduced)
-            old_name[final] = name  # consumers' edges (an f into a colwise layer) name the original
+            old_name[final], current[name] = name, final  # consumers' edges (an f into a colwise layer) name the original
             reduced.meta["fxtp_placement"] = final.meta["fxtp_placement"] = "R" if scatter is None else str(scatter)
     graph.eliminate_dead_code()
     graph.lint()

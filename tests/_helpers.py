@@ -209,6 +209,14 @@ class Fsdp2Collectives(_SentBytes):
         return (n - 1) * whole.numel() * whole.element_size() // n
 
 
+def fxtp_bug(e: BaseException) -> bool:
+    """Whether an ``FxtpError`` raised by a run is fxtp's own failure rather than a refusal: the
+    rank graph raised on inputs that fit the model (``ParallelModule.forward`` wraps a torch
+    ``RuntimeError`` from it, "the parallel graph failed ... please report this"). The fuzzers'
+    inputs fit by construction, so this is a finding, not a rejection."""
+    return isinstance(e, fxtp.FxtpRuntimeError) and "the parallel graph failed" in str(e)
+
+
 def loss_of(out: Any) -> torch.Tensor:
     """A deterministic scalar from any output structure (sum of mean squares)."""
     leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]

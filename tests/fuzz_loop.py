@@ -26,7 +26,7 @@ from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
-from _helpers import CollectiveLog, collective_divergence, loss_of
+from _helpers import CollectiveLog, collective_divergence, fxtp_bug, loss_of
 
 import fxtp
 from fxtp.core.placement import shard_tensor
@@ -191,6 +191,10 @@ def _run(loop: Loop, out: LoopOutcome) -> None:
             _apply(op, i, loop, pm, ref, (opt, ref_opt), where, out.problems)
             out.events.append("ok")
         except fxtp.FxtpError as e:
+            if fxtp_bug(e):
+                out.events.append("raw error")
+                out.error = f"{where}:\n{traceback.format_exc()}"
+                return
             out.events.append(f"refused {type(e).__name__}: {str(e)[:300]}")
         except Exception:  # noqa: BLE001 - the property: any other exception is a finding
             out.events.append("raw error")

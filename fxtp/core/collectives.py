@@ -122,10 +122,13 @@ def all_gather(
 def reduce_scatter(t: torch.Tensor, dim: int, world_size: int, group_name: str) -> torch.Tensor:
     """This rank's block of the sum over the ranks of ``t``, split evenly along ``dim`` (whose
     size must divide ``world_size``): the inverse layout of :func:`all_gather` with one segment."""
-    moved = t.movedim(dim, 0).contiguous()
-    out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(moved, "sum", world_size, group_name))
-    _handed(moved, out)
-    return out.movedim(0, dim)
+    # the blocks laid out one after another along dim 0, (world_size * t.shape[0], ..., block, ...),
+    # so that the collective's own output is the result: contiguous and no view (an in-place op on
+    # it, ``y += x``, is then allowed inside a custom Function's output)
+    blocks = (t if dim == 0 else t.unflatten(dim, (world_size, -1)).movedim(dim, 0).flatten(0, 1)).contiguous()
+    out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(blocks, "sum", world_size, group_name))
+    _handed(blocks, out)
+    return out
 
 
 def all_to_all(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group_name: str) -> torch.Tensor:
@@ -161,7 +164,7 @@ def _gather_tokens(t: torch.Tensor, dim: int, world_size: int, group_name: str) 
     moved = t.movedim(dim, 0).contiguous()
     flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(moved, world_size, group_name))
     _handed(moved, flat)
-    return flat.movedim(0, dim).contiguous()
+    return flat if dim == 0 else flat.movedim(0, dim).contiguous()  # no view: see reduce_scatter
 
 
 def _local(t: torch.Tensor, dim: int, segments: tuple[int, ...], rank: int, world_size: int, unit: int) -> torch.Tensor:

@@ -31,7 +31,8 @@ parameters and the optimizer's states plus what the moment holds. The runtime is
   (``TransformerShape.recomputed_block``), the gradients of its output and input; the root
   unit gathered with the head's and final norm's unsharded gradients (the root reduces at the
   end of backward); the block gathered, the one before it prefetched (FSDP2's backward
-  prefetch) and its unsharded gradients, ``3 x gather_bytes`` an element; the sharded
+  prefetch; the first block has none) and its unsharded gradients, ``3 x gather_bytes`` an
+  element (2 at the first block); the sharded
   gradients of the blocks already done, 4 B an element over ``dp``; and, after the first
   block, the last reduce_scatter's fp32 input, which FSDP2 keeps until the next unit's
   (``reduce_scatter_states`` in ``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``).
@@ -382,9 +383,9 @@ def step_moments(choice: Choice, shape: TransformerShape, params: ParamShapes, w
     best = None
     for i in sorted({layers - 1, max(0, layers - 2), 0}):  # held is linear in i below the last block
         later = layers - 1 - i  # blocks whose backward is done: their sharded gradients, one reduce_scatter input kept
-        # the block gathered, the next one prefetched, its unsharded gradients; FSDP2 keeps the last
-        # reduce_scatter's input until the next unit's (``reduce_scatter_states``)
-        unit = (3 * g * block + (_GRAD * block if later else 0)) if fsdp else 0
+        # the block gathered, the one before it prefetched (the first block has none), its unsharded
+        # gradients; FSDP2 keeps the last reduce_scatter's input until the next unit's (``reduce_scatter_states``)
+        unit = ((3 if i else 2) * g * block + (_GRAD * block if later else 0)) if fsdp else 0
         done = later * (block_grads if fsdp else _GRAD * block)  # accumulated into ``kept`` when it is held
         held = {"grads": max(kept + (head_grads if fsdp else 0), head_grads + done),
                 "activations": (i + 1) * per_block + working, "fsdp_buffers": root + unit}

@@ -11,7 +11,8 @@ fxtp/planner/calibration.py) unless one is given:
    mesh's ``tp`` group with the row's sequence parallelism and checkpointing, then FSDP2's
    ``fully_shard`` on each block and on the root over the ``dp`` group, as torchtitan wraps
    them (NOTE: [FSDP2 units inside a ParallelModule] in fxtp/runtime/fsdp.py); the row's
-   micro-batches of random token ids, a cross entropy, ``backward`` and the optimizer's step.
+   micro-batches of random token ids, the model's own loss (``labels=``: fxtp's vocab-parallel cross
+   entropy, as the plan prices it), ``backward`` and the optimizer's step.
 2. Step time: one warm-up step, then the median over ``steps`` steps of the slowest rank's
    seconds, each step started after a barrier.
 3. Per term, from one more step under ``torch.profiler`` (CPU op times on the ranks' own
@@ -24,11 +25,15 @@ fxtp/planner/calibration.py) unless one is given:
    ``FSDP::all_gather_copy_out``, ``FSDP::post_backward_reduce``, ``FSDP::post_backward_rs_wait``);
    both are time the computing thread spends in them, so exposed time, and each includes
    waiting for a slower peer. Compute is the rest. Each share is the mean over the ranks.
-4. Peak memory, from one more step: glibc's heap in use (``mallinfo2``: arena and mmap'd
-   blocks, which hold torch's CPU tensors), sampled every 0.2 ms on a thread, the most seen
-   above the level before the rank built its model (after one throwaway build: a process's
-   first compile keeps caches no layout holds); the largest rank's. glibc's counter, not fxtp's
-   (``shared/tools/heap.py``'s few lines, kept here). On GPUs, ``torch.cuda.max_memory_allocated``.
+4. Peak memory, from one more step: what the step starts from plus glibc's heap in use
+   (``mallinfo2``: arena and mmap'd blocks, which hold torch's CPU tensors), sampled every 0.2
+   ms on a thread, the most seen above the step's entry; the largest rank's. glibc's counter,
+   not fxtp's (``shared/tools/heap.py``'s few lines, kept here). What the step starts from is
+   the storage bytes of the parameters, buffers and optimizer state (torch's, after a warm-up
+   step): the heap there also holds the compiled program's Python objects, which a GPU keeps in
+   host memory, and the layout's process groups, which the plan's runtime reserve covers (NOTE:
+   [runtime reserve] in fxtp/planner/hardware.py). On GPUs, ``torch.cuda.max_memory_allocated``
+   above the allocated bytes before the layout was built (its mesh created first).
 5. The measured figures make a second ``Hardware``: each degree's rate scaled by predicted over
    measured compute (its host seconds, NOTE: [host time], kept), each collective of a tp group
    of ``n`` ranks (sequence parallelism's too) by the tp ``n`` layout's measured over predicted
@@ -60,6 +65,7 @@ import torch
 import torch.distributed as dist
 from tabulate import tabulate
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fxtp.planner.calibration import calibrate_on_ranks, spawn_ranks
 from fxtp.planner.costs import Choice, Estimate, Workload, estimate
@@ -292,12 +298,15 @@ class _Layout:
 
         c, cuda = choice, dist.get_backend() == "nccl"
         self.choice, self.device = c, torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        mesh = init_device_mesh(self.device.type, (c.dp, c.tp), mesh_dim_names=("dp", "tp"))
         gc.collect()
         base = _in_use(self.device)
-        mesh = init_device_mesh(self.device.type, (c.dp, c.tp), mesh_dim_names=("dp", "tp"))
         g = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
-        self.ids = torch.randint(0, model.config.vocab_size, (c.accumulation, c.micro_batch, seq + 1), generator=g).to(self.device)
-        self.pm = fxtp.compile(copy.deepcopy(model).to(self.device).train(), c.tp, (self.ids[0, :, :-1],),
+        # the labels are the ids (Hugging Face shifts them): the loss inside the model, as the plan prices it
+        # (fxtp's vocab-parallel cross entropy, the logits gathered for the output; NOTE: [activation bytes])
+        self.ids = torch.randint(0, model.config.vocab_size, (c.accumulation, c.micro_batch, seq), generator=g).to(self.device)
+        self.pm = fxtp.compile(copy.deepcopy(model).to(self.device).train(), c.tp, (self.ids[0],),
+                               example_kwargs={"labels": self.ids[0]},
                                group=mesh["tp"] if c.tp > 1 else None, dynamic=False,
                                sequence_parallel=c.sequence_parallel, activation_checkpointing=c.activation_checkpointing)
         if c.dp > 1:  # torchtitan's wrapping: each block, then the root
@@ -309,12 +318,15 @@ class _Layout:
         self.opt = {"sgd": torch.optim.SGD}.get(optimizer, torch.optim.AdamW)(self.pm.parameters(), lr=1e-4)
         self.step()  # warm-up: lazy state, the optimizer's included
         gc.collect()
-        self.held = _in_use(self.device) - base  # parameters, optimizer state, fxtp's and FSDP2's own
+        # what the step starts from: on a GPU the allocator's bytes, the tensors the layout holds; the
+        # CPU heap also holds the compiled program's Python objects (FX nodes, their fake-tensor
+        # metadata and stack traces: 0.6-0.9 MB for a hidden-128 Llama), host memory on a GPU, so
+        # there the tensors' own storage bytes (NOTE: [predicted against measured], 4)
+        self.held = _in_use(self.device) - base if cuda else _storage_bytes(self.pm, self.opt)
 
     def step(self) -> None:
         for micro in self.ids:
-            logits = self.pm(micro[:, :-1]).logits
-            torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), micro[:, 1:].flatten()).backward()
+            self.pm(micro, labels=micro).loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
@@ -398,6 +410,19 @@ def _slowest(value: float, device: torch.device, op: Any = dist.ReduceOp.MAX) ->
 
 def _mean(value: float, device: torch.device) -> float:
     return _slowest(value, device, dist.ReduceOp.SUM) / dist.get_world_size()
+
+
+def _storage_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the storages behind ``module``'s parameters and buffers (a DTensor's local shard)
+    and ``optimizer``'s state tensors, each storage once."""
+    tensors = [*module.parameters(), *module.buffers()]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    storages = {}
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        storage = local.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 class _MallInfo2(ctypes.Structure):
