@@ -274,10 +274,69 @@ def _under_torch_modes():
         found.append((grad, comms.get_total_counts(), flops.get_total_flops()))
     with FlopCounterMode(display=False) as single:
         model(x)
-    return found, single.get_total_flops()
+    return found, single.get_total_flops(), _under_module_hooks()
+
+
+class _MaxNormEmbedding(torch.nn.Module):
+    """An embedding whose lookup renormalizes its weight in place (``max_norm``: replicated,
+    ``embedding-max-norm``) before a colwise/rowwise pair: its graph writes a parameter input."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 16, max_norm=1.0)
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, ids):
+        return self.down(torch.tanh(self.up(self.emb(ids))))
+
+
+def _under_module_hooks() -> list[str]:
+    """pm trained one step under each global module hook torch has, and under CommDebugMode (which
+    installs them), against the single device under the same: the rank graph is no module of the
+    model, so its parameter inputs must not be wrapped (an in-place max_norm renorm of a wrapped
+    one raised "Output 0 of BackwardHookFunction is a view ... modified inplace"; a fresh user's
+    find, shared/cases 16B)."""
+    import contextlib
+
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.nn.modules import module as nn_module
+
+    def hooked(register, hook):
+        @contextlib.contextmanager
+        def scope():
+            handle = register(hook)
+            try:
+                yield
+            finally:
+                handle.remove()
+        return scope
+
+    scopes = {
+        "CommDebugMode": CommDebugMode,
+        "full backward hook": hooked(nn_module.register_module_full_backward_hook, lambda m, gi, go: None),
+        "forward hook": hooked(nn_module.register_module_forward_hook, lambda m, a, out: None),
+        "forward pre-hook": hooked(nn_module.register_module_forward_pre_hook, lambda m, a: None),
+    }
+    torch.manual_seed(0)
+    model = _MaxNormEmbedding()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids[0, :4] = 3  # one row looked up 4 times
+    found = []
+    for name, scope in scopes.items():
+        ref = copy.deepcopy(model)
+        pm = fxtp.compile(copy.deepcopy(model), dist.get_world_size(), (ids,))
+        for module in (ref, pm):
+            with scope():
+                module(ids).square().mean().backward()
+            torch.optim.SGD(module.parameters(), lr=0.5).step()
+        torch.testing.assert_close(pm(ids), ref(ids))
+        torch.testing.assert_close(pm.full_state_dict(), ref.state_dict())
+        found.append(name)
+    return found
 
 
 def test_torch_debug_modes_under_no_grad(pool):
-    for found, single_flops in pool.run(_under_torch_modes):
+    for found, single_flops, hooked in pool.run(_under_torch_modes):
         assert [(grad, comms) for grad, comms, _ in found] == [(True, 1), (False, 1)]
         assert all(flops * pool.world_size == single_flops for _, _, flops in found)
+        assert hooked == ["CommDebugMode", "full backward hook", "forward hook", "forward pre-hook"]

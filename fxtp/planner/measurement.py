@@ -28,8 +28,8 @@ fxtp/planner/calibration.py) unless one is given:
 4. Peak memory, from one more step: what the step starts from plus glibc's heap in use
    (``mallinfo2``: arena and mmap'd blocks, which hold torch's CPU tensors), sampled every 0.2
    ms on a thread, the most seen above the step's entry; the largest rank's. glibc's counter,
-   not fxtp's (``shared/tools/heap.py``'s few lines, kept here). What the step starts from is
-   the storage bytes of the parameters, buffers and optimizer state (torch's, after a warm-up
+   not fxtp's (``shared/tools/heap.py``'s few lines, kept in fxtp/runtime/memory.py). What the
+   step starts from is the storage bytes of the parameters, buffers and optimizer state (torch's, after a warm-up
    step): the heap there also holds the compiled program's Python objects, which a GPU keeps in
    host memory, and the layout's process groups, which the plan's runtime reserve covers (NOTE:
    [runtime reserve] in fxtp/planner/hardware.py). On GPUs, ``torch.cuda.max_memory_allocated``
@@ -49,14 +49,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
 import dataclasses
-import functools
 import gc
 import os
 import statistics
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -65,7 +62,6 @@ import torch
 import torch.distributed as dist
 from tabulate import tabulate
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from fxtp.planner.calibration import calibrate_on_ranks, spawn_ranks
 from fxtp.planner.costs import Choice, Estimate, Workload, estimate
@@ -73,6 +69,7 @@ from fxtp.planner.hardware import Hardware
 from fxtp.planner.parallel_plan import ParallelPlan, fmt_size, fmt_time
 from fxtp.planner.model import TransformerShape
 from fxtp.planner.params import parameter_shapes, repeated_blocks
+from fxtp.runtime.memory import Peak, in_use, storage_bytes
 
 __all__ = ["measure", "measure_on_ranks", "Measurement", "TERMS"]
 
@@ -300,7 +297,7 @@ class _Layout:
         self.choice, self.device = c, torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         mesh = init_device_mesh(self.device.type, (c.dp, c.tp), mesh_dim_names=("dp", "tp"))
         gc.collect()
-        base = _in_use(self.device)
+        base = in_use(self.device)
         g = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
         # the labels are the ids (Hugging Face shifts them): the loss inside the model, as the plan prices it
         # (fxtp's vocab-parallel cross entropy, the logits gathered for the output; NOTE: [activation bytes])
@@ -322,7 +319,7 @@ class _Layout:
         # CPU heap also holds the compiled program's Python objects (FX nodes, their fake-tensor
         # metadata and stack traces: 0.6-0.9 MB for a hidden-128 Llama), host memory on a GPU, so
         # there the tensors' own storage bytes (NOTE: [predicted against measured], 4)
-        self.held = _in_use(self.device) - base if cuda else _storage_bytes(self.pm, self.opt)
+        self.held = in_use(self.device) - base if cuda else storage_bytes(self.pm, self.opt)
 
     def step(self) -> None:
         for micro in self.ids:
@@ -362,8 +359,8 @@ class _Layout:
     def peak(self) -> int:
         """Peak bytes of a step above the level before the rank built this layout, the largest rank's."""
         gc.collect()
-        before = _in_use(self.device)
-        with _Peak(self.device) as peak:
+        before = in_use(self.device)
+        with Peak(self.device) as peak:
             self.step()
         return int(_slowest(self.held + peak.peak - before, self.device))
 
@@ -410,66 +407,3 @@ def _slowest(value: float, device: torch.device, op: Any = dist.ReduceOp.MAX) ->
 
 def _mean(value: float, device: torch.device) -> float:
     return _slowest(value, device, dist.ReduceOp.SUM) / dist.get_world_size()
-
-
-def _storage_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the storages behind ``module``'s parameters and buffers (a DTensor's local shard)
-    and ``optimizer``'s state tensors, each storage once."""
-    tensors = [*module.parameters(), *module.buffers()]
-    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    storages = {}
-    for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        storage = local.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-@functools.lru_cache(maxsize=None)
-def _libc() -> Any:
-    libc = ctypes.CDLL("libc.so.6")  # glibc only (Linux): another C library raises OSError
-    libc.mallinfo2.restype = _MallInfo2
-    return libc
-
-
-def _in_use(device: torch.device) -> int:
-    """Bytes in use: glibc's heap (``mallinfo2().uordblks + hblkhd``, shared/tools/heap.py's
-    instrument), or the CUDA caching allocator's allocated bytes on a GPU."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
-    m = _libc().mallinfo2()
-    return m.uordblks + m.hblkhd
-
-
-class _Peak:
-    """The most bytes in use while inside, sampled every 0.2 ms on a thread (CPU; a GPU's
-    allocator keeps its own peak)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def __enter__(self) -> "_Peak":
-        gc.collect()
-        self.peak, self._stop = _in_use(self.device), False
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop:
-            self.peak = max(self.peak, _in_use(self.device))
-            time.sleep(0.0002)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop = True
-        self._thread.join()
-        self.peak = max(self.peak, _in_use(self.device))
-        if self.device.type == "cuda":
-            self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))

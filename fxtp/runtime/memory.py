@@ -24,21 +24,34 @@ flat output) is freed by whichever thread drops it last; when gloo's worker thre
 its finished work after the caller let go, that free happens outside any profiler state and
 is never recorded, so the block reads as held. The error only ever adds bytes (one collective's
 buffers, on a loaded machine), so ``repeat=`` runs ``fn`` that many times and keeps the least.
+
+Also here, the heap instrument of ``fxtp.planner.measure`` (NOTE: [predicted against measured]
+in fxtp/planner/measurement.py): glibc's bytes in use (:func:`in_use`, ``mallinfo2``; the few
+lines of ``shared/tools/heap.py``), sampled on a thread (:class:`Peak`), or the CUDA caching
+allocator's on a GPU; and the storage bytes of a module's state and its optimizer's
+(:func:`storage_bytes`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import gc
 import json
 import os
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 import torch.utils._pytree as pytree
+from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile, record_function
 
-__all__ = ["Allocation", "allocated_after_forward"]
+__all__ = ["Allocation", "Peak", "allocated_after_forward", "in_use", "storage_bytes"]
 
 _MARK = "fxtp.memory.caller"
 
@@ -131,3 +144,66 @@ def _live_blocks(prof: profile) -> dict[int, int]:
         elif size < 0:
             live.pop(addr, None)
     return live
+
+
+def storage_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the storages behind ``module``'s parameters and buffers (a DTensor's local shard)
+    and ``optimizer``'s state tensors, each storage once."""
+    tensors = [*module.parameters(), *module.buffers()]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    storages = {}
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        storage = local.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+@functools.lru_cache(maxsize=None)
+def _libc() -> Any:
+    libc = ctypes.CDLL("libc.so.6")  # glibc only (Linux): another C library raises OSError
+    libc.mallinfo2.restype = _MallInfo2
+    return libc
+
+
+def in_use(device: torch.device) -> int:
+    """Bytes in use: glibc's heap (``mallinfo2().uordblks + hblkhd``, shared/tools/heap.py's
+    instrument), or the CUDA caching allocator's allocated bytes on a GPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    m = _libc().mallinfo2()
+    return m.uordblks + m.hblkhd
+
+
+class Peak:
+    """The most bytes in use while inside, sampled every 0.2 ms on a thread (CPU; a GPU's
+    allocator keeps its own peak)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __enter__(self) -> "Peak":
+        gc.collect()
+        self.peak, self._stop = in_use(self.device), False
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop:
+            self.peak = max(self.peak, in_use(self.device))
+            time.sleep(0.0002)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop = True
+        self._thread.join()
+        self.peak = max(self.peak, in_use(self.device))
+        if self.device.type == "cuda":
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))

@@ -332,7 +332,8 @@ class ParallelModule(nn.Module):
         try:
             self._running = graph  # its blocks run their bodies of it (NOTE: [blocks of a ParallelModule])
             with activations.saved_tensors(regather=graph.regathers), fsdp.resharded_without_grad(units):
-                outputs = graph.gm(*sharded.plain_graph_inputs(inputs))
+                # no module hooks on it (NOTE: [block bodies run without module hooks] in fxtp/runtime/blocks.py)
+                outputs = graph.gm.forward(*sharded.plain_graph_inputs(inputs))
             collectives.release()  # NOTE: [gloo frees] in fxtp/core/collectives.py
         except IndexError as exc:  # a lookup the single device would refuse too (ids, positions)
             if not raised_by_an_op(exc):  # an IndexError of Python code (fxtp's, a hook's) is no input error
