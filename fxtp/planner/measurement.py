@@ -29,9 +29,10 @@ fxtp/planner/calibration.py) unless one is given:
    (``mallinfo2``: arena and mmap'd blocks, which hold torch's CPU tensors), sampled every 0.2
    ms on a thread, the most seen above the step's entry; the largest rank's. glibc's counter,
    not fxtp's (``shared/tools/heap.py``'s few lines, kept in fxtp/runtime/memory.py). What the
-   step starts from is the storage bytes of the parameters, buffers and optimizer state (torch's, after a warm-up
-   step): the heap there also holds the compiled program's Python objects, which a GPU keeps in
-   host memory, and the layout's process groups, which the plan's runtime reserve covers (NOTE:
+   step starts from is the storage bytes of the parameters, buffers and optimizer state
+   (torch's, after a warm-up step): the heap there also holds the compiled program's Python
+   objects, which a GPU keeps in host memory, and the layout's process groups, which the
+   plan's runtime reserve covers (NOTE:
    [runtime reserve] in fxtp/planner/hardware.py). On GPUs, ``torch.cuda.max_memory_allocated``
    above the allocated bytes before the layout was built (its mesh created first).
 5. The measured figures make a second ``Hardware``: each degree's rate scaled by predicted over
@@ -357,7 +358,8 @@ class _Layout:
         return _mean(_union(tp) / 1e6 / seconds, self.device), _mean(_union(fsdp) / 1e6 / seconds, self.device)
 
     def peak(self) -> int:
-        """Peak bytes of a step above the level before the rank built this layout, the largest rank's."""
+        """Peak bytes of a step, the largest rank's: what it starts from (``held``) plus the most in
+        use above its entry (NOTE: [predicted against measured], 4)."""
         gc.collect()
         before = in_use(self.device)
         with Peak(self.device) as peak:

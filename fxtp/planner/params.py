@@ -234,11 +234,8 @@ def _collect(
     for key, plan in plans.items():
         tp = abs(key)  # -tp: the expert-parallel plan
         held = _held_sent(plan, nodes, needs_grad, fqns, blocks.fqn if blocks is not None and depth else None, tp)
-        # the blocks counted as blocks: extrapolated from ``depth`` of them, or all of a stack no deeper
-        # (a 2-block model is FSDP2's 2 block units and a root as a 32-block one is, not one unit)
-        by_block = blocks is not None and 0 < depth <= blocks.count
         outside = _outside_sent(collectives(program, plan, nodes, needs_grad), tp, depth if blocks is not None else 0, payload,
-                                sum(v for k, v in held.items() if k is not None) if by_block else 0.0)
+                                sum(v for k, v in held.items() if k is not None) if depth < (blocks.count if blocks is not None else 0) else 0.0)
         seen: set[int] = set()
         other: list[Piece] = []
         before: Optional[int] = None
@@ -256,26 +253,26 @@ def _collect(
             if index is not None and before is None:
                 before = len(other)
             (other if index is None else per_block.setdefault(index, [])).append(piece)
-        styles = _styles(plan, blocks if by_block else None, depth)
-        kinds: dict[int, tuple[tuple[Piece, ...], float]] = {}  # kind -> (pieces, held), alike in each kind
-        alike = by_block and styles is not None
-        for i in range(depth if alike else 0):
-            seen_here = (tuple(per_block.get(i, ())), held.get(i, 0.0))
-            alike = alike and kinds.setdefault(blocks.kind_of(i), seen_here) == seen_here
+        extrapolated = blocks is not None and 0 < depth < blocks.count
+        styles = _styles(plan, blocks if extrapolated else None, depth)
         if blocks is None or not depth:
             out[key] = ParamShapes(tp, tuple(other), (), 0, 0, outside, styles)
-        elif by_block and not alike and depth < blocks.count:
-            return None
-        elif alike:
+        elif extrapolated:
+            kinds: dict[int, tuple[tuple[Piece, ...], float]] = {}  # kind -> (pieces, held), alike in each kind
+            for i in range(depth):
+                seen = (tuple(per_block.get(i, ())), held.get(i, 0.0))
+                if kinds.setdefault(blocks.kind_of(i), seen) != seen:
+                    return None
+            if styles is None:
+                return None
             counts = [sum(1 for i in range(blocks.count) if blocks.kind_of(i) == k) for k in sorted(kinds)]
             pieces = [kinds[k][0] for k in sorted(kinds)]
             sent = sum(n * kinds[k][1] for k, n in zip(sorted(kinds), counts)) / blocks.count  # per block, on average
             out[key] = ParamShapes(tp, tuple(other), pieces[0], blocks.count, depth, outside, styles, before or 0, sent,
                                    tuple(zip(pieces, counts)) if len(kinds) > 1 else ())
-        else:  # the whole stack analyzed, two blocks of one kind sharded unlike: priced as one unit
+        else:
             pieces = tuple(other + [p for i in sorted(per_block) for p in per_block[i]])
-            outside = _outside_sent(collectives(program, plan, nodes, needs_grad), tp, depth, payload)
-            out[key] = ParamShapes(tp, pieces, (), 0, depth, outside, _styles(plan, None, depth))
+            out[key] = ParamShapes(tp, pieces, (), 0, depth, outside, styles)
     return out
 
 
