@@ -6,7 +6,7 @@ The datasheet table prices every GEMM at the device's efficiency by GEMM size (`
 the wave quantization, NOTE: [GEMM efficiency] in fxtp/planner/hardware.py) and every
 collective with NCCL's constants. A calibration replaces them with what the ranks that will run the model
 achieve, measured on all of them at once (so ranks sharing a host's cores or links contend as
-they will in the run), each figure the slowest rank's:
+they will in the run; NOTE: [contended window] in fxtp/local_ranks.py), each figure the slowest rank's:
 
 - compute: for each tensor-parallel degree ``tp`` dividing the ranks, the local GEMMs of one
   micro-batch of the model (``batch / dp`` sequences of ``seq`` tokens, ``dp = ranks / tp``):
@@ -18,14 +18,24 @@ they will in the run), each figure the slowest rank's:
   fxtp/planner/model.py) by it. Elementwise ops, norms and the optimizer are not in it: their
   share is what a measured step shows beyond it (``fxtp.planner.measure``).
 - collectives: all_reduce, all_gather and reduce_scatter over every group size dividing the
-  ranks (the tp and dp groups a plan can use), all groups of a size at once, at a small payload
-  (the latency) and the model's (an activation all_reduce or a block's parameters, the larger),
+  ranks (the tp and dp groups a plan can use), all groups of a size at once, at two payloads,
   fitted to ``latency + payload x steps / n / bus_bw`` (NOTE: [collective time] in
-  fxtp/planner/comm.py): ``Hardware.collectives``.
+  fxtp/planner/comm.py): ``Hardware.collectives``. On GPUs a small one (the latency) and the
+  model's (an activation all_reduce or a block's parameters, the larger). On CPU ranks the
+  model's activation all_reduce itself (so its time is measured, not fitted) and 16 times it,
+  at least 8 MB (a bandwidth term that shows above the latency's noise; none measured:
+  ``_NO_BANDWIDTH_COST``), each what it adds to a window of calls after half a block's forward
+  of work (the largest GEMM and ``_BETWEEN_OPS`` elementwise ops) and, for groups smaller than
+  the world, an all_reduce over the other mesh dim's group, as FSDP2's traffic runs beside
+  tp's in a step (NOTE: [contended window] in fxtp/local_ranks.py).
 - host (CPU ranks): the seconds a dispatched op costs the host, forward and backward, fixed and
   per byte it writes; an optimizer step per parameter tensor (plain, and FSDP2's DTensor shards)
   and per element; FSDP2's own work per collective, per unit and per parameter tensor
-  (:func:`host_costs`; NOTE: [host time] in fxtp/planner/host.py). On GPUs they are not priced.
+  (:func:`host_costs`; NOTE: [host time] in fxtp/planner/host.py). The op figures come from a
+  chain of ``aten.mul`` and are then scaled by one factor so that, with the tp 1 GEMM rate,
+  they price the model's own tp 1 forward and backward as measured (``_on_the_model``: a
+  model's ops cost 1.9-2.3x a ``mul`` chain's here); a model without weights (a config.json's,
+  on ``meta``) keeps the chain's. On GPUs they are not priced.
 - memory: per rank, a GPU's free memory (``torch.cuda.mem_get_info``), or on a CPU the host's
   ``MemAvailable`` (``/proc/meminfo``) shared by the local ranks: ``Hardware.memory_bytes``.
 
@@ -38,20 +48,18 @@ NOTE: [fsdp overlap] prices it.
 
 from __future__ import annotations
 
-import datetime
+import copy
+import dataclasses
+import math
 import os
-import pickle
-import socket
-import statistics
-import tempfile
-import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from fxtp.core.errors import FxtpConfigError
+from fxtp.local_ranks import per_call, slowest, spawn_ranks
 from fxtp.planner.hardware import Hardware, HostCosts
 from fxtp.planner.model import TransformerShape
 from fxtp.planner.params import repeated_blocks
@@ -60,6 +68,11 @@ __all__ = ["calibrate", "calibrate_on_ranks", "gemm_shapes", "host_costs", "spaw
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 _SMALL = 16 << 10  # bytes: a payload whose time is mostly latency
+_LARGE_CPU = 8 << 20  # bytes: on CPU ranks, a payload whose bandwidth term shows above the latency's noise
+# on CPU ranks, the elementwise ops before each timed collective: about half a block's forward, the
+# compute between two of Megatron's collectives (a hidden-128 Llama block's forward: ~2.5 ms on 4 ranks here)
+_BETWEEN_OPS = 200
+_NO_BANDWIDTH_COST = 1e12  # bytes/s where a larger payload took no longer: the latency is all of it
 
 
 def calibrate(model: nn.Module, devices: int, *, batch: int, seq: int, repeats: int = 5, timeout_s: int = 300) -> Hardware:
@@ -99,20 +112,36 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
     rates = []
     for tp in tps:
         shapes = gemm_shapes(shape, max(1, batch // (ranks // tp)) * seq, tp)
-        seconds = _slowest(_gemm_seconds(shapes, device, dtype, repeats))
+        seconds = _gemm_seconds(shapes, device, dtype, repeats)
         rates.append((tp, sum(6 * m * k * n * count for m, k, n, count in shapes) / seconds))
     element = torch.finfo(dtype).bits // 8
     large = max(batch // ranks * seq * shape.hidden, shape.block_params) * element
     collectives = []
     for n in tps[1:]:
         group = _groups_of(n, ranks)
-        m, k, f, _ = max(gemm_shapes(shape, max(1, batch // (ranks // n)) * seq, n), key=lambda g: g[0] * g[1] * g[2])
+        tokens = max(1, batch // (ranks // n)) * seq
+        # on CPU ranks the model's own activation payload, whose time is then measured, not fitted
+        payloads = (_SMALL, large) if cuda else (tokens * shape.hidden * element, max(16 * tokens * shape.hidden * element, _LARGE_CPU))
+        m, k, f, _ = max(gemm_shapes(shape, tokens, n), key=lambda g: g[0] * g[1] * g[2])
         x, w = torch.randn(m, k, device=device, dtype=dtype), torch.randn(f, k, device=device, dtype=dtype)
+        act = torch.randn(tokens * shape.hidden // n, device=device, dtype=dtype)
+        across = _groups_of(n, ranks, strided=True) if not cuda and n < ranks else None
+
+        def between() -> None:  # half a block's forward: its largest GEMM and its elementwise ops
+            torch.mm(x, w.t())
+            y = act
+            for _ in range(_BETWEEN_OPS):
+                y = y * 1.0001
+            if across is not None:  # the other mesh dim's traffic (FSDP2's beside tp's): NOTE: [contended window]
+                dist.all_reduce(act[:1], group=across)
+
         for kind in KINDS:
-            latency, bw = _fit(kind, group, n, large, device, dtype, repeats, lambda: torch.mm(x, w.t()))
+            latency, bw = _fit(kind, group, n, payloads, device, dtype, repeats, between)
             collectives.append((kind, n, latency, bw))
-    memory = _slowest(_usable_memory(device, ranks), op=dist.ReduceOp.MIN)
+    memory = slowest(_usable_memory(device, ranks), op=dist.ReduceOp.MIN)
     host = HostCosts() if cuda else host_costs(dict(((k, n), lat) for k, n, lat, _ in collectives), repeats)
+    if not cuda and all(p.device.type != "meta" for p in model.parameters()):  # a model with weights runs
+        host = _on_the_model(host, model, shape, (max(1, batch // ranks), seq), rates[0][1], repeats)
     widest = [c for c in collectives if c[0] == "all_reduce"][-1:] or [("", 1, 0.0, 1e9)]
     return Hardware(
         name=f"calibrated {ranks} x {torch.cuda.get_device_name(device) if cuda else 'CPU'} ({dist.get_backend()})",
@@ -159,31 +188,60 @@ def host_costs(latency: dict[tuple[str, int], float], repeats: int = 5) -> HostC
                      asynchronous=False)
 
 
-def _median_slowest(once: Callable[[], float], repeats: int) -> float:
-    once()  # warm-up
-    return _slowest(statistics.median(once() for _ in range(repeats)))
+def _on_the_model(host: HostCosts, model: nn.Module, shape: TransformerShape, tokens: tuple[int, int], rate: float,
+                  repeats: int) -> HostCosts:
+    """``host`` with its per-op figures scaled by one factor, so that with the tp 1 GEMM ``rate``
+    they price what the model's own training forward and backward (``fxtp.compile``'s tp 1
+    program, ``tokens = (batch, seq)`` of one rank's micro-batch, its ops counted as
+    :func:`~fxtp.planner.host.count_ops` counts them) takes with every rank running it at once:
+    a chain of ``aten.mul`` misses what a model's ops add (autograd nodes of several inputs,
+    views, the Python between them; NOTE: [contended window] in fxtp/local_ranks.py)."""
+    import fxtp
+    from fxtp.planner.host import _Counter
+
+    ids = torch.randint(0, model.config.vocab_size, tokens, generator=torch.Generator().manual_seed(0))
+    pm = fxtp.compile(copy.deepcopy(model).train(), 1, (ids,), example_kwargs={"labels": ids}, dynamic=False)
+
+    def step() -> None:
+        pm(ids, labels=ids).loss.backward()
+        pm.zero_grad(set_to_none=True)
+
+    seconds, counter = per_call(step, repeats), _Counter(shape.hidden)
+    with counter:
+        loss = pm(ids, labels=ids).loss
+        (forward_ops, forward_bytes), counter.into = counter.into, [0, 0.0]
+        loss.backward()
+    pm.zero_grad(set_to_none=True)
+    priced = (forward_ops * host.op + forward_bytes * host.op_byte + counter.into[0] * host.op_backward
+              + counter.into[1] * host.op_backward_byte)
+    scale = max(0.0, seconds - shape.flops_per_token(tokens[1]) * math.prod(tokens) / rate) / priced if priced else 1.0
+    return dataclasses.replace(host, op=host.op * scale, op_backward=host.op_backward * scale,
+                               op_byte=host.op_byte * scale, op_backward_byte=host.op_backward_byte * scale)
 
 
 def _op_seconds(numel: int, n: int, repeats: int) -> tuple[float, float]:
-    """Seconds of one ``aten.mul`` in a chain of ``n`` on ``numel`` floats, forward and backward."""
+    """Seconds of one ``aten.mul`` in a chain of ``n`` on ``numel`` floats, forward and backward
+    (the chain's forward and backward less its forward)."""
     x = torch.randn(numel, requires_grad=True)
-    forward, backward = [], []
-    for _ in range(repeats + 1):  # the first is a warm-up
-        start = time.perf_counter()
+
+    def forward() -> torch.Tensor:
         y = x
         for _ in range(n):
             y = torch.ops.aten.mul.Tensor(y, 1.0001)
-        middle = time.perf_counter()
+        return y
+
+    def both() -> None:
+        y = forward()
         y.backward(torch.ones_like(y))
         x.grad = None
-        forward.append(middle - start)
-        backward.append(time.perf_counter() - middle)
-    return _slowest(statistics.median(forward[1:])) / n, _slowest(statistics.median(backward[1:])) / n
+
+    once, twice = per_call(forward, repeats), per_call(both, repeats)
+    return once / n, max(0.0, twice - once) / n
 
 
 def _optimizer_seconds(sizes: list[int], repeats: int, sharded: bool = False) -> float:
-    """Seconds of one AdamW step and ``zero_grad`` over parameters of ``sizes`` elements (DTensor
-    shards over all the ranks where ``sharded``, as FSDP2's)."""
+    """Seconds of one AdamW step over parameters of ``sizes`` elements (DTensor shards over all
+    the ranks where ``sharded``, as FSDP2's), their gradients kept."""
     params = [nn.Parameter(torch.randn(n)) for n in sizes]
     if sharded:
         from torch.distributed.device_mesh import init_device_mesh
@@ -192,23 +250,14 @@ def _optimizer_seconds(sizes: list[int], repeats: int, sharded: bool = False) ->
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         params = [nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])) for p in params]
     opt = torch.optim.AdamW(params, lr=1e-3)
-
-    def once() -> float:
-        for p in params:
-            p.grad = torch.ones_like(p)
-        start = time.perf_counter()
-        opt.step()
-        opt.zero_grad()
-        return time.perf_counter() - start
-
-    return _median_slowest(once, repeats)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    return per_call(opt.step, repeats)  # the gradients kept: zero_grad sets each to None, no op
 
 
 def _fsdp_seconds(layers: int, repeats: int) -> float:
     """Seconds FSDP2 adds to a forward and backward of 4 units of ``layers`` ``nn.Linear(8, 8)``
     and a root ``nn.Linear(8, 8)``, against the same module without it."""
-    import copy
-
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -222,15 +271,13 @@ def _fsdp_seconds(layers: int, repeats: int) -> float:
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
     x = torch.randn(4, 8)
 
-    def timed(m: nn.Module) -> Callable[[], float]:
-        def once() -> float:
-            start = time.perf_counter()
+    def step(m: nn.Module) -> Callable[[], None]:
+        def once() -> None:
             m(x).sum().backward()
             m.zero_grad(set_to_none=True)
-            return time.perf_counter() - start
         return once
 
-    return _median_slowest(timed(model), repeats) - _median_slowest(timed(plain), repeats)
+    return per_call(step(model), repeats) - per_call(step(plain), repeats)
 
 
 def gemm_shapes(shape: TransformerShape, tokens: int, tp: int) -> list[tuple[int, int, int, int]]:
@@ -249,49 +296,6 @@ def gemm_shapes(shape: TransformerShape, tokens: int, tp: int) -> list[tuple[int
     return blocks + [(tokens, h, cut(shape.vocab), 1)]
 
 
-def spawn_ranks(fn: Callable[..., Any], devices: int, timeout_s: int, *args: Any, **kwargs: Any) -> Any:
-    """Run ``fn(*args, **kwargs)`` on ``devices`` spawned local ranks with an initialized default
-    process group (NCCL over that many GPUs, else gloo on the CPU); rank 0's result.
-
-    Raises:
-        FxtpConfigError: ``devices`` < 1, or more GPUs asked than this host has.
-    """
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-        raise FxtpConfigError(f"devices must be an int >= 1, got {devices!r}")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if 0 < gpus < devices:
-        raise FxtpConfigError(f"measuring {devices} local ranks needs {devices} GPUs; this host has {gpus}. "
-                              f"fix: --devices {gpus} (calibrate the devices you have, then plan the job with that Hardware)")
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rank0.pkl")
-        mp.spawn(_rank_main, args=(devices, port, timeout_s, bool(gpus), out, fn, args, kwargs), nprocs=devices, join=True)
-        with open(out, "rb") as f:
-            return pickle.load(f)
-
-
-def _rank_main(rank: int, devices: int, port: int, timeout_s: int, cuda: bool, out: str, fn: Callable[..., Any],
-               args: tuple, kwargs: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if cuda:
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(1)  # the ranks share the host's cores
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=devices,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    try:
-        result = fn(*args, **kwargs)
-        if rank == 0:
-            with open(out, "wb") as f:
-                pickle.dump(result, f)
-    finally:
-        dist.destroy_process_group()
-
-
 def _shape(model: nn.Module) -> TransformerShape:
     blocks = repeated_blocks(model)
     if blocks is None:
@@ -300,92 +304,72 @@ def _shape(model: nn.Module) -> TransformerShape:
     return TransformerShape.of(model, blocks.fqn)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _gemm_seconds(shapes: list, device: torch.device, dtype: torch.dtype, repeats: int) -> float:
-    """Median seconds of one step's GEMMs ``shapes``, forward and backward, on this rank, end to end."""
+    """Seconds of one step's GEMMs ``shapes``, forward and backward, on this rank, end to end
+    (the slowest rank's median, :func:`~fxtp.local_ranks.per_call`)."""
     g = torch.Generator(device=device).manual_seed(0)
     operands = [(torch.randn(m, k, device=device, dtype=dtype, generator=g), torch.randn(n, k, device=device, dtype=dtype, generator=g),
                  torch.randn(m, n, device=device, dtype=dtype, generator=g), count) for m, k, n, count in shapes]
 
-    def once() -> float:  # end to end: ranks sharing cores are also descheduled between GEMMs
-        dist.barrier()
-        _sync(device)
-        start = time.perf_counter()
+    def once() -> None:
         for x, w, dy, count in operands:
             for _ in range(count):
                 torch.mm(x, w.t()), torch.mm(dy, w), torch.mm(dy.t(), x)
-        _sync(device)
-        return time.perf_counter() - start
 
-    once()  # warm-up
-    return statistics.median(once() for _ in range(repeats))
+    return per_call(once, repeats, device)
 
 
-def _slowest(value: float, op: Any = dist.ReduceOp.MAX) -> float:
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=op)
-    return float(t.item())
-
-
-def _groups_of(n: int, ranks: int) -> Any:
-    """This rank's group of ``n`` consecutive ranks (every rank creates every group, as torch asks)."""
-    if n == ranks:
+def _groups_of(n: int, ranks: int, strided: bool = False) -> Any:
+    """This rank's group of ``n`` consecutive ranks (a tp group of a ``(ranks / n, n)`` mesh), or
+    with ``strided`` of the ``ranks / n`` ranks ``n`` apart (its dp group); every rank creates
+    every group, as torch asks."""
+    if n == ranks and not strided:
         return dist.group.WORLD
     mine = None
-    for first in range(0, ranks, n):
-        group = dist.new_group(list(range(first, first + n)))
-        if first <= dist.get_rank() < first + n:
+    for members in ([list(range(i, ranks, n)) for i in range(n)] if strided else
+                    [list(range(first, first + n)) for first in range(0, ranks, n)]):
+        group = dist.new_group(members)
+        if dist.get_rank() in members:
             mine = group
     return mine
 
 
-def _fit(kind: str, group: Any, n: int, large: int, device: torch.device, dtype: torch.dtype, repeats: int,
-         between: Callable[[], Any]) -> tuple[float, float]:
-    """``(latency_s, bus_bytes_per_s)`` of ``kind`` over ``group`` from its times at two payloads.
+def _fit(kind: str, group: Any, n: int, payloads: tuple[int, int], device: torch.device, dtype: torch.dtype,
+         repeats: int, between: Callable[[], Any]) -> tuple[float, float]:
+    """``(latency_s, bus_bytes_per_s)`` of ``kind`` over ``group`` from its times at two payloads
+    (bytes, the smaller first); a bandwidth of ``_NO_BANDWIDTH_COST`` where the larger was not slower.
 
-    On a GPU each is timed after a barrier, the slowest rank's. On CPU ranks each follows
-    ``between`` (one of the model's GEMMs) without a barrier, as a collective follows a block's
-    compute in a step, and the ranks' mean is kept: ranks sharing a host's cores reach a
-    collective at different times, and that wait is part of what a collective costs there."""
+    On a GPU each is timed alone after a barrier, the slowest rank's. On CPU ranks it is what
+    the collective adds to ``between`` (half a block's forward, NOTE: [calibration]) run before
+    it, back to back in a window on every rank (:func:`~fxtp.local_ranks.per_call`), as
+    collectives follow a block's compute in a step: ranks sharing a host's cores reach it at
+    different times, and that wait is part of what a collective costs there (NOTE: [contended
+    window] in fxtp/local_ranks.py)."""
     steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
     element = torch.finfo(dtype).bits // 8
-    large = max(large, 16 * _SMALL) // (n * element) * n * element
+    small, large = (max(element * n, p // (n * element) * n * element) for p in payloads)
     gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # torch 2.13 renames them
     scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+    cpu = device.type != "cuda"
+    base = per_call(between, repeats) if cpu else 0.0
     times = []
-    for payload in (_SMALL, large):
+    for payload in (small, large):
         full = torch.ones(payload // element, device=device, dtype=dtype)
         part = torch.ones(payload // element // n, device=device, dtype=dtype)
 
-        def once() -> float:
-            if device.type == "cuda":
-                dist.barrier()
-                _sync(device)
-            else:
+        def once() -> None:
+            if cpu:
                 between()
-            start = time.perf_counter()
             if kind == "all_reduce":
                 dist.all_reduce(full, group=group)
             elif kind == "all_gather":
                 gather(full, part, group=group)
             else:
                 scatter(part, full, group=group)
-            _sync(device)
-            return time.perf_counter() - start
 
-        once()
-        seconds = statistics.median(once() for _ in range(repeats))
-        times.append(_slowest(seconds) if device.type == "cuda" else _slowest(seconds, op=dist.ReduceOp.SUM) / dist.get_world_size())
-    per_byte = (times[1] - times[0]) / (large - _SMALL)
-    if per_byte <= 0:  # the large payload was not slower (noise): all of it bandwidth
-        return 0.0, large * steps / n / times[1]
-    return max(0.0, times[0] - _SMALL * per_byte), steps / n / per_byte
+        times.append(max(0.0, per_call(once, repeats, device) - base))
+    per_byte = max(0.0, (times[1] - times[0]) / (large - small))  # 0: the large payload was not slower
+    return max(0.0, times[0] - small * per_byte), steps / n / per_byte if per_byte else _NO_BANDWIDTH_COST
 
 
 def _usable_memory(device: torch.device, ranks: int) -> int:

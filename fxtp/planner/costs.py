@@ -83,8 +83,11 @@ not hide.
   (``ParamShapes.outside_sent``; priced from the plan without sequence parallelism; with it,
   the head's saved input is gathered again in backward, and each rank's gradients of the
   replicated norm weights are partial sums, an all_reduce of them per backward in the
-  activations' dtype), timed as one all_reduce of those bytes (one latency for the handful
-  of them); and per block and backward, the weight-gradient all_reduce of grouped kv shards
+  activations' dtype), timed as one all_reduce of those bytes and each further collective's
+  latency (``ParamShapes.outside_collectives``); the loss, a vocab-parallel cross entropy
+  under a vocab-sharded head, all_reduces each token's max logit, target logit and sum of
+  exponentials (3 all_reduces of ``(b, s)`` fp32 in forward: Megatron-LM's
+  ``_VocabParallelCrossEntropy``, as fxtp's runtime runs it); and per block and backward, the weight-gradient all_reduce of grouped kv shards
   when the kv heads do not divide ``tp`` (``ParamShapes.block_weight_sent``, NOTE: [grouped
   shards] in fxtp/core/placement.py). Not overlapped by default: Megatron's tensor-parallel
   collectives sit between dependent matmuls (Narayanan et al. 2021, section 3.3). With
@@ -123,7 +126,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from fxtp.planner.comm import Group, Unit, fsdp_exposed, ring_time
+from fxtp.planner.comm import Group, Unit, fsdp_exposed, ring_latency, ring_time
 from fxtp.planner.hardware import Hardware, gemm_efficiency
 from fxtp.planner.host import host_seconds
 from fxtp.planner.model import TransformerShape
@@ -241,6 +244,11 @@ def tp_comm(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: Ha
     block_s = (2 * per_block * ring_time("all_gather", payload, tp_group, hw) if sp
                else per_block * ring_time("all_reduce", payload, tp_group, hw))
     outside_s = ring_time("all_reduce", outside * payload * tp / (2 * (tp - 1)), tp_group, hw) if tp > 1 and outside else 0.0
+    if tp > 1:  # each collective outside the blocks beyond the one priced above costs its latency
+        count = sum(params.outside_collectives) if work.training else params.outside_collectives[0]
+        outside_s += max(0, count - (1 if outside else 0)) * ring_latency("all_reduce", tp_group, hw)
+    if tp > 1 and work.training:  # the vocab-parallel loss's 3 all_reduces of a float per token
+        outside_s += 3 * ring_time("all_reduce", b * work.seq * 4, tp_group, hw)
     if weights:
         block_s += ring_time("all_reduce", weights * tp / (2 * (tp - 1)), tp_group, hw)
     block_all_s = block_s
@@ -279,7 +287,7 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
         # dim 0 FSDP2 pads to a multiple of dp: (dp-1) x its padded shard (NOTE: [collective time])
         fsdp_bytes = choice.accumulation * (2 * work.gather_bytes + _GRAD) * (dp - 1) * params.elements(dp)
         units = _fsdp_units(choice, shape, params, hw, work, compute / choice.accumulation)
-        fsdp_s = choice.accumulation * sum(2 * u.all_gather + u.reduce_scatter for u in units) + host["fsdp"]
+        fsdp_s = choice.accumulation * _fsdp_serial(choice, params, hw, work, units) + host["fsdp"]
         fsdp_exposed_s = choice.accumulation * fsdp_exposed(units) if hw.overlap_fsdp else fsdp_s
     step = {
         "compute": compute,
@@ -338,6 +346,22 @@ def _fsdp_units(choice: Choice, shape: TransformerShape, params: ParamShapes, hw
     for elements, n, block_forward, redo in costs:
         units += [unit(elements, block_forward * scale, (2 * block_forward + redo) * scale)] * n
     return units + [unit(last, head_forward * scale, 2 * head_forward * scale)]
+
+
+def _fsdp_serial(choice: Choice, params: ParamShapes, hw: Hardware, work: Workload, units: list[Unit]) -> float:
+    """One micro-batch's FSDP2 collectives end to end, none hidden: each block unit's all_gather
+    in forward and again in backward and its reduce_scatter; the root's (the embedding, the
+    final norm and the head, one unit: ``units``' first and last) one all_gather and one
+    reduce_scatter, since FSDP2 does not reshard the root after forward (``_lazy_init`` in
+    ``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``: "the parameters would be freed and
+    all-gathered immediately")."""
+    if not params.n_blocks:
+        return units[0].all_gather + units[0].reduce_scatter
+    group = Group.dp(choice.tp, choice.dp, work.devices_per_node)
+    first, _, last = params.unit_elements()
+    root = (ring_time("all_gather", work.gather_bytes * (first + last), group, hw)
+            + ring_time("reduce_scatter", _GRAD * (first + last), group, hw))
+    return root + sum(2 * u.all_gather + u.reduce_scatter for u in units[1:-1])
 
 
 def _memory(choice: Choice, shape: TransformerShape, params: ParamShapes, work: Workload) -> dict[str, int]:

@@ -2,7 +2,7 @@
 local ranks, term by term, and the plan made again with the measured figures.
 
 NOTE: [predicted against measured]
-On ``devices`` local ranks (spawned, as :func:`fxtp.planner.calibration.spawn_ranks` starts
+On ``devices`` local ranks (spawned, as :func:`fxtp.local_ranks.spawn_ranks` starts
 them), with a calibrated :class:`~fxtp.planner.hardware.Hardware` (NOTE: [calibration] in
 fxtp/planner/calibration.py) unless one is given:
 
@@ -64,7 +64,8 @@ import torch.distributed as dist
 from tabulate import tabulate
 from torch import nn
 
-from fxtp.planner.calibration import calibrate_on_ranks, spawn_ranks
+from fxtp.local_ranks import slowest, spawn_ranks, sync
+from fxtp.planner.calibration import calibrate_on_ranks
 from fxtp.planner.costs import Choice, Estimate, Workload, estimate
 from fxtp.planner.hardware import Hardware
 from fxtp.planner.parallel_plan import ParallelPlan, fmt_size, fmt_time
@@ -331,11 +332,11 @@ class _Layout:
     def timed(self) -> float:
         """Seconds of one step, the slowest rank's, started after a barrier."""
         dist.barrier()
-        _sync(self.device)
+        sync(self.device)
         start = time.perf_counter()
         self.step()
-        _sync(self.device)
-        return _slowest(time.perf_counter() - start, self.device)
+        sync(self.device)
+        return slowest(time.perf_counter() - start)
 
     def profiled(self) -> tuple[float, float]:
         """The shares of one step's seconds spent in fxtp's collectives and in FSDP2's, the
@@ -346,7 +347,7 @@ class _Layout:
         with _stderr_muted(), profile(activities=[ProfilerActivity.CPU]) as prof:
             start = time.perf_counter()
             self.step()
-            _sync(self.device)
+            sync(self.device)
             seconds = time.perf_counter() - start
         tp, fsdp = [], []
         for event in prof.events():
@@ -355,7 +356,7 @@ class _Layout:
                 tp.append(span)
             elif event.name.startswith(_FSDP_RANGES):
                 fsdp.append(span)
-        return _mean(_union(tp) / 1e6 / seconds, self.device), _mean(_union(fsdp) / 1e6 / seconds, self.device)
+        return _mean(_union(tp) / 1e6 / seconds), _mean(_union(fsdp) / 1e6 / seconds)
 
     def peak(self) -> int:
         """Peak bytes of a step, the largest rank's: what it starts from (``held``) plus the most in
@@ -364,7 +365,7 @@ class _Layout:
         before = in_use(self.device)
         with Peak(self.device) as peak:
             self.step()
-        return int(_slowest(self.held + peak.peak - before, self.device))
+        return int(slowest(self.held + peak.peak - before))
 
     def close(self) -> None:
         del self.pm, self.opt
@@ -396,16 +397,5 @@ def _union(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _slowest(value: float, device: torch.device, op: Any = dist.ReduceOp.MAX) -> float:
-    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
-    return float(t.item())
-
-
-def _mean(value: float, device: torch.device) -> float:
-    return _slowest(value, device, dist.ReduceOp.SUM) / dist.get_world_size()
+def _mean(value: float) -> float:
+    return slowest(value, dist.ReduceOp.SUM) / dist.get_world_size()

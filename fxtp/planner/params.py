@@ -72,6 +72,9 @@ class ParamShapes:
     # real model, in order of first appearance (``block`` is the first's); empty for one kind
     kinds: tuple[tuple[tuple[Piece, ...], int], ...] = ()
     ops: Optional[OpCounts] = None  # what a forward dispatches besides its GEMMs (NOTE: [host time]); None: unpriced
+    # How many collectives carry ``outside_sent``, forward and backward: each costs its latency
+    # (NOTE: [cost model] in fxtp/planner/costs.py)
+    outside_collectives: tuple[int, int] = (0, 0)
 
     def block_kinds(self) -> tuple[tuple[tuple[Piece, ...], int], ...]:
         """Each block kind's pieces and count (``((block, n_blocks),)`` for one kind)."""
@@ -234,8 +237,16 @@ def _collect(
     for key, plan in plans.items():
         tp = abs(key)  # -tp: the expert-parallel plan
         held = _held_sent(plan, nodes, needs_grad, fqns, blocks.fqn if blocks is not None and depth else None, tp)
-        outside = _outside_sent(collectives(program, plan, nodes, needs_grad), tp, depth if blocks is not None else 0, payload,
-                                sum(v for k, v in held.items() if k is not None) if depth < (blocks.count if blocks is not None else 0) else 0.0)
+        # the blocks counted as blocks: extrapolated from ``depth`` of them, or all of a stack no deeper
+        # (a 2-block model is FSDP2's 2 block units and a root as a 32-block one is, not one unit)
+        by_block = blocks is not None and 0 < depth <= blocks.count
+        stats = collectives(program, plan, nodes, needs_grad)
+        outside = _outside_sent(stats, tp, depth if blocks is not None else 0, payload,
+                                sum(v for k, v in held.items() if k is not None) if by_block else 0.0)
+        in_blocks = sum(1 for names in plan.holders if blocks is not None and depth and tp > 1
+                        for grad in [[n for n in names if n in needs_grad]] if grad
+                        and _block_index(fqns.get(grad[0], ""), blocks.fqn) is not None)  # one all_reduce a holder
+        counted = _outside_count(stats, tp, depth if blocks is not None else 0, in_blocks)
         seen: set[int] = set()
         other: list[Piece] = []
         before: Optional[int] = None
@@ -253,26 +264,27 @@ def _collect(
             if index is not None and before is None:
                 before = len(other)
             (other if index is None else per_block.setdefault(index, [])).append(piece)
-        extrapolated = blocks is not None and 0 < depth < blocks.count
-        styles = _styles(plan, blocks if extrapolated else None, depth)
+        styles = _styles(plan, blocks if by_block else None, depth)
+        kinds: dict[int, tuple[tuple[Piece, ...], float]] = {}  # kind -> (pieces, held), alike in each kind
+        alike = by_block and styles is not None
+        for i in range(depth if alike else 0):
+            seen_here = (tuple(per_block.get(i, ())), held.get(i, 0.0))
+            alike = alike and kinds.setdefault(blocks.kind_of(i), seen_here) == seen_here
         if blocks is None or not depth:
-            out[key] = ParamShapes(tp, tuple(other), (), 0, 0, outside, styles)
-        elif extrapolated:
-            kinds: dict[int, tuple[tuple[Piece, ...], float]] = {}  # kind -> (pieces, held), alike in each kind
-            for i in range(depth):
-                seen = (tuple(per_block.get(i, ())), held.get(i, 0.0))
-                if kinds.setdefault(blocks.kind_of(i), seen) != seen:
-                    return None
-            if styles is None:
-                return None
+            out[key] = ParamShapes(tp, tuple(other), (), 0, 0, outside, styles, outside_collectives=counted)
+        elif by_block and not alike and depth < blocks.count:
+            return None
+        elif alike:
             counts = [sum(1 for i in range(blocks.count) if blocks.kind_of(i) == k) for k in sorted(kinds)]
             pieces = [kinds[k][0] for k in sorted(kinds)]
             sent = sum(n * kinds[k][1] for k, n in zip(sorted(kinds), counts)) / blocks.count  # per block, on average
             out[key] = ParamShapes(tp, tuple(other), pieces[0], blocks.count, depth, outside, styles, before or 0, sent,
-                                   tuple(zip(pieces, counts)) if len(kinds) > 1 else ())
-        else:
+                                   tuple(zip(pieces, counts)) if len(kinds) > 1 else (), outside_collectives=counted)
+        else:  # the whole stack analyzed, two blocks of one kind sharded unlike: priced as one unit
             pieces = tuple(other + [p for i in sorted(per_block) for p in per_block[i]])
-            out[key] = ParamShapes(tp, pieces, (), 0, depth, outside, styles)
+            outside = _outside_sent(stats, tp, depth, payload)
+            out[key] = ParamShapes(tp, pieces, (), 0, depth, outside, _styles(plan, None, depth),
+                                   outside_collectives=_outside_count(stats, tp, depth, 0))
     return out
 
 
@@ -309,6 +321,18 @@ def _outside_sent(stats: Any, tp: int, depth: int, payload: int, held: float = 0
         sent[stat.phase] += share * (tp - 1) / tp * stat.bytes
     floor = depth * 2 * 2 * (tp - 1) / tp * payload
     return (max(0.0, sent["forward"] - floor) / payload, max(0.0, sent["backward"] - floor) / payload)
+
+
+def _outside_count(stats: Any, tp: int, depth: int, held: int) -> tuple[int, int]:
+    """How many collectives :func:`_outside_sent`'s bytes take, forward and backward: the plan's
+    less Megatron's 2 per block and phase and less ``held`` (the blocks' grouped kv
+    weight-gradient all_reduces, one per holder, priced with the block)."""
+    if tp == 1:
+        return (0, 0)
+    count = {"forward": 0, "backward": -held}
+    for stat in stats:
+        count[stat.phase] += stat.count
+    return (max(0, count["forward"] - 2 * depth), max(0, count["backward"] - 2 * depth))
 
 
 def _styles(plan: Any, blocks: Optional[Blocks], depth: int = 0) -> Optional[tuple[tuple[str, str], ...]]:

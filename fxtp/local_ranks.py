@@ -1,0 +1,141 @@
+"""Local ranks for measuring: spawn them with a process group, and time work on all of them at once.
+
+``fxtp.planner.calibrate`` and ``fxtp.planner.measure`` (and the benchmarks in ``tools/``) run
+here: NCCL with one GPU a rank where the host has the GPUs, else gloo with one CPU thread a rank.
+
+NOTE: [contended window]
+Local CPU ranks share the host's cores: 4 gloo ranks on 2 cores run a step at about half a
+core's rate each, and a collective waits for the peer the scheduler ran last. A call timed
+alone, after a barrier, runs within one scheduler time slice at a whole core's rate, and waits
+for no one: it measures an idle host, not the step. :func:`per_call` times instead what a call
+costs in a step: every rank runs it back to back for ``WINDOW_S`` (the same count on every
+rank), between two barriers, less an empty barrier's time, over the count; the slowest rank's
+median of ``repeats`` windows. Measured 2026-12-06 on this project's 2-core CI host, 4 gloo ranks:
+
+- a chain of 200 ``aten.mul`` on 64 floats: 1.4 ms alone, 3.2 ms a call in a window;
+- a 16 KB all_reduce over the 4 ranks: 0.4-1 ms alone, 4.3-6.3 ms added to a window of
+  compute; over groups of 2 (two groups at once), 0.9 ms with nothing between the calls and
+  1.6-2.2 ms once each follows 0.6 ms or more of compute (a peer descheduled mid-way): so a
+  collective is timed after about half a block's forward of work, as in a step (NOTE:
+  [calibration] in fxtp/planner/calibration.py).
+
+On GPUs each call is timed alone after a barrier: each rank has its own device, and the host's
+share of a call is queued ahead of it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import statistics
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from fxtp.core.errors import FxtpConfigError
+
+__all__ = ["WINDOW_S", "per_call", "slowest", "spawn_ranks", "sync"]
+
+WINDOW_S = 0.1  # seconds a CPU measurement runs: many scheduler time slices (a few ms each)
+
+
+def spawn_ranks(fn: Callable[..., Any], devices: int, timeout_s: int, *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` on ``devices`` spawned local ranks with an initialized default
+    process group (NCCL over that many GPUs, else gloo on the CPU); rank 0's result.
+
+    Raises:
+        FxtpConfigError: ``devices`` < 1, or more GPUs asked than this host has.
+    """
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise FxtpConfigError(f"devices must be an int >= 1, got {devices!r}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if 0 < gpus < devices:
+        raise FxtpConfigError(f"measuring {devices} local ranks needs {devices} GPUs; this host has {gpus}. "
+                              f"fix: --devices {gpus} (calibrate the devices you have, then plan the job with that Hardware)")
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank0.pkl")
+        mp.spawn(_rank_main, args=(devices, port, timeout_s, bool(gpus), out, fn, args, kwargs), nprocs=devices, join=True)
+        with open(out, "rb") as f:
+            return pickle.load(f)
+
+
+def _rank_main(rank: int, devices: int, port: int, timeout_s: int, cuda: bool, out: str, fn: Callable[..., Any],
+               args: tuple, kwargs: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)  # the ranks share the host's cores
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=devices,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        result = fn(*args, **kwargs)
+        if rank == 0:
+            with open(out, "wb") as f:
+                pickle.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def per_call(work: Callable[[], Any], repeats: int, device: torch.device = torch.device("cpu")) -> float:
+    """Seconds of one ``work()`` with every rank of the default group running it at once (every
+    rank calls this): the slowest rank's median of ``repeats``, after a warm-up call.
+
+    On CPU ranks, the call's share of a window of calls back to back (NOTE: [contended
+    window]); on a GPU (``device``), one call timed alone after a barrier.
+    """
+    work()  # warm-up
+    if device.type == "cuda":
+        def alone() -> float:
+            dist.barrier()
+            sync(device)
+            start = time.perf_counter()
+            work()
+            sync(device)
+            return time.perf_counter() - start
+
+        return slowest(statistics.median(alone() for _ in range(repeats)))
+
+    def window(fn: Callable[[], Any], n: int) -> float:
+        dist.barrier()
+        begin = time.perf_counter()
+        for _ in range(n):
+            fn()
+        dist.barrier()
+        return time.perf_counter() - begin
+
+    # every figure that sizes the window is the slowest rank's, so every rank runs the same calls
+    empty = slowest(statistics.median(window(lambda: None, 1) for _ in range(repeats)))
+    calls, took = 1, 0.0
+    while calls < 1 << 20:
+        took = slowest(window(work, calls)) - empty
+        if took >= WINDOW_S / 4:
+            break
+        calls *= 4
+    calls = max(1, round(calls * WINDOW_S / max(took, 1e-9)))
+    return slowest(max(0.0, statistics.median(window(work, calls) for _ in range(repeats)) - empty) / calls)
+
+
+def slowest(value: float, op: Any = dist.ReduceOp.MAX) -> float:
+    """``value`` reduced over the default group's ranks (their largest; ``op`` another reduction)."""
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=op)
+    return float(t.item())
+
+
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a GPU's; nothing on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
