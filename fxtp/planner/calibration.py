@@ -121,7 +121,8 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
         group = _groups_of(n, ranks)
         tokens = max(1, batch // (ranks // n)) * seq
         # on CPU ranks the model's own activation payload, whose time is then measured, not fitted
-        payloads = (_SMALL, large) if cuda else (tokens * shape.hidden * element, max(16 * tokens * shape.hidden * element, _LARGE_CPU))
+        act_bytes = tokens * shape.hidden * element
+        payloads = (_SMALL, max(large, 16 * _SMALL)) if cuda else (act_bytes, max(16 * act_bytes, _LARGE_CPU))
         m, k, f, _ = max(gemm_shapes(shape, tokens, n), key=lambda g: g[0] * g[1] * g[2])
         x, w = torch.randn(m, k, device=device, dtype=dtype), torch.randn(f, k, device=device, dtype=dtype)
         act = torch.randn(tokens * shape.hidden // n, device=device, dtype=dtype)
