@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import pytest
 
@@ -44,12 +45,14 @@ def _calibrate_and_measure() -> dict:
     from fxtp.planner.measurement import _estimates_on_rank0, measure_on_ranks
 
     model = _model()
-    m = measure_on_ranks(model, batch=BATCH, seq=SEQ, steps=3 if TIMING_BOUNDS else 1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        m = measure_on_ranks(model, batch=BATCH, seq=SEQ, steps=3 if TIMING_BOUNDS else 1)
     priced = {e.choice: e for e in [m.replan.chosen] + [a.estimate for a in m.replan.alternatives]}
     again = [priced.get(e.choice) for e, _ in m.rows]
     if None in again:  # a row the re-plan did not price as such (another micro-batch)
         again = _estimates_on_rank0(model, [e.choice for e, _ in m.rows], m.measured_hardware, BATCH, SEQ, "adamw")
-    return {"measurement": m, "again": again}
+    return {"measurement": m, "again": again, "warned": [str(w.message) for w in seen]}
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +99,9 @@ def test_measure_runs_each_mesh_and_prices_it_again(measured):
     assert m.replan.fits and m.replan.chosen.step["total"] <= min(a.step["total"] for a in measured["again"]) * (1 + 1e-9)
     text = str(m)
     assert "measured / predicted" in text and ("the choice changes" in text or "the choice does not change" in text)
+    assert "(pp pinned by --measure, which runs tp x FSDP2 layouts, no pipeline)" in str(m.plan)
+    # nothing on any rank about what the layouts never do: clip under FSDP2, write into an output
+    assert not [w for w in measured["warned"] if "fully_shard" in w or "view tensor" in w], measured["warned"]
 
 
 @pytest.mark.skipif(not TIMING_BOUNDS, reason="timing bounds need cores the ranks do not share "
@@ -165,8 +171,11 @@ def test_calibrate_and_measure_usage(capsys):
     """They time a training step of --batch x --seq: both are needed; --device-memory is needed
     only without them."""
     base = ["plan", "llama", "--devices", "4"]
-    for argv, message in [(base + ["--calibrate", "--batch", "8"], "give both"),
-                          (base + ["--measure", "--batch", "8", "--seq", "16", "--inference"], "without --inference"),
+    for argv, message in [(base + ["--calibrate", "--batch", "8"], "--calibrate times a training step of --batch x --seq "
+                           "tokens: give --seq "),
+                          (base + ["--measure"], "--measure times a training step of --batch x --seq tokens: give --batch "
+                           "and --seq "),
+                          (base + ["--measure", "--batch", "8", "--seq", "16", "--inference"], "drop --inference"),
                           (base + ["--batch", "8", "--seq", "16"], "--device-memory")]:
         with pytest.raises(SystemExit) as exit_:
             main(argv)
@@ -206,3 +215,55 @@ def test_host_time_adds_to_a_cpus_compute_and_hides_behind_a_gpus():
     assert priced.step["compute"] == pytest.approx(plain.step["compute"] + host_s, rel=1e-9)
     gpu = estimate(choice, shape, params[2], dataclasses.replace(cpu, host=dataclasses.replace(host, asynchronous=True)), work)
     assert gpu.step["compute"] == pytest.approx(max(plain.step["compute"], host_s), rel=1e-9)
+
+
+def test_pipeline_ranks_share_the_host_time_of_the_whole_model():
+    """No ranks (NOTE: [host time], NOTE: [pipeline costs]): a pipelined row pays its ranks'
+    host seconds too (before, none: a CPU-calibrated plan picked pp 2 at half tp 1 x dp 4's
+    step). Cut into 2 pipeline ranks, each prices its own blocks' ops, the last the ops outside
+    the blocks, each its own parameter tensors: the two add up to the whole model's host time;
+    a pipelined row's compute is its slowest rank's GEMMs plus that rank's host seconds; the
+    ops a checkpointed block dispatches again are its recompute."""
+    import dataclasses
+
+    import torch
+
+    from fxtp.planner import Hardware
+    from fxtp.planner.costs import Choice, Workload, estimate
+    from fxtp.planner.hardware import HostCosts
+    from fxtp.planner.model import TransformerShape
+    from fxtp.planner.params import parameter_shapes, repeated_blocks
+    from fxtp.planner.pipeline_costs import _rank_host, estimate_pipeline
+
+    model = _model()
+    shape = TransformerShape.of(model, repeated_blocks(model).fqn)
+    params = parameter_shapes(model, (1,), (torch.zeros(1, SEQ, dtype=torch.long),), {})[1]
+    host = HostCosts(op=1e-4, op_backward=5e-5, op_byte=1e-9, optimizer_tensor=1e-3, optimizer_element=1e-8,
+                     asynchronous=False)
+    cpu = Hardware("cpu", 1e10, 2**30, 1e9, 1e9, devices_per_node=4, mfu=1.0, overlap_fsdp=False, compute_bytes=4,
+                   achieved_flops=((1, 1e10),), host=host)
+    work = Workload(BATCH, SEQ, True, "adamw", 4, activation_bytes=4, gather_bytes=4)
+    assert shape.layers == 2
+    choice = Choice(1, 1, False, None, BATCH // 2, 2, pp=2, schedule="1F1B")
+    first = _rank_host(choice, params, cpu, work, 1, True, False)
+    last = _rank_host(choice, params, cpu, work, 1, False, True)
+    whole = estimate(dataclasses.replace(choice, pp=1, schedule=None), shape, params, cpu, work)
+    whole_host = whole.step["compute"] - whole.step["gemm"]
+    assert first["compute"] + last["compute"] + first["optimizer"] + last["optimizer"] == pytest.approx(whole_host)
+    assert 0 < first["compute"] < last["compute"]  # the head's and the loss's ops are the last rank's
+    piped = estimate_pipeline(choice, shape, params, cpu, work)
+    assert piped.stages == (1, 1)
+    assert piped.step["compute"] == pytest.approx(piped.step["gemm"] + last["compute"] + last["optimizer"])
+    unpriced = estimate_pipeline(choice, shape, params, dataclasses.replace(cpu, host=HostCosts()), work)
+    assert piped.step["total"] - unpriced.step["total"] >= last["compute"] > 0
+    # selective checkpointing recomputes no matmul, but its blocks' ops dispatch again: shown as recompute
+    for row in (estimate(dataclasses.replace(choice, pp=1, schedule=None, activation_checkpointing="selective"),
+                         shape, params, cpu, work),
+                estimate_pipeline(dataclasses.replace(choice, activation_checkpointing="selective"), shape, params, cpu, work)):
+        redo = row.step["compute"] - row.step["gemm"] - (whole_host if row.choice.pp == 1 else last["compute"] + last["optimizer"])
+        assert row.step["recompute"] == pytest.approx(redo) and redo > 0
+    # FSDP2 under pipelining: each unit's all_gather and reduce_scatter once a step
+    dp2 = _rank_host(dataclasses.replace(choice, dp=2), params, dataclasses.replace(
+        cpu, host=dataclasses.replace(host, fsdp_unit=1e-3, fsdp_tensor=1e-4)), work, 1, False, True)
+    units = (len(params.block), len(params.other) - params.before)
+    assert dp2["fsdp"] == pytest.approx(sum(2 * (1e-3 + n * 1e-4) for n in units))

@@ -29,11 +29,15 @@ def check_measuring(args: argparse.Namespace) -> None:
     """
     from fxtp.cli.inspection import UsageError  # imports torch: not while the parser is built (fxtp --help)
 
-    measuring = args.calibrate or args.measure
+    measuring = "--measure" if args.measure else "--calibrate" if args.calibrate else None
     if args.device_memory is None and not measuring:
         raise UsageError("the following arguments are required: --device-memory (or --calibrate, which measures it)")
-    if measuring and (args.batch is None or args.seq is None or args.inference):
-        raise UsageError("--calibrate and --measure time a training step of --batch x --seq tokens: give both, without --inference")
+    if measuring and args.inference:
+        raise UsageError(f"{measuring} times a training step: drop --inference (a forward is planned from --hardware's figures)")
+    missing = [flag for flag, value in (("--batch", args.batch), ("--seq", args.seq)) if value is None]
+    if measuring and missing:
+        raise UsageError(f"{measuring} times a training step of --batch x --seq tokens: give {' and '.join(missing)} "
+                         f"(e.g. --batch 8 --seq 128)")
 
 
 def calibrated(args: argparse.Namespace, loaded: Any, progress: Any) -> Any:

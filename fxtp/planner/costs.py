@@ -272,11 +272,13 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
     else:
         compute = (shape.matmul_params * 2 + 4 * shape.layers * shape.hidden * work.seq) * tokens / rate
         recompute = 0.0
-    host = _host(choice, shape, params, hw, work) if work.training else {"compute": 0.0, "optimizer": 0.0, "fsdp": 0.0}
+    host = _host(choice, shape, params, hw, work) if work.training else {"compute": 0.0, "recompute": 0.0, "optimizer": 0.0,
+                                                                         "fsdp": 0.0}
     gemms = compute
     # NOTE: [host time]: a CPU's host computes (its seconds add), a GPU's runs ahead of the device
     host_compute = host["compute"] + host["optimizer"]
     compute = max(compute, host_compute) if hw.host.asynchronous else compute + host_compute
+    recompute += 0.0 if hw.host.asynchronous else host["recompute"]  # a CPU's recomputed forwards dispatch again
     comm = tp_comm(choice, shape, params, hw, work, rate_device)
     tp_bytes = round(choice.accumulation * (shape.layers * comm.block_bytes + comm.outside_bytes))
     tp_all_s = choice.accumulation * (shape.layers * comm.block_all_s + comm.outside_s)

@@ -25,7 +25,11 @@ its copy-in and copy-out (``torch/distributed/fsdp/_fully_shard/_fsdp_collective
   for CUDA tensors: ``_default_to_fused_or_foreach`` in ``torch/optim/optimizer.py``).
 - FSDP2, per micro-batch: each block unit's forward all_gather, backward all_gather and
   reduce_scatter, the root's all_gather and reduce_scatter, each ``fsdp_unit + tensors x
-  fsdp_tensor``: FSDP2's share, priced with its collectives (``fsdp_exposed``).
+  fsdp_tensor``: FSDP2's share, priced with its collectives (``fsdp_exposed``); under
+  pipelining one all_gather and one reduce_scatter of each unit a step.
+- a pipeline rank (fxtp/planner/pipeline_costs.py) is priced for its own stages: their blocks,
+  their parameter tensors, and the ops outside the blocks on the last rank (the head's and the
+  loss's, most of them).
 
 The counts come from the model itself (:func:`count_ops`): its forward and backward run once on
 ``meta`` tensors under a dispatch mode that counts each op and what it writes, the forward's by
@@ -142,8 +146,9 @@ def count_ops(program: Any, blocks_fqn: Optional[str], hidden: int, inputs: tupl
 
 def host_seconds(costs: HostCosts, ops: Optional[OpCounts], *, layers: int, tokens: int, tp: int, dp: int,
                  checkpointing: Optional[str], micro_batches: int, tensors: int, elements: int,
-                 units: tuple[int, ...]) -> dict[str, float]:
-    """A step's host seconds on one rank (NOTE: [host time]): ``{"compute", "optimizer", "fsdp"}``.
+                 units: tuple[int, ...], regather: bool = True) -> dict[str, float]:
+    """A step's host seconds on one rank (NOTE: [host time]): ``{"compute", "recompute", "optimizer",
+    "fsdp"}``, ``"recompute"`` the part of ``"compute"`` the checkpointed blocks' forwards take again.
 
     Args:
         ops: the model's counts (None: no op priced); ``layers``: blocks in the model.
@@ -151,8 +156,11 @@ def host_seconds(costs: HostCosts, ops: Optional[OpCounts], *, layers: int, toke
         checkpointing: the blocks' (``None``, ``"blocks"``, ``"selective"``); ``micro_batches`` a step.
         tensors, elements: the parameter tensors and elements a rank's optimizer steps.
         units: FSDP2's units, each one's parameter tensors (the blocks', then the root's); empty at dp 1.
+        regather: FSDP2 gathers each block unit again for backward, a micro-batch at a time;
+            False: every unit is gathered once and reduced once a step (under pipelining,
+            NOTE: [pipeline costs] in fxtp/planner/pipeline_costs.py).
     """
-    out = {"compute": 0.0, "optimizer": 0.0, "fsdp": 0.0}
+    out = {"compute": 0.0, "recompute": 0.0, "optimizer": 0.0, "fsdp": 0.0}
     if ops is not None:
         scale = tokens * (1 - ops.sharded_share + ops.sharded_share / tp)
         block_ops, block_bytes = ops.block[0], ops.block[1] * scale
@@ -162,9 +170,12 @@ def host_seconds(costs: HostCosts, ops: Optional[OpCounts], *, layers: int, toke
         backward = ops.backward_ops * forward_ops * costs.op_backward + ops.backward_bytes * forward_bytes * costs.op_backward_byte
         redo = layers * (block_ops * costs.op + block_bytes * costs.op_byte) if checkpointing else 0.0
         out["compute"] = micro_batches * (forward + backward + redo)
+        out["recompute"] = micro_batches * redo  # of which the recomputed forwards'
     per_tensor = costs.optimizer_dtensor if dp > 1 else costs.optimizer_tensor
     out["optimizer"] = tensors * per_tensor + elements * costs.optimizer_element
-    if dp > 1 and units:
+    if dp > 1 and units and not regather:
+        out["fsdp"] = sum(2 * (costs.fsdp_unit + n * costs.fsdp_tensor) for n in units)
+    elif dp > 1 and units:
         *blocks, root = units
         collectives = [(3, n) for n in blocks] + [(2, root)]  # the root is not resharded after forward
         out["fsdp"] = micro_batches * sum(k * (costs.fsdp_unit + n * costs.fsdp_tensor) for k, n in collectives)

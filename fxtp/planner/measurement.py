@@ -13,8 +13,12 @@ fxtp/planner/calibration.py) unless one is given:
    them (NOTE: [FSDP2 units inside a ParallelModule] in fxtp/runtime/fsdp.py); the row's
    micro-batches of random token ids, the model's own loss (``labels=``: fxtp's vocab-parallel cross
    entropy, as the plan prices it), ``backward`` and the optimizer's step.
-2. Step time: one warm-up step, then the median over ``steps`` steps of the slowest rank's
-   seconds, each step started after a barrier.
+2. Step time: the median over ``steps`` steps of the slowest rank's seconds, each step started
+   after a barrier. The layouts take turns, a step each a round (against the host's drift), and
+   each timed step follows an untimed step of its own layout, as a training loop's steps follow
+   each other: the first step after another layout's found the caches and the heap holding that
+   one's tensors and ran 3-20% slower here (hidden-128 Llama, 4 gloo ranks, 2026-12-06: tp 1
+   106 ms cold, 94 ms after its own step).
 3. Per term, from one more step under ``torch.profiler`` (CPU op times on the ranks' own
    thread), as shares of that step's seconds applied to the median step (a step the host's
    load slows as a whole keeps its shares): tensor-parallel communication is the union of
@@ -56,6 +60,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -89,7 +94,8 @@ class Measurement:
         rows: per tensor-parallel degree, ``(estimate, measured)``: the predicted
             :class:`~fxtp.planner.costs.Estimate` and ``{"total", "compute", "tp_comm",
             "fsdp_exposed"}`` seconds per step and ``"peak"`` bytes per rank, measured.
-        calibrate_s: seconds the calibration took (0 when a Hardware was given); ``run_s``: the runs'.
+        calibrate_s: seconds the calibration took (0 when a Hardware was given); ``run_s``: the runs';
+            ``wall_s``: :func:`measure`'s, all told (the ranks' start, the plans and the builds too).
     """
 
     plan: ParallelPlan
@@ -100,6 +106,7 @@ class Measurement:
     steps: int
     calibrate_s: float
     run_s: float
+    wall_s: float = 0.0
 
     choice_changed = property(lambda self: self.plan.chosen.choice != self.replan.chosen.choice)
 
@@ -113,7 +120,7 @@ class Measurement:
                           "predicted": {**{k: e.step[k] for k in TERMS}, "peak": e.peak}, "measured": dict(m)} for e, m in self.rows],
                 "predicted_order": self.order(False), "measured_order": self.order(True), "chosen": dataclasses.asdict(self.plan.chosen.choice),
                 "replanned": dataclasses.asdict(self.replan.chosen.choice), "choice_changed": self.choice_changed,
-                "steps": self.steps, "calibrate_s": self.calibrate_s, "run_s": self.run_s}
+                "steps": self.steps, "calibrate_s": self.calibrate_s, "run_s": self.run_s, "wall_s": self.wall_s}
 
     def __str__(self) -> str:
         slowest = max(max(e.step["total"], m["total"]) for e, m in self.rows)
@@ -130,6 +137,8 @@ class Measurement:
         lines = [
             f"fxtp plan --measure: {self.plan.model} on {self.plan.devices} local ranks ({self.hardware.name}), "
             f"{self.plan.batch} x {self.plan.seq} tokens a step, median of {self.steps} steps "
+            f"({self.wall_s:.1f} s in all: calibrated in {self.calibrate_s:.1f} s, ran in {self.run_s:.1f} s, the rest "
+            "starting the ranks, planning and building the layouts)" if self.wall_s else
             f"(calibrated in {self.calibrate_s:.1f} s, ran in {self.run_s:.1f} s)",
             tabulate(table, headers=["layout", "", "step", "compute", "tp comm", "fsdp exposed", "peak memory"],
                      colalign=("left", "left", "right", "right", "right", "right", "right")),
@@ -161,7 +170,8 @@ def measure(model: nn.Module, devices: int, *, batch: int, seq: int, device_memo
         device_memory: bytes per rank the plan may use; default the calibrated usable memory.
         hardware: the figures to predict with; default :func:`fxtp.planner.calibrate` on the same ranks.
         optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"``, priced and run.
-        steps: timed steps per layout (after one warm-up; two more run for the profile and the memory).
+        steps: timed steps per layout, each after an untimed one (after one warm-up; two more run for
+            the profile and the memory).
         timeout_s: the process groups' timeout, seconds.
 
     Returns:
@@ -170,14 +180,27 @@ def measure(model: nn.Module, devices: int, *, batch: int, seq: int, device_memo
     Raises:
         FxtpConfigError: as ``fxtp.plan`` and :func:`fxtp.planner.calibrate` raise.
     """
-    return spawn_ranks(measure_on_ranks, devices, timeout_s, model, batch=batch, seq=seq, device_memory=device_memory,
-                       hardware=hardware, optimizer=optimizer, steps=steps)
+    start = time.perf_counter()
+    result = spawn_ranks(measure_on_ranks, devices, timeout_s, model, batch=batch, seq=seq, device_memory=device_memory,
+                         hardware=hardware, optimizer=optimizer, steps=steps)
+    return dataclasses.replace(result, wall_s=time.perf_counter() - start)
 
 
 def measure_on_ranks(model: nn.Module, *, batch: int, seq: int, device_memory: Optional[int] = None,
                      hardware: Optional[Hardware] = None, optimizer: str = "adamw", steps: int = 3) -> Measurement:
     """:func:`measure` on the initialized default process group (every rank calls it; each gets
     the result)."""
+    from fxtp.runtime.clipping import FsdpClippingWarning
+
+    with warnings.catch_warnings():  # on every rank, about what the layouts never do: they neither clip
+        warnings.filterwarnings("ignore", category=FsdpClippingWarning)  # their gradients
+        warnings.filterwarnings("ignore", message=r".*returned a view tensor")  # nor write into their outputs (FSDP2's)
+        return _measured(model, batch=batch, seq=seq, device_memory=device_memory, hardware=hardware, optimizer=optimizer,
+                         steps=steps)
+
+
+def _measured(model: nn.Module, *, batch: int, seq: int, device_memory: Optional[int], hardware: Optional[Hardware],
+              optimizer: str, steps: int) -> Measurement:
     start = time.perf_counter()
     found = [hardware if hardware is not None else calibrate_on_ranks(model, batch=batch, seq=seq)]
     calibrate_s = time.perf_counter() - start if hardware is None else 0.0
@@ -259,6 +282,7 @@ def _plan_on_rank0(model: nn.Module, memory: int, batch: int, seq: int, hw: Hard
     if dist.get_rank() == 0:
         box[0] = plan(model, dist.get_world_size(), device_memory=memory, batch=batch, seq=seq,
                       devices_per_node=dist.get_world_size(), hardware=hw, optimizer=optimizer, pp=1)  # measures tp x FSDP2
+        box[0] = dataclasses.replace(box[0], pinned_by="--measure, which runs tp x FSDP2 layouts, no pipeline")
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
@@ -330,7 +354,9 @@ class _Layout:
         self.opt.zero_grad(set_to_none=True)
 
     def timed(self) -> float:
-        """Seconds of one step, the slowest rank's, started after a barrier."""
+        """Seconds of one step, the slowest rank's, started after a barrier and after an untimed
+        step of its own (NOTE: [predicted against measured], 2)."""
+        self.step()
         dist.barrier()
         sync(self.device)
         start = time.perf_counter()

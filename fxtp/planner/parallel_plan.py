@@ -158,6 +158,7 @@ class ParallelPlan:
     close_calls: tuple[str, ...] = ()
     tp_overlap: Optional[str] = None  # the runtime priced as overlapping tp collectives (NOTE: [tp overlap])
     pinned_pp: Optional[int] = None  # the caller's fxtp.plan(..., pp=)
+    pinned_by: str = "the caller"  # who pinned them, as the plan says it
 
     @property
     def usable_memory(self) -> int:
@@ -271,7 +272,7 @@ class ParallelPlan:
             f"figures, {self.devices_per_node} per node), "
             f"{self.batch} x {self.seq} tokens per {what}" + (f", {self.optimizer}" if self.training else ""),
             f"chosen: {_layout(c)}{sp}{schedule}, activation checkpointing: {_ac_name(c.activation_checkpointing)}, {micro}"
-            + (f" ({' and '.join(p.split()[0] for p in pinned)} pinned by the caller)" if pinned else ""),
+            + (f" ({' and '.join(p.split()[0] for p in pinned)} pinned by {self.pinned_by})" if pinned else ""),
             self._verdict(),
             *self._pipeline_lines(),
             *(f"close call: {line}" for line in self.close_calls),

@@ -14,7 +14,8 @@ The mesh is ``("pp", "dp", "tp")``, pp outermost (torchtitan's order).
   parameters' states and the activations of the micro-batches it holds (``in_flight``), the
   embedding's on the first, the head's and the loss's on the last.
 - Time: pipeline rank ``r`` is busy ``W_r`` over the ``m`` micro-batches: its blocks' (and the
-  head's) compute at the rank's rate (NOTE: [FLOPs]), their tensor-parallel collectives
+  head's) compute at the rank's rate (NOTE: [FLOPs]) and its host seconds (NOTE: [host time]
+  in fxtp/planner/host.py, priced for its own stages), their tensor-parallel collectives
   (NOTE: [cost model] in costs.py, per block as there; the collectives outside the blocks on
   the first and the last rank), and its receives. The step is ``max_r W_r / (1 - bubble)``
   plus the FSDP2 communication not hidden, ``bubble`` the schedule's idle fraction
@@ -57,6 +58,7 @@ ratios inside the bubble, the zero-bubble schedules (``fxtp.pipeline`` refuses t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -64,6 +66,7 @@ import numpy as np
 from fxtp.planner.comm import Group, Unit, fsdp_exposed, p2p_time, ring_time
 from fxtp.planner.costs import _GRAD, OPTIMIZER_BYTES, Choice, Estimate, Workload, rate_per_device, tp_comm
 from fxtp.planner.hardware import Hardware
+from fxtp.planner.host import host_seconds
 from fxtp.planner.model import TransformerShape
 from fxtp.planner.params import ParamShapes
 
@@ -180,7 +183,10 @@ def estimate_pipeline(choice: Choice, shape: TransformerShape, params: ParamShap
         blocks = sum(counts[k] for k in stages)
         first, last = 0 in stages, n - 1 in stages
         flops = blocks * (3 * block_fwd + redo) + (3 * head_fwd if last else 0.0)
-        compute = flops * tokens / (tp * rate)
+        gemms = flops * tokens / (tp * rate)
+        host = _rank_host(choice, params, hw, work, blocks, first, last)
+        host_compute = host["compute"] + host["optimizer"]  # NOTE: [host time] in fxtp/planner/host.py
+        compute = max(gemms, host_compute) if hw.host.asynchronous else gemms + host_compute
         sends = sum(k < n - 1 for k in stages) + sum(k > 0 for k in stages)  # = its receives
         tp_s = m * (blocks * comm.block_s + (comm.outside_s if first or last else 0.0))
         tp_all = m * (blocks * comm.block_all_s + (comm.outside_s if first or last else 0.0))
@@ -206,10 +212,12 @@ def estimate_pipeline(choice: Choice, shape: TransformerShape, params: ParamShap
             if last:
                 units.append(Unit(ring_time("all_gather", g * head, group, hw), ring_time("reduce_scatter", _GRAD * head, group, hw),
                                   head_fwd * scale, 2 * head_fwd * scale))
-            fsdp_s = sum(u.all_gather + u.reduce_scatter for u in units)
+            fsdp_s = sum(u.all_gather + u.reduce_scatter for u in units) + host["fsdp"]
             fsdp_hidden_s = fsdp_exposed(units, regather=False) if hw.overlap_fsdp else fsdp_s
             fsdp_seen[(blocks, first, last)] = fsdp_s, fsdp_hidden_s
-        ranks.append({"busy": compute + tp_s + m * sends * hop, "compute": compute, "recompute": blocks * redo * tokens / (tp * rate),
+        ranks.append({"busy": compute + tp_s + m * sends * hop, "compute": compute, "gemm": gemms,
+                      "fsdp_host": host["fsdp"],
+                      "recompute": blocks * redo * tokens / (tp * rate) + (0.0 if hw.host.asynchronous else host["recompute"]),
                       "tp": tp_s, "tp_all": tp_all, "p2p": m * sends * hop, "memory": memory, "fsdp": fsdp_s,
                       "fsdp_exposed": fsdp_hidden_s, "bytes": {"tp": round(tp_bytes), "pp": m * sends * payload,
                                                                "fsdp": round((g + _GRAD) * (dp - 1) * sharded)}})
@@ -217,9 +225,27 @@ def estimate_pipeline(choice: Choice, shape: TransformerShape, params: ParamShap
     slow = max(ranks, key=lambda x: x["busy"])
     idle = slow["busy"] * bubble / (1 - bubble)
     exposed = max(x["fsdp_exposed"] for x in ranks)
-    step = {"compute": slow["compute"], "recompute": slow["recompute"], "comm": slow["tp"] + slow["p2p"] + exposed,
+    step = {"compute": slow["compute"], "gemm": slow["gemm"], "fsdp_host": max(x["fsdp_host"] for x in ranks),
+            "recompute": slow["recompute"], "comm": slow["tp"] + slow["p2p"] + exposed,
             "tp_comm": slow["tp"], "tp_comm_hidden": slow["tp_all"] - slow["tp"], "fsdp_comm": max(x["fsdp"] for x in ranks),
             "fsdp_exposed": exposed, "p2p": slow["p2p"], "bubble": idle, "total": slow["busy"] + idle + exposed}
     peak = max(ranks, key=lambda x: x["memory"]["total"])["memory"]
     sent = {k: max(x["bytes"][k] for x in ranks) for k in ("tp", "fsdp", "pp")}
     return Estimate(choice, peak, step, sent, rate, counts)
+
+
+def _rank_host(choice: Choice, params: ParamShapes, hw: Hardware, work: Workload, blocks: int, first: bool,
+               last: bool) -> dict[str, float]:
+    """A pipeline rank's host seconds a step (NOTE: [host time] in fxtp/planner/host.py): its
+    ``blocks``' ops over the ``m`` micro-batches, those outside the blocks on the last rank;
+    its optimizer over its own parameter tensors (the embedding's on the first, the final
+    norm's and the head's on the last); FSDP2 once a unit a step (NOTE: [pipeline costs])."""
+    ops = params.ops if last or params.ops is None else dataclasses.replace(params.ops, other=(0, 0.0))
+    own = (params.other[:params.before] if first else ()) + (params.other[params.before:] if last else ())
+    units = (len(params.block),) * blocks + ((len(own),) if own else ())
+    emb, kinds, head = params.unit_elements(1)
+    block_el = sum(el * k for el, k in kinds) / max(1, params.n_blocks)
+    elements = blocks * block_el + (emb if first else 0) + (head if last else 0)
+    return host_seconds(hw.host, ops, layers=blocks, tokens=choice.micro_batch * work.seq, tp=choice.tp, dp=choice.dp,
+                        checkpointing=choice.activation_checkpointing, micro_batches=choice.accumulation,
+                        tensors=sum(units), elements=-(-round(elements) // choice.dp), units=units, regather=False)
