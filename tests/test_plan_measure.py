@@ -151,17 +151,49 @@ def test_the_measured_hardware_prices_each_row_as_measured():
             assert priced.step[term] == pytest.approx(m[term], rel=1e-9), (e.choice, term)
 
 
+def test_a_calibration_says_which_of_its_figures_it_doubts():
+    """No ranks (NOTE: [calibration]): figures a busy host gave (a degree's GEMMs at a tenth of the
+    others', an all_reduce with no latency, FSDP2 free, other jobs' load, 234 s) are each named,
+    and the plan prints them with a fix; a quiet host's figures give none."""
+    import dataclasses
+
+    import fxtp
+    from fxtp.planner import Hardware
+    from fxtp.planner.calibration import doubts
+    from fxtp.planner.hardware import HostCosts
+
+    host = HostCosts(op=2e-5, op_backward=2e-5, optimizer_tensor=6e-5, fsdp_unit=1e-3, fsdp_tensor=8e-5, asynchronous=False)
+    quiet = Hardware("calibrated 4 x CPU (gloo)", 3e10, 2**30, 1e9, 1e9, devices_per_node=4, mfu=1.0, overlap_fsdp=False,
+                     compute_bytes=4, achieved_flops=((1, 3e10), (2, 2.6e10), (4, 2.4e10)),
+                     collectives=(("all_reduce", 2, 3e-3, 8e8), ("all_reduce", 4, 5e-3, 1e9)), host=host)
+    assert doubts(quiet, 31.0, 5.5, 2, 4) == ()
+    busy = dataclasses.replace(quiet, achieved_flops=((1, 3e10), (2, 2.35e9), (4, 2.4e10)),
+                               collectives=(("all_reduce", 2, 0.0, 8e8), ("all_reduce", 4, 5e-3, 1e9)),
+                               host=dataclasses.replace(host, fsdp_unit=0.0, fsdp_tensor=0.0))
+    said = doubts(busy, 234.0, 12.0, 2, 4)
+    assert said == ("the tp 2 GEMMs ran at 2.35 GFLOP/s, under a third of the other degrees' 27.00",
+                    "all_reduce over 2 ranks came out with no latency (the larger payload's time left none)",
+                    "FSDP2's own host work came out as none (its run no slower than the unsharded one)",
+                    "the load average was 12.0 on 2 cores (4 of it the ranks' own at most)",
+                    "it took 234 s (30-33 s on 2 idle cores for a hidden-128 Llama)"), said
+    text = str(fxtp.plan(_model(), 4, device_memory=2**30, batch=BATCH, seq=SEQ,
+                         hardware=dataclasses.replace(busy, doubts=said)))
+    assert f"calibration doubts its figures: {'; '.join(said)}. fix: calibrate again" in text
+
+
 def test_rounds_pool_their_calibrations():
-    """No ranks: the rounds' calibrations make one Hardware, each measured figure their median
-    and the memory their least (NOTE: [predicted against measured], 2)."""
+    """No ranks: the rounds' calibrations make one Hardware, each measured figure their median,
+    the memory their least, the doubts all of theirs (NOTE: [predicted against measured], 2)."""
     from fxtp.planner import Hardware
     from fxtp.planner.measurement import pooled
 
-    def calibrated(f: float, memory: int) -> Hardware:
+    def calibrated(f: float, memory: int, *doubts: str) -> Hardware:
         return Hardware("calibrated", 1e10, memory, 1e9, 1e9, mfu=1.0, achieved_flops=((1, 1e10 * f), (2, 8e9 * f)),
-                        collectives=(("all_reduce", 2, 1e-4 * f, 1e9 / f), ("all_gather", 2, 2e-4 * f, 2e9 / f)))
+                        collectives=(("all_reduce", 2, 1e-4 * f, 1e9 / f), ("all_gather", 2, 2e-4 * f, 2e9 / f)),
+                        doubts=doubts)
 
-    hw = pooled([calibrated(1.0, 3 * 2**30), calibrated(3.0, 2**30), calibrated(2.0, 2 * 2**30)])
+    hw = pooled([calibrated(1.0, 3 * 2**30, "a"), calibrated(3.0, 2**30, "b", "a"), calibrated(2.0, 2 * 2**30)])
+    assert hw.doubts == ("a", "b")  # every round's, once
     assert hw.achieved_flops == ((1, 2e10), (2, 1.6e10)) and hw.memory_bytes == 2**30 and hw.peak_flops == 2e10
     assert hw.collectives == (("all_reduce", 2, 2e-4, 5e8), ("all_gather", 2, 4e-4, 1e9))
     assert (hw.intra_node_bw, hw.collective_latency) == (5e8, 2e-4)  # the widest all_reduce's

@@ -38,6 +38,12 @@ they will in the run; NOTE: [contended window] in fxtp/local_ranks.py), each fig
   on ``meta``) keeps the chain's. On GPUs they are not priced.
 - memory: per rank, a GPU's free memory (``torch.cuda.mem_get_info``), or on a CPU the host's
   ``MemAvailable`` (``/proc/meminfo``) shared by the local ranks: ``Hardware.memory_bytes``.
+- doubts (:func:`doubts`): what the figures themselves say about a host busy with other jobs,
+  the plan prints each: a degree's GEMM rate under a third of the others' median (the same
+  GEMMs, split finer); a collective fitted with no latency; FSDP2 or an op measured as free
+  (a difference of two timings that came out negative, clamped); a load average above the
+  cores and the ranks' own load; a calibration over a minute (on this repository's 2 shared cores at a load under 2 it
+  takes 30-33 s; at loads of 10-25, 59-234 s, with a tp 2 rate of 2.35 GFLOP/s beside ~30).
 
 On CPU ranks (gloo) the GEMMs and the payloads are fp32 (``compute_bytes = 4``) and FSDP2's
 collectives are priced as exposed (``overlap_fsdp = False``): with no CUDA streams FSDP2 issues
@@ -52,6 +58,8 @@ import copy
 import dataclasses
 import math
 import os
+import statistics
+import time
 from typing import Any, Callable
 
 import torch
@@ -64,7 +72,7 @@ from fxtp.planner.hardware import Hardware, HostCosts
 from fxtp.planner.model import TransformerShape
 from fxtp.planner.params import repeated_blocks
 
-__all__ = ["calibrate", "calibrate_on_ranks", "gemm_shapes", "host_costs", "spawn_ranks"]
+__all__ = ["calibrate", "calibrate_on_ranks", "doubts", "gemm_shapes", "host_costs", "spawn_ranks"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 _SMALL = 16 << 10  # bytes: a payload whose time is mostly latency
@@ -103,6 +111,7 @@ def calibrate(model: nn.Module, devices: int, *, batch: int, seq: int, repeats: 
 def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int = 5) -> Hardware:
     """:func:`calibrate` on the initialized default process group (every rank calls it; each gets
     the same :class:`Hardware`)."""
+    start = time.perf_counter()
     ranks = dist.get_world_size()
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -144,13 +153,48 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
     if not cuda and all(p.device.type != "meta" for p in model.parameters()):  # a model with weights runs
         host = _on_the_model(host, model, shape, (max(1, batch // ranks), seq), rates[0][1], repeats)
     widest = [c for c in collectives if c[0] == "all_reduce"][-1:] or [("", 1, 0.0, 1e9)]
-    return Hardware(
+    hw = Hardware(
         name=f"calibrated {ranks} x {torch.cuda.get_device_name(device) if cuda else 'CPU'} ({dist.get_backend()})",
         peak_flops=max(r for _, r in rates), memory_bytes=int(memory), intra_node_bw=widest[0][3],
         inter_node_bw=widest[0][3], devices_per_node=ranks, mfu=1.0, collective_latency=widest[0][2],
         nvlink_step_latency=0.0, network_step_latency=0.0, achieved_flops=tuple(rates),
         collectives=tuple(collectives), overlap_fsdp=cuda, compute_bytes=element, host=host,
     )
+    return dataclasses.replace(hw, doubts=doubts(hw, slowest(time.perf_counter() - start), os.getloadavg()[0],
+                                                 os.cpu_count() or 1, 0 if cuda else ranks))
+
+
+_SUSPECT_RATE = 3  # a degree's GEMM rate this many times under the other degrees' median (NOTE: [calibration])
+
+
+def doubts(hw: Hardware, seconds: float, load: float, cores: int, ranks: int) -> tuple[str, ...]:
+    """What ``hw``'s own figures say is suspect (NOTE: [calibration]), a sentence each.
+
+    Args:
+        hw: a calibrated Hardware; ``seconds``: the calibration's wall time.
+        load: the host's 1-minute load average at its end (``os.getloadavg``); ``cores``: the host's.
+        ranks: the CPU ranks calibrating (their own load; 0 for GPU ranks, which wait on the device).
+    """
+    out = []
+    rates = dict(hw.achieved_flops)
+    for tp, rate in rates.items():
+        others = [r for t, r in rates.items() if t != tp]
+        if others and rate * _SUSPECT_RATE < statistics.median(others):
+            out.append(f"the tp {tp} GEMMs ran at {rate / 1e9:.2f} GFLOP/s, under a third of the other degrees' "
+                       f"{statistics.median(others) / 1e9:.2f}")
+    free = [f"{kind} over {n} ranks" for kind, n, latency, _ in hw.collectives if latency == 0]
+    if free:
+        out.append(f"{', '.join(free)} came out with no latency (the larger payload's time left none)")
+    host = hw.host
+    if not host.asynchronous and hw.collectives and host.fsdp_unit == host.fsdp_tensor == 0:
+        out.append("FSDP2's own host work came out as none (its run no slower than the unsharded one)")
+    if not host.asynchronous and hw.achieved_flops and (host.op == 0 or host.op_backward == 0):
+        out.append("a dispatched op came out as free")
+    if load - ranks > cores:  # other jobs' share of the cores: the load less the ranks' own
+        out.append(f"the load average was {load:.1f} on {cores} cores ({ranks} of it the ranks' own at most)")
+    if seconds > 60:
+        out.append(f"it took {seconds:.0f} s (30-33 s on 2 idle cores for a hidden-128 Llama)")
+    return tuple(out)
 
 
 def host_costs(latency: dict[tuple[str, int], float], repeats: int = 5) -> HostCosts:

@@ -136,6 +136,9 @@ class Hardware:
             and prices fp32, 4.
         host: seconds the host spends per op, tensor and FSDP2 unit (NOTE: [host time] in
             fxtp/planner/host.py); not priced (zeros) unless a calibration on CPU ranks measured them.
+        doubts: what a calibration found suspect in its own figures, a sentence each (a
+            host busy with other jobs: NOTE: [calibration] in fxtp/planner/calibration.py);
+            the plan prints them.
     """
 
     name: str
@@ -154,6 +157,7 @@ class Hardware:
     overlap_fsdp: bool = True
     compute_bytes: int = 2
     host: HostCosts = HostCosts()
+    doubts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "memory_bytes", "intra_node_bw", "inter_node_bw", "devices_per_node"):

@@ -249,7 +249,8 @@ def pooled(found: list[Hardware]) -> Hardware:
     widest = [c for c in collectives if c[0] == "all_reduce"][-1:]
     links = dict(intra_node_bw=widest[0][3], inter_node_bw=widest[0][3], collective_latency=widest[0][2]) if widest else {}
     return dataclasses.replace(found[0], achieved_flops=tuple(sorted(rates.items())), collectives=collectives,
-                               peak_flops=max(rates.values()), memory_bytes=min(h.memory_bytes for h in found), **links)
+                               peak_flops=max(rates.values()), memory_bytes=min(h.memory_bytes for h in found),
+                               doubts=tuple(dict.fromkeys(d for h in found for d in h.doubts)), **links)
 
 
 def measured_hardware(hw: Hardware, rows: tuple[tuple[Estimate, dict[str, float]], ...]) -> Hardware:

@@ -274,6 +274,8 @@ class ParallelPlan:
             f"chosen: {_layout(c)}{sp}{schedule}, activation checkpointing: {_ac_name(c.activation_checkpointing)}, {micro}"
             + (f" ({' and '.join(p.split()[0] for p in pinned)} pinned by {self.pinned_by})" if pinned else ""),
             self._verdict(),
+            *([f"calibration doubts its figures: {'; '.join(self.hardware.doubts)}. fix: calibrate again when the host "
+               "is idler (a load average under its cores), or compare two calibrations"] if self.hardware.doubts else []),
             *self._pipeline_lines(),
             *(f"close call: {line}" for line in self.close_calls),
             "memory per device: " + " + ".join(f"{k.replace('_', ' ')} {fmt_size(m[k], like=m['total'])}" for k in _MEMORY_KEYS[:-1] if m[k])
