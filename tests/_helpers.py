@@ -287,6 +287,17 @@ def assert_model_unchanged(model: torch.nn.Module, before: dict[str, Any], what:
             assert new == old, f"{what} changed the model's {key}: {old} -> {new}"
 
 
+def assert_same_layout(out: Any, ref_out: Any) -> None:
+    """Every output the single-device model returns contiguous and not a view is so from fxtp too:
+    a user's ``logits.view(-1, vocab)`` works on both, and FSDP2 wrapping the module does not warn
+    of a returned view (a gathered output used to be a ``movedim`` of the collective's)."""
+    for i, (got, want) in enumerate(zip(pytree.tree_leaves(out), pytree.tree_leaves(ref_out))):
+        if isinstance(want, torch.Tensor) and want.is_contiguous() and not want._is_view():
+            assert got.is_contiguous() and not got._is_view(), (
+                f"output {i} {tuple(got.shape)}: contiguous={got.is_contiguous()}, view={got._is_view()}, "
+                "where the model's is contiguous and no view")
+
+
 def compare_training(
     model, inputs, *, steps: int = 3, lr: float = 0.1, rtol: float | None = None, atol: float | None = None,
     dynamic: bool = False, compile_inputs: Optional[tuple] = None, **compile_kwargs
@@ -312,6 +323,7 @@ def compare_training(
         out = pm(*inputs)
     ref_out = ref(*inputs)
     torch.testing.assert_close(out, ref_out, **tol)
+    assert_same_layout(out, ref_out)
     with CollectiveCounter() as bwd:
         loss_of(out).backward()
     loss_of(ref_out).backward()

@@ -46,7 +46,7 @@ class Outcome:
     """One rank's result. ``status``: ``"ok"`` (ran and compared), ``"rejected"`` (an
     ``FxtpError``; ``where`` says at compile or at run) or ``"raw-error"`` (any other exception).
     ``problems``: ``(kind, what, max_abs_error)`` for each violated clause, kinds ``"mismatch"``,
-    ``"no-code"``, ``"report-count"``, ``"mutated"``, ``"dtype"``. A mismatch's error is fxtp's distance to the
+    ``"no-code"``, ``"report-count"``, ``"mutated"``, ``"dtype"``, ``"layout"``. A mismatch's error is fxtp's distance to the
     float64 model; ``ref_err`` in its text is the float32 model's own distance to it."""
 
     status: str
@@ -229,6 +229,15 @@ def _dtypes(got: Any, want: Any) -> list[tuple[str, str, float]]:
     return [] if a == b else [("dtype", f"output dtypes {a}, the single device's {b}", float("nan"))]
 
 
+def _layouts(got: Any, want: Any) -> list[tuple[str, str, float]]:
+    """A ``"layout"`` problem where an output the single device returns contiguous and not a view
+    is not so from fxtp (``tests/_helpers.py``'s ``assert_same_layout``)."""
+    bad = [i for i, (a, b) in enumerate(zip(pytree.tree_leaves(got), pytree.tree_leaves(want)))
+           if isinstance(b, torch.Tensor) and b.is_contiguous() and not b._is_view()
+           and not (a.is_contiguous() and not a._is_view())]
+    return [("layout", f"outputs {bad} are not contiguous, or are views, where the single device's are not", float("nan"))] if bad else []
+
+
 _NO_DECAY = (nn.LayerNorm, nn.RMSNorm, nn.Embedding)
 
 
@@ -293,7 +302,7 @@ def _differential(spec: Spec, steps: int, lr: float) -> Outcome:
             ties.take()  # the prompt-only micro-batch's
         refs = _step(modules[1:], all_inputs[1:], 0, spec.autocast)
         tied["output"] = ties and ties.take()
-        problems += _dtypes(out, refs[0])
+        problems += _dtypes(out, refs[0]) + _layouts(out, refs[0])
         pairs.append(("output", (out, *refs)))
         pairs += [(f"gradient of {fqn}", grads) for fqn, grads in _grads(pm, modules[1:], rank, ws)]
         opts = [torch.optim.SGD(_type_groups(m, lr) if spec.type_groups else m.parameters(), lr=lr) for m in modules]

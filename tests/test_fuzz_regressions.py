@@ -128,6 +128,15 @@ REGRESSIONS: dict[str, tuple[Spec, dict[int, str]]] = {
              embed=None, final_norm="none", head="none", batch=1, seq=8, sequence_parallel=True, dynamic=False),
         {},  # fixed: a rule's local args read what replaced their input (passes/rewrite.py, current)
     ),
+    "sp-output-batch1-is-a-view": (
+        # sequence parallel at batch 1: the output's gather along the tokens returned movedim(0, 1) of the
+        # collective's buffer, already contiguous at batch 1, so .contiguous() handed the view back; the single
+        # device's output is no view (FSDP2 warns of a view returned by its module). The layout clause of
+        # fuzz_check found it (FXTP_FUZZ_SEED=48), the gathered logits' permuted view before it (tests/_helpers.py)
+        Spec(hidden=16, blocks=(Mlp(ffn=16, act="relu", gate="none", bias=True, lora=True),), embed=None,
+             final_norm="none", head="none", batch=1, seq=8, sequence_parallel=True, dynamic=False),
+        {},  # fixed: collectives' gathers join the pieces along the dim with torch.cat: a copy, never a view
+    ),
 }
 
 

@@ -116,7 +116,9 @@ def all_gather(
         for r in range(world_size):
             offset = sum(length for _, length in ranges[r][:i])
             pieces.append(per_rank[r].narrow(0, offset, ranges[r][i][1]))
-    return torch.cat(pieces, dim=0).movedim(0, dim)
+    # joined along ``dim`` itself: one copy, contiguous and no view, as the unsharded op's output
+    # (a user's ``logits.view(-1, vocab)`` works; FSDP2 warns of a view returned by its module)
+    return torch.cat([p.movedim(0, dim) for p in pieces], dim=dim)
 
 
 def reduce_scatter(t: torch.Tensor, dim: int, world_size: int, group_name: str) -> torch.Tensor:
@@ -164,7 +166,11 @@ def _gather_tokens(t: torch.Tensor, dim: int, world_size: int, group_name: str) 
     moved = t.movedim(dim, 0).contiguous()
     flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(moved, world_size, group_name))
     _handed(moved, flat)
-    return flat if dim == 0 else flat.movedim(0, dim).contiguous()  # no view: see reduce_scatter
+    if dim == 0:
+        return flat
+    # joined along ``dim``: a copy, never a view (see reduce_scatter), even where ``movedim`` of a
+    # batch of 1 is already contiguous and ``.contiguous()`` would hand the view back
+    return torch.cat([piece.movedim(0, dim) for piece in flat.chunk(world_size, dim=0)], dim=dim)
 
 
 def _local(t: torch.Tensor, dim: int, segments: tuple[int, ...], rank: int, world_size: int, unit: int) -> torch.Tensor:
