@@ -81,6 +81,7 @@ def test_calibration_measures_every_degree_and_group(measured):
     host = hw.host  # NOTE: [host time]: a dispatched op costs microseconds, an optimizer tensor more
     assert not host.asynchronous and 1e-7 < host.op < 1e-2 and 1e-7 < host.op_backward < 1e-2, host
     assert 0 < host.optimizer_tensor < host.optimizer_dtensor < 1.0 and host.optimizer_element < 1e-6, host
+    assert host.optimizer_tensor < host.optimizer_sharded < 1.0, host  # fxtp's ShardedParameter: through __torch_function__
     assert m.calibrate_s / m.steps < 60, m.calibrate_s  # a calibration a round
 
 
@@ -248,6 +249,12 @@ def test_host_time_adds_to_a_cpus_compute_and_hides_behind_a_gpus():
     assert priced.step["compute"] == pytest.approx(plain.step["compute"] + host_s, rel=1e-9)
     gpu = estimate(choice, shape, params[2], dataclasses.replace(cpu, host=dataclasses.replace(host, asynchronous=True)), work)
     assert gpu.step["compute"] == pytest.approx(max(plain.step["compute"], host_s), rel=1e-9)
+    # at tp 2, dp 1 the shards are fxtp's ShardedParameters: each block's 7 projections, the embedding
+    # and the head (not the norms), priced at optimizer_sharded
+    assert params[2].sharded_tensors() == 2 * 7 + 2 and params[1].sharded_tensors() == 0
+    sharded = estimate(choice, shape, params[2], dataclasses.replace(cpu, host=dataclasses.replace(
+        host, optimizer_sharded=3e-3)), work)
+    assert sharded.step["compute"] - priced.step["compute"] == pytest.approx(16 * (3e-3 - 1e-3), rel=1e-9)
 
 
 def test_pipeline_ranks_share_the_host_time_of_the_whole_model():

@@ -206,7 +206,8 @@ def host_costs(latency: dict[tuple[str, int], float], repeats: int = 5) -> HostC
       small one gives the seconds per op, the difference the seconds per byte written;
     - optimizer: ``torch.optim.AdamW`` (its per-tensor loop on CPU) with ``zero_grad``, on 64
       tensors of 16 elements (per tensor) and on one of 2**18 (per element); on 64 DTensor
-      shards over all the ranks, as FSDP2's parameters are (per tensor);
+      shards over all the ranks, as FSDP2's parameters are, and on 64 of fxtp's
+      ``ShardedParameter`` s, as a tensor-parallel rank's at dp 1 (per tensor);
     - FSDP2: ``fully_shard`` on 4 units of ``nn.Linear(8, 8)`` layers and a root, forward and
       backward, against the same module unsharded; the difference, less the collectives'
       calibrated latencies (``latency``: ``(kind, ranks) -> s``), over its collectives (an
@@ -221,7 +222,8 @@ def host_costs(latency: dict[tuple[str, int], float], repeats: int = 5) -> HostC
     op_back_byte = max(0.0, (per_op_back[1 << 16] - per_op_back[64]) / (large - small))
     tensor = _optimizer_seconds([16] * 64, repeats) / 64
     element = max(0.0, (_optimizer_seconds([1 << 18], repeats) - tensor) / (1 << 18))
-    dtensor = _optimizer_seconds([16 * dist.get_world_size()] * 64, repeats, sharded=True) / 64
+    dtensor = _optimizer_seconds([16 * dist.get_world_size()] * 64, repeats, kind="dtensor") / 64
+    sharded = _optimizer_seconds([16] * 64, repeats, kind="sharded") / 64
     ranks = dist.get_world_size()
     gather, scatter = latency.get(("all_gather", ranks), 0.0), latency.get(("reduce_scatter", ranks), 0.0)
     waits = 4 * (2 * gather + scatter) + gather + scatter  # 4 units' 3 collectives, the root's 2
@@ -229,7 +231,7 @@ def host_costs(latency: dict[tuple[str, int], float], repeats: int = 5) -> HostC
     fsdp_tensor = max(0.0, (per_collective[8] - per_collective[1]) / 7)
     return HostCosts(op=max(0.0, per_op[64] - small * op_byte), op_backward=max(0.0, per_op_back[64] - small * op_back_byte),
                      op_byte=op_byte, op_backward_byte=op_back_byte, optimizer_tensor=tensor, optimizer_dtensor=dtensor,
-                     optimizer_element=element, fsdp_unit=max(0.0, per_collective[1] - fsdp_tensor), fsdp_tensor=fsdp_tensor,
+                     optimizer_element=element, optimizer_sharded=sharded, fsdp_unit=max(0.0, per_collective[1] - fsdp_tensor), fsdp_tensor=fsdp_tensor,
                      asynchronous=False)
 
 
@@ -284,16 +286,26 @@ def _op_seconds(numel: int, n: int, repeats: int) -> tuple[float, float]:
     return once / n, max(0.0, twice - once) / n
 
 
-def _optimizer_seconds(sizes: list[int], repeats: int, sharded: bool = False) -> float:
-    """Seconds of one AdamW step over parameters of ``sizes`` elements (DTensor shards over all
-    the ranks where ``sharded``, as FSDP2's), their gradients kept."""
+def _optimizer_seconds(sizes: list[int], repeats: int, kind: str = "plain") -> float:
+    """Seconds of one AdamW step over parameters of ``sizes`` elements, their gradients kept:
+    plain ``nn.Parameter`` s, DTensor shards over all the ranks (``"dtensor"``, as FSDP2's), or
+    fxtp's ``ShardedParameter`` s of a tensor-parallel shard over all the ranks (``"sharded"``,
+    as a tp rank's at dp 1)."""
     params = [nn.Parameter(torch.randn(n)) for n in sizes]
-    if sharded:
+    if kind == "dtensor":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         params = [nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])) for p in params]
+    elif kind == "sharded":
+        from fxtp.core.placement import Shard
+        from fxtp.runtime.sharded import ShardedParameter, ShardLayout
+
+        ranks = dist.get_world_size()
+        params = [ShardedParameter(p.detach(), True, ShardLayout(f"calibration.{i}", Shard(0, (p.numel() * ranks,)),
+                                                                 dist.group.WORLD.group_name, ranks))
+                  for i, p in enumerate(params)]
     opt = torch.optim.AdamW(params, lr=1e-3)
     for p in params:
         p.grad = torch.ones_like(p)

@@ -312,7 +312,8 @@ def _host(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: Hard
     units = (len(params.block),) * params.n_blocks + (len(params.other),) if params.n_blocks else (len(params.other),)
     return host_seconds(hw.host, params.ops, layers=shape.layers, tokens=choice.micro_batch * work.seq, tp=choice.tp,
                         dp=choice.dp, checkpointing=choice.activation_checkpointing, micro_batches=choice.accumulation,
-                        tensors=tensors, elements=-(-params.elements() // choice.dp), units=units)
+                        tensors=tensors, elements=-(-params.elements() // choice.dp), units=units,
+                        sharded=params.sharded_tensors() if choice.tp > 1 else 0)
 
 
 def _fsdp_units(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: Hardware, work: Workload,

@@ -75,6 +75,13 @@ class ParamShapes:
     # How many collectives carry ``outside_sent``, forward and backward: each costs its latency
     # (NOTE: [cost model] in fxtp/planner/costs.py)
     outside_collectives: tuple[int, int] = (0, 0)
+    # which of ``other``'s and of ``block``'s pieces are tensor-parallel shards: fxtp's
+    # ShardedParameters at dp 1, whose optimizer step dispatches through Python (NOTE: [host time])
+    sharded: tuple[tuple[bool, ...], tuple[bool, ...]] = ((), ())
+
+    def sharded_tensors(self) -> int:
+        """How many of rank 0's parameter tensors are tensor-parallel shards."""
+        return sum(self.sharded[0]) + self.n_blocks * sum(self.sharded[1])
 
     def block_kinds(self) -> tuple[tuple[tuple[Piece, ...], int], ...]:
         """Each block kind's pieces and count (``((block, n_blocks),)`` for one kind)."""
@@ -251,6 +258,8 @@ def _collect(
         other: list[Piece] = []
         before: Optional[int] = None
         per_block: dict[int, list[Piece]] = {}
+        other_sharded: list[bool] = []
+        block_sharded: dict[int, list[bool]] = {}
         for fqn, placement in parameter_placements(program, plan).items():
             tensor = program.state_dict[fqn]
             if id(tensor) in seen:
@@ -264,14 +273,17 @@ def _collect(
             if index is not None and before is None:
                 before = len(other)
             (other if index is None else per_block.setdefault(index, [])).append(piece)
+            (other_sharded if index is None else block_sharded.setdefault(index, [])).append(isinstance(placement, Shard))
         styles = _styles(plan, blocks if by_block else None, depth)
         kinds: dict[int, tuple[tuple[Piece, ...], float]] = {}  # kind -> (pieces, held), alike in each kind
         alike = by_block and styles is not None
         for i in range(depth if alike else 0):
             seen_here = (tuple(per_block.get(i, ())), held.get(i, 0.0))
             alike = alike and kinds.setdefault(blocks.kind_of(i), seen_here) == seen_here
+        last_block = tuple(block_sharded[max(block_sharded)]) if block_sharded else ()
         if blocks is None or not depth:
-            out[key] = ParamShapes(tp, tuple(other), (), 0, 0, outside, styles, outside_collectives=counted)
+            out[key] = ParamShapes(tp, tuple(other), (), 0, 0, outside, styles, outside_collectives=counted,
+                                   sharded=(tuple(other_sharded), ()))
         elif by_block and not alike and depth < blocks.count:
             return None
         elif alike:
@@ -279,12 +291,14 @@ def _collect(
             pieces = [kinds[k][0] for k in sorted(kinds)]
             sent = sum(n * kinds[k][1] for k, n in zip(sorted(kinds), counts)) / blocks.count  # per block, on average
             out[key] = ParamShapes(tp, tuple(other), pieces[0], blocks.count, depth, outside, styles, before or 0, sent,
-                                   tuple(zip(pieces, counts)) if len(kinds) > 1 else (), outside_collectives=counted)
+                                   tuple(zip(pieces, counts)) if len(kinds) > 1 else (), outside_collectives=counted,
+                                   sharded=(tuple(other_sharded), last_block))
         else:  # the whole stack analyzed, two blocks of one kind sharded unlike: priced as one unit
             pieces = tuple(other + [p for i in sorted(per_block) for p in per_block[i]])
             outside = _outside_sent(stats, tp, depth, payload)
+            flags = tuple(other_sharded + [f for i in sorted(block_sharded) for f in block_sharded[i]])
             out[key] = ParamShapes(tp, pieces, (), 0, depth, outside, _styles(plan, None, depth),
-                                   outside_collectives=_outside_count(stats, tp, depth, 0))
+                                   outside_collectives=_outside_count(stats, tp, depth, 0), sharded=(flags, ()))
     return out
 
 

@@ -242,10 +242,12 @@ def _rank_host(choice: Choice, params: ParamShapes, hw: Hardware, work: Workload
     norm's and the head's on the last); FSDP2 once a unit a step (NOTE: [pipeline costs])."""
     ops = params.ops if last or params.ops is None else dataclasses.replace(params.ops, other=(0, 0.0))
     own = (params.other[:params.before] if first else ()) + (params.other[params.before:] if last else ())
+    own_sharded = (params.sharded[0][:params.before] if first else ()) + (params.sharded[0][params.before:] if last else ())
     units = (len(params.block),) * blocks + ((len(own),) if own else ())
     emb, kinds, head = params.unit_elements(1)
     block_el = sum(el * k for el, k in kinds) / max(1, params.n_blocks)
     elements = blocks * block_el + (emb if first else 0) + (head if last else 0)
     return host_seconds(hw.host, ops, layers=blocks, tokens=choice.micro_batch * work.seq, tp=choice.tp, dp=choice.dp,
                         checkpointing=choice.activation_checkpointing, micro_batches=choice.accumulation,
-                        tensors=sum(units), elements=-(-round(elements) // choice.dp), units=units, regather=False)
+                        tensors=sum(units), elements=-(-round(elements) // choice.dp), units=units, regather=False,
+                        sharded=blocks * sum(params.sharded[1]) + sum(own_sharded) if choice.tp > 1 else 0)
