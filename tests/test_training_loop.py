@@ -113,6 +113,44 @@ def _clipped_loop(optimizer: str, clip: str):
     return norms, collectives, len(sharded)
 
 
+def _foreach_as_on_cuda() -> tuple[list[int], bool]:
+    """torch's defaults on CUDA, on these CPU ranks: its foreach kernels' devices patched to
+    include the CPU. AdamW's default and ``clip_grad_norm_``'s take the ``_foreach_`` path over
+    ``pm.parameters()`` (before, fxtp's sharded types were not listed: the per-tensor loop), and
+    3 clipped steps equal the single device's; the clip is one all_reduce of ``_foreach_norm``."""
+    from unittest import mock
+
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    ref, ws = _block(), dist.get_world_size()
+    pm = fxtp.compile(copy.deepcopy(ref), ws, (X,), dynamic=False)
+    devices = lambda: ["cpu", "cuda"]  # noqa: E731
+    with mock.patch("torch.optim.optimizer._get_foreach_kernels_supported_devices", devices), \
+            mock.patch("torch.utils._foreach_utils._get_foreach_kernels_supported_devices", devices):
+        foreach = _default_to_fused_or_foreach(list(pm.parameters()), differentiable=False)[1]
+        opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1) for m in (pm, ref))
+        collectives = []
+        for step in range(3):
+            _loss(pm(X)).backward()
+            _loss(ref(X)).backward()
+            expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            with C10dCounter() as counter:
+                got = torch.nn.utils.clip_grad_norm_(pm.parameters(), 0.05)
+            collectives.append(len(counter.calls))
+            torch.testing.assert_close(got, expected, msg=lambda m, step=step: f"step {step} norm: {m}")
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            _assert_params_match(pm, ref, f"foreach AdamW step {step}")
+    return collectives, foreach
+
+
+def test_optimizers_take_torchs_foreach_path_over_sharded_parameters(pool):
+    for collectives, foreach in pool.run(_foreach_as_on_cuda):
+        assert foreach and collectives == [1, 1, 1]
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("clip", ["torch", "pm"])
 def test_clipping_inside_the_optimizer_loop_matches_one_device(pool, optimizer, clip):
@@ -120,8 +158,10 @@ def test_clipping_inside_the_optimizer_loop_matches_one_device(pool, optimizer, 
     norms = [n for n, _, _ in results]
     assert all(n == norms[0] for n in norms)  # every rank clips by the same coefficient
     for _, collectives, sharded in results:
-        # pm.clip_grad_norm_: one all_reduce; torch's: one per sharded parameter (slow path)
-        assert collectives == ([1] * 3 if clip == "pm" else [sharded] * 3)
+        # pm.clip_grad_norm_: one all_reduce; torch's too: its _foreach_norm over the gradients, one
+        # all_reduce of the shards' norms (before fxtp's types were listed for torch's foreach path,
+        # one norm and one all_reduce per sharded parameter)
+        assert collectives == [1] * 3 and sharded > 1
 
 
 def _whole_tensor_utilities():
