@@ -235,7 +235,8 @@ def _layouts(got: Any, want: Any) -> list[tuple[str, str, float]]:
     bad = [i for i, (a, b) in enumerate(zip(pytree.tree_leaves(got), pytree.tree_leaves(want)))
            if isinstance(b, torch.Tensor) and b.is_contiguous() and not b._is_view()
            and not (a.is_contiguous() and not a._is_view())]
-    return [("layout", f"outputs {bad} are not contiguous, or are views, where the single device's are not", float("nan"))] if bad else []
+    what = f"outputs {bad} are not contiguous, or are views, where the single device's are not"
+    return [("layout", what, float("nan"))] if bad else []
 
 
 _NO_DECAY = (nn.LayerNorm, nn.RMSNorm, nn.Embedding)

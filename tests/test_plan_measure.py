@@ -300,7 +300,8 @@ def test_pipeline_ranks_share_the_host_time_of_the_whole_model():
     for row in (estimate(dataclasses.replace(choice, pp=1, schedule=None, activation_checkpointing="selective"),
                          shape, params, cpu, work),
                 estimate_pipeline(dataclasses.replace(choice, activation_checkpointing="selective"), shape, params, cpu, work)):
-        redo = row.step["compute"] - row.step["gemm"] - (whole_host if row.choice.pp == 1 else last["compute"] + last["optimizer"])
+        host = whole_host if row.choice.pp == 1 else last["compute"] + last["optimizer"]
+        redo = row.step["compute"] - row.step["gemm"] - host
         assert row.step["recompute"] == pytest.approx(redo) and redo > 0
     # FSDP2 under pipelining: each unit's all_gather and reduce_scatter once a step
     dp2 = _rank_host(dataclasses.replace(choice, dp=2), params, dataclasses.replace(

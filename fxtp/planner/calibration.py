@@ -42,8 +42,9 @@ they will in the run; NOTE: [contended window] in fxtp/local_ranks.py), each fig
   the plan prints each: a degree's GEMM rate under a third of the others' median (the same
   GEMMs, split finer); a collective fitted with no latency; FSDP2 or an op measured as free
   (a difference of two timings that came out negative, clamped); a load average above the
-  cores and the ranks' own load; a calibration over a minute (on this repository's 2 shared cores at a load under 2 it
-  takes 30-33 s; at loads of 10-25, 59-234 s, with a tp 2 rate of 2.35 GFLOP/s beside ~30).
+  cores and the ranks' own load; a calibration over a minute (on this repository's 2 shared
+  cores at a load under 2 it takes 30-33 s; at loads of 10-25, 59-234 s, with a tp 2 rate of
+  2.35 GFLOP/s beside ~30).
 
 On CPU ranks (gloo) the GEMMs and the payloads are fp32 (``compute_bytes = 4``) and FSDP2's
 collectives are priced as exposed (``overlap_fsdp = False``): with no CUDA streams FSDP2 issues
@@ -231,8 +232,8 @@ def host_costs(latency: dict[tuple[str, int], float], repeats: int = 5) -> HostC
     fsdp_tensor = max(0.0, (per_collective[8] - per_collective[1]) / 7)
     return HostCosts(op=max(0.0, per_op[64] - small * op_byte), op_backward=max(0.0, per_op_back[64] - small * op_back_byte),
                      op_byte=op_byte, op_backward_byte=op_back_byte, optimizer_tensor=tensor, optimizer_dtensor=dtensor,
-                     optimizer_element=element, optimizer_sharded=sharded, fsdp_unit=max(0.0, per_collective[1] - fsdp_tensor), fsdp_tensor=fsdp_tensor,
-                     asynchronous=False)
+                     optimizer_element=element, optimizer_sharded=sharded,
+                     fsdp_unit=max(0.0, per_collective[1] - fsdp_tensor), fsdp_tensor=fsdp_tensor, asynchronous=False)
 
 
 def _on_the_model(host: HostCosts, model: nn.Module, shape: TransformerShape, tokens: tuple[int, int], rate: float,

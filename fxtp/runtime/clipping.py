@@ -1,9 +1,9 @@
 """``pm.clip_grad_norm_``: gradient clipping by the single device's total norm, in one all_reduce.
 
 ``torch.nn.utils.clip_grad_norm_(pm.parameters(), ...)`` is exact too (NOTE: [sharded
-parameters] in fxtp/runtime/sharded.py), in one all_reduce on its ``_foreach_norm`` path (one per
-sharded parameter with ``foreach=False``), but after FSDP2's ``fully_shard`` (whose DTensor parameters span the data-parallel mesh only), it
-would miss the tensor-parallel dim. :func:`clip_grad_norm_` sums every rank's share once:
+parameters] in fxtp/runtime/sharded.py), in one all_reduce on its ``_foreach_norm`` path (one
+per sharded parameter with ``foreach=False``), but after FSDP2's ``fully_shard`` (whose DTensor
+parameters span the data-parallel mesh only), it would miss the tensor-parallel dim. :func:`clip_grad_norm_` sums every rank's share once:
 
 * a tensor-parallel shard counts on every rank (its elements are on that rank only; of a grouped
   shard, NOTE: [grouped shards], the rows the rank owns);

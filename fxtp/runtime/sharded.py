@@ -19,7 +19,7 @@ are :class:`ShardedTensor` s with the same knowledge. On them:
 * pointwise ops, views, casts and the ``_foreach_`` ops optimizers use (SGD, AdamW, weight
   decay, EMA's ``lerp_``, ``clip_grad_value_``'s clamp) run on the shard: they are exact. Both
   types are listed where torch's optimizers and ``clip_grad_norm_`` look before taking their
-  ``_foreach_`` path on CUDA, as DTensor is (``_join_torch_foreach_types``).
+  ``_foreach_`` path, as DTensor is (``_join_torch_foreach_types``).
 * reductions over all elements (``torch.linalg.vector_norm``, ``norm``, ``_foreach_norm``,
   ``sum``, ``mean``, ``max``/``amax``, ``min``/``amin``, ``count_nonzero``) reduce the shard and
   then all_reduce over the group: every rank gets the single device's value. They are
@@ -451,13 +451,12 @@ def like(current: torch.Tensor, value: nn.Parameter) -> nn.Parameter:
     return value if layout is None else ShardedParameter(value.detach(), value.requires_grad, layout)
 
 
-
 def _join_torch_foreach_types() -> None:
     """List :class:`ShardedTensor` and :class:`ShardedParameter` where torch looks before taking
     its multi-tensor ``_foreach_`` path: an optimizer's default (``_default_to_fused_or_foreach``
-    in ``torch/optim/optimizer.py``) and ``clip_grad_norm_``'s (``torch/utils/_foreach_utils.py``)
-    take it on CUDA only for the exact types in those lists, and DTensor appends itself to both
-    (``torch/distributed/tensor/__init__.py``). Both lists are private: this is the one place
+    in ``torch/optim/optimizer.py``, on CUDA) and ``clip_grad_norm_``'s
+    (``torch/utils/_foreach_utils.py``, on the CPU too) take it only for the exact types in those
+    lists, and DTensor appends itself to both (``torch/distributed/tensor/__init__.py``). Both lists are private: this is the one place
     fxtp touches them. Without it an AdamW over ``pm.parameters()`` on GPUs silently ran its
     per-tensor loop, where the same model under DTensor's plan runs the foreach kernels. The
     ``_foreach_`` ops run on the shard (NOTE: [sharded parameters]): exact either way."""
