@@ -10,14 +10,17 @@ clipping.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import warnings
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import _default_to_fused_or_foreach
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxtp
@@ -80,8 +83,19 @@ def _assert_params_match(pm: fxtp.ParallelModule, ref: nn.Module, what: str, **t
 
 def _clipped_loop(optimizer: str, clip: str):
     """3 steps of ``optimizer`` with gradient clipping ``clip`` ("torch": torch.nn.utils, "pm":
-    pm.clip_grad_norm_) by a max_norm that clips every step; the norms and the parameters after
-    each step against the single device."""
+    pm.clip_grad_norm_; "torch on CUDA's defaults": torch's, its foreach kernels' devices patched
+    to include the CPU, where the optimizer then takes its ``_foreach_`` path over the sharded
+    parameters, fxtp/core/foreach_types.py) by a max_norm that clips every step; the norms and
+    the parameters after each step against the single device."""
+    patches = contextlib.ExitStack()
+    if clip == "torch on CUDA's defaults":
+        for where in ("torch.optim.optimizer", "torch.utils._foreach_utils"):
+            patches.enter_context(mock.patch(f"{where}._get_foreach_kernels_supported_devices", lambda: ["cpu", "cuda"]))
+    with patches:
+        return _clipped_steps(optimizer, clip)
+
+
+def _clipped_steps(optimizer: str, clip: str):
     ref, ws = _block(), dist.get_world_size()
     pm = fxtp.compile(copy.deepcopy(ref), ws, (X,), dynamic=False)
     sharded = {fqn for fqn, p in pm.named_parameters() if isinstance(p, ShardedParameter)}
@@ -91,16 +105,18 @@ def _clipped_loop(optimizer: str, clip: str):
     make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9),
             "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1)}[optimizer]
     opt, ref_opt = make(pm.parameters()), make(ref.parameters())
+    foreach = _default_to_fused_or_foreach(list(pm.parameters()), differentiable=False)[1]
+    assert foreach == (clip == "torch on CUDA's defaults"), foreach
     norms, collectives = [], []
     for step in range(3):
         _loss(pm(X)).backward()
         _loss(ref(X)).backward()
         expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
         with C10dCounter() as counter:
-            if clip == "torch":
-                got = torch.nn.utils.clip_grad_norm_(pm.parameters(), 0.05)
-            else:
+            if clip == "pm":
                 got = pm.clip_grad_norm_(0.05)
+            else:
+                got = torch.nn.utils.clip_grad_norm_(pm.parameters(), 0.05)
         collectives.append(len(counter.calls))
         assert float(expected) > 0.05  # it clips
         torch.testing.assert_close(got, expected, msg=lambda m, step=step: f"step {step} norm: {m}")
@@ -113,46 +129,8 @@ def _clipped_loop(optimizer: str, clip: str):
     return norms, collectives, len(sharded)
 
 
-def _foreach_as_on_cuda() -> tuple[list[int], bool]:
-    """torch's defaults on CUDA, on these CPU ranks: its foreach kernels' devices patched to
-    include the CPU. AdamW's default and ``clip_grad_norm_``'s take the ``_foreach_`` path over
-    ``pm.parameters()`` (before, fxtp's sharded types were not listed: the per-tensor loop), and
-    3 clipped steps equal the single device's; the clip is one all_reduce of ``_foreach_norm``."""
-    from unittest import mock
-
-    from torch.optim.optimizer import _default_to_fused_or_foreach
-
-    ref, ws = _block(), dist.get_world_size()
-    pm = fxtp.compile(copy.deepcopy(ref), ws, (X,), dynamic=False)
-    devices = lambda: ["cpu", "cuda"]  # noqa: E731
-    with mock.patch("torch.optim.optimizer._get_foreach_kernels_supported_devices", devices), \
-            mock.patch("torch.utils._foreach_utils._get_foreach_kernels_supported_devices", devices):
-        foreach = _default_to_fused_or_foreach(list(pm.parameters()), differentiable=False)[1]
-        opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1) for m in (pm, ref))
-        collectives = []
-        for step in range(3):
-            _loss(pm(X)).backward()
-            _loss(ref(X)).backward()
-            expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-            with C10dCounter() as counter:
-                got = torch.nn.utils.clip_grad_norm_(pm.parameters(), 0.05)
-            collectives.append(len(counter.calls))
-            torch.testing.assert_close(got, expected, msg=lambda m, step=step: f"step {step} norm: {m}")
-            opt.step()
-            ref_opt.step()
-            opt.zero_grad()
-            ref_opt.zero_grad()
-            _assert_params_match(pm, ref, f"foreach AdamW step {step}")
-    return collectives, foreach
-
-
-def test_optimizers_take_torchs_foreach_path_over_sharded_parameters(pool):
-    for collectives, foreach in pool.run(_foreach_as_on_cuda):
-        assert foreach and collectives == [1, 1, 1]
-
-
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-@pytest.mark.parametrize("clip", ["torch", "pm"])
+@pytest.mark.parametrize("clip", ["torch", "pm", "torch on CUDA's defaults"])
 def test_clipping_inside_the_optimizer_loop_matches_one_device(pool, optimizer, clip):
     results = pool.run(_clipped_loop, optimizer, clip)
     norms = [n for n, _, _ in results]

@@ -4,6 +4,7 @@
 hierarchy), ``local_ops``, ``norms``, ``losses`` and ``collectives`` (the ops the rewrite emits
 into rank graphs: distributed norms, the vocab-parallel cross entropy, Megatron-LM's f/g
 backward), ``rng`` (random ops on shards), ``activations`` (saved-tensor
-hooks that keep regathered activations as shards). Nothing here imports the passes, the
+hooks that keep regathered activations as shards), ``foreach_types`` (fxtp's tensor types on
+torch's ``_foreach_`` paths). Nothing here imports the passes, the
 runtime or the API.
 """

@@ -69,7 +69,7 @@ from torch import nn
 
 from fxtp.core.errors import FxtpConfigError
 from fxtp.local_ranks import per_call, slowest, spawn_ranks
-from fxtp.planner.hardware import Hardware, HostCosts
+from fxtp.planner.hardware import CalibrationRun, Hardware, HostCosts
 from fxtp.planner.model import TransformerShape
 from fxtp.planner.params import repeated_blocks
 
@@ -161,21 +161,17 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
         nvlink_step_latency=0.0, network_step_latency=0.0, achieved_flops=tuple(rates),
         collectives=tuple(collectives), overlap_fsdp=cuda, compute_bytes=element, host=host,
     )
-    return dataclasses.replace(hw, doubts=doubts(hw, slowest(time.perf_counter() - start), os.getloadavg()[0],
-                                                 os.cpu_count() or 1, 0 if cuda else ranks))
+    run = CalibrationRun(slowest(time.perf_counter() - start), os.getloadavg()[0], os.cpu_count() or 1, 0 if cuda else ranks)
+    hw = dataclasses.replace(hw, calibration=run)
+    return dataclasses.replace(hw, doubts=doubts(hw))
 
 
 _SUSPECT_RATE = 3  # a degree's GEMM rate this many times under the other degrees' median (NOTE: [calibration])
 
 
-def doubts(hw: Hardware, seconds: float, load: float, cores: int, ranks: int) -> tuple[str, ...]:
-    """What ``hw``'s own figures say is suspect (NOTE: [calibration]), a sentence each.
-
-    Args:
-        hw: a calibrated Hardware; ``seconds``: the calibration's wall time.
-        load: the host's 1-minute load average at its end (``os.getloadavg``); ``cores``: the host's.
-        ranks: the CPU ranks calibrating (their own load; 0 for GPU ranks, which wait on the device).
-    """
+def doubts(hw: Hardware) -> tuple[str, ...]:
+    """What a calibrated ``hw``'s own figures, and how its calibration ran (``hw.calibration``),
+    say is suspect (NOTE: [calibration]), a sentence each."""
     out = []
     rates = dict(hw.achieved_flops)
     for tp, rate in rates.items():
@@ -191,10 +187,11 @@ def doubts(hw: Hardware, seconds: float, load: float, cores: int, ranks: int) ->
         out.append("FSDP2's own host work came out as none (its run no slower than the unsharded one)")
     if not host.asynchronous and hw.achieved_flops and (host.op == 0 or host.op_backward == 0):
         out.append("a dispatched op came out as free")
-    if load - ranks > cores:  # other jobs' share of the cores: the load less the ranks' own
-        out.append(f"the load average was {load:.1f} on {cores} cores ({ranks} of it the ranks' own at most)")
-    if seconds > 60:
-        out.append(f"it took {seconds:.0f} s (30-33 s on 2 idle cores for a hidden-128 Llama)")
+    run = hw.calibration
+    if run is not None and run.load - run.ranks > run.cores:  # other jobs' share of the cores: the load less the ranks'
+        out.append(f"the load average was {run.load:.1f} on {run.cores} cores ({run.ranks} of it the ranks' own at most)")
+    if run is not None and run.seconds > 60:
+        out.append(f"it took {run.seconds:.0f} s (30-33 s on 2 idle cores for a hidden-128 Llama)")
     return tuple(out)
 
 

@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 from fxtp.core.errors import FxtpConfigError
 
@@ -107,6 +107,22 @@ class HostCosts:
 
 
 @dataclass(frozen=True)
+class CalibrationRun:
+    """How a calibration ran, which its doubts weigh (NOTE: [calibration] in fxtp/planner/calibration.py).
+
+    Attributes:
+        seconds: its wall time; ``load``: the host's 1-minute load average at its end
+            (``os.getloadavg``); ``cores``: the host's; ``ranks``: the CPU ranks that calibrated
+            (their own load; 0 for GPU ranks, which wait on their devices).
+    """
+
+    seconds: float
+    load: float
+    cores: int
+    ranks: int
+
+
+@dataclass(frozen=True)
 class Hardware:
     """One kind of device and its links (NOTE: [hardware table]).
 
@@ -141,7 +157,7 @@ class Hardware:
             fxtp/planner/host.py); not priced (zeros) unless a calibration on CPU ranks measured them.
         doubts: what a calibration found suspect in its own figures, a sentence each (a
             host busy with other jobs: NOTE: [calibration] in fxtp/planner/calibration.py);
-            the plan prints them.
+            the plan prints them. ``calibration``: how it ran (None: not calibrated).
     """
 
     name: str
@@ -161,6 +177,7 @@ class Hardware:
     compute_bytes: int = 2
     host: HostCosts = HostCosts()
     doubts: tuple[str, ...] = ()
+    calibration: Optional[CalibrationRun] = None
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "memory_bytes", "intra_node_bw", "inter_node_bw", "devices_per_node"):

@@ -13,7 +13,11 @@ fxtp/planner/calibration.py) unless one is given:
    them (NOTE: [FSDP2 units inside a ParallelModule] in fxtp/runtime/fsdp.py); the row's
    micro-batches of random token ids, the model's own loss (``labels=``: fxtp's vocab-parallel cross
    entropy, as the plan prices it), ``backward`` and the optimizer's step.
-2. Step time: the median over ``steps`` steps of the slowest rank's seconds, each step started
+2. The calibration runs ``steps`` times first, the figures' medians make one Hardware
+   (:func:`pooled`), and the plan made with it is the one printed: its rows are the ones run,
+   priced as they are compared (until 2026-12-06 the calibrations were interleaved with the
+   rounds and the plan printed was made after them, with other rows than the ones run).
+   Step time: the median over ``steps`` steps of the slowest rank's seconds, each step started
    after a barrier. The layouts take turns, a step each a round (against the host's drift), and
    each timed step follows an untimed step of its own layout, as a training loop's steps follow
    each other: the first step after another layout's found the caches and the heap holding that
@@ -70,15 +74,15 @@ from tabulate import tabulate
 from torch import nn
 
 from fxtp.local_ranks import slowest, spawn_ranks, sync
-from fxtp.planner.calibration import calibrate_on_ranks
+from fxtp.planner.calibration import calibrate_on_ranks, doubts
 from fxtp.planner.costs import Choice, Estimate, Workload, estimate
-from fxtp.planner.hardware import Hardware
+from fxtp.planner.hardware import CalibrationRun, Hardware
 from fxtp.planner.parallel_plan import ParallelPlan, fmt_size, fmt_time
 from fxtp.planner.model import TransformerShape
 from fxtp.planner.params import parameter_shapes, repeated_blocks
 from fxtp.runtime.memory import Peak, in_use, storage_bytes
 
-__all__ = ["measure", "measure_on_ranks", "Measurement", "TERMS"]
+__all__ = ["measure", "measure_on_ranks", "Measurement", "TERMS", "unreproduced"]
 
 # the step's terms, as Estimate.step names them, and the measured ones' names
 TERMS = ("total", "compute", "tp_comm", "fsdp_exposed")
@@ -146,8 +150,27 @@ class Measurement:
             + (" (the same order)" if self.order(False) == self.order(True) else " (the order differs)"),
             f"re-planned with the measured figures: {new}"
             + (" (the choice changes)" if self.choice_changed else " (the choice does not change)"),
+            *unreproduced(self.rows),
         ]
         return "\n".join(lines)
+
+
+def unreproduced(rows: tuple[tuple[Estimate, dict[str, float]], ...]) -> list[str]:
+    """The terms :func:`measured_hardware` cannot reproduce, a sentence each: it keeps the host
+    seconds priced in them, and the run measured less than those (a loaded host's profile)."""
+    out = []
+    for e, m in rows:
+        for term, got, host in (("compute", m["compute"], _host_s(e)),
+                                ("fsdp exposed", m["fsdp_exposed"], e.step.get("fsdp_host", 0.0))):
+            if host and got <= host:
+                out.append(f"{_layout(e.choice)}: measured {term} {fmt_time(got)} is under the host seconds priced in "
+                           f"it ({fmt_time(host)}): the re-plan keeps the prediction's {term}")
+    return out
+
+
+def _host_s(e: Estimate) -> float:
+    """The host seconds priced in ``e``'s compute (NOTE: [host time]), which the measured Hardware keeps."""
+    return e.step["compute"] - e.step.get("gemm", e.step["compute"])
 
 
 def _layout(c: Choice) -> str:
@@ -201,20 +224,18 @@ def measure_on_ranks(model: nn.Module, *, batch: int, seq: int, device_memory: O
 def _measured(model: nn.Module, *, batch: int, seq: int, device_memory: Optional[int], hardware: Optional[Hardware],
               optimizer: str, steps: int) -> Measurement:
     start = time.perf_counter()
-    found = [hardware if hardware is not None else calibrate_on_ranks(model, batch=batch, seq=seq)]
+    # NOTE: [predicted against measured], 2: the calibrations first, so that the plan printed is
+    # the one whose rows run, priced as they are compared
+    found = [hardware] if hardware is not None else [calibrate_on_ranks(model, batch=batch, seq=seq) for _ in range(steps)]
     calibrate_s = time.perf_counter() - start if hardware is None else 0.0
-    memory = device_memory or found[0].memory_bytes
-    first = _plan_on_rank0(model, memory, batch, seq, found[0], optimizer)
+    hw = pooled(found)
+    memory = device_memory or hw.memory_bytes
+    plan = _plan_on_rank0(model, memory, batch, seq, hw, optimizer)
     start = time.perf_counter()
-    _Layout(model, _rows(first)[0].choice, seq, optimizer).close()  # the process's one-time caches, not a layout's
-    layouts = [_Layout(model, e.choice, seq, optimizer) for e in _rows(first)]
+    _Layout(model, _rows(plan)[0].choice, seq, optimizer).close()  # the process's one-time caches, not a layout's
+    layouts = [_Layout(model, e.choice, seq, optimizer) for e in _rows(plan)]
     times: list[list[float]] = [[] for _ in layouts]
-    interleaved = 0.0
-    for round_ in range(steps):  # NOTE: [predicted against measured], 2: rounds against the host's drift
-        if hardware is None and round_:
-            lap = time.perf_counter()
-            found.append(calibrate_on_ranks(model, batch=batch, seq=seq))
-            interleaved += time.perf_counter() - lap
+    for _ in range(steps):  # rounds: each layout a step a round, against the host's drift
         for layout, seconds in zip(layouts, times):
             seconds.append(layout.timed())
     figures = []
@@ -224,22 +245,16 @@ def _measured(model: nn.Module, *, batch: int, seq: int, device_memory: Optional
         figures.append({"total": total, "compute": total * (1 - tp_share - fsdp_share), "tp_comm": total * tp_share,
                         "fsdp_exposed": total * fsdp_share, "peak": layout.peak()})
         layout.close()
-    run_s, calibrate_s = time.perf_counter() - start - interleaved, calibrate_s + interleaved
-    hw = pooled(found)
-    final = _plan_on_rank0(model, memory, batch, seq, hw, optimizer) if len(found) > 1 else first
-    priced = {e.choice: e for e in [final.chosen] + [a.estimate for a in final.alternatives]}
-    choices = [layout.choice for layout in layouts]
-    predicted = ([priced[c] for c in choices] if all(c in priced for c in choices)
-                 else _estimates_on_rank0(model, choices, hw, batch, seq, optimizer))
-    rows = tuple(zip(predicted, figures))
+    rows = tuple(zip(_rows(plan), figures))
     again = measured_hardware(hw, rows)
-    return Measurement(final, _plan_on_rank0(model, memory, batch, seq, again, optimizer), hw, again, rows, steps,
-                       calibrate_s, run_s)
+    return Measurement(plan, _plan_on_rank0(model, memory, batch, seq, again, optimizer), hw, again, rows, steps,
+                       calibrate_s, time.perf_counter() - start)
 
 
 def pooled(found: list[Hardware]) -> Hardware:
-    """One :class:`Hardware` from calibrations of the same ranks: each measured figure's median,
-    the least memory (NOTE: [predicted against measured], 2)."""
+    """One :class:`Hardware` from calibrations of the same ranks: each measured figure's median
+    (the host's too), the least memory, the longest run and the highest load; its doubts are
+    those of these figures (NOTE: [predicted against measured], 2)."""
     if len(found) == 1:
         return found[0]
     rates = {tp: statistics.median(dict(h.achieved_flops)[tp] for h in found) for tp, _ in found[0].achieved_flops}
@@ -247,9 +262,14 @@ def pooled(found: list[Hardware]) -> Hardware:
                          statistics.median(h.collective(kind, n)[1] for h in found)) for kind, n, _, _ in found[0].collectives)
     widest = [c for c in collectives if c[0] == "all_reduce"][-1:]
     links = dict(intra_node_bw=widest[0][3], inter_node_bw=widest[0][3], collective_latency=widest[0][2]) if widest else {}
-    return dataclasses.replace(found[0], achieved_flops=tuple(sorted(rates.items())), collectives=collectives,
-                               peak_flops=max(rates.values()), memory_bytes=min(h.memory_bytes for h in found),
-                               doubts=tuple(dict.fromkeys(d for h in found for d in h.doubts)), **links)
+    host = dataclasses.replace(found[0].host, **{f.name: statistics.median(getattr(h.host, f.name) for h in found)
+                                                 for f in dataclasses.fields(found[0].host) if f.name != "asynchronous"})
+    runs = [h.calibration for h in found if h.calibration is not None]
+    run = CalibrationRun(max(r.seconds for r in runs), max(r.load for r in runs), runs[0].cores, runs[0].ranks) if runs else None
+    out = dataclasses.replace(found[0], achieved_flops=tuple(sorted(rates.items())), collectives=collectives,
+                              peak_flops=max(rates.values()), memory_bytes=min(h.memory_bytes for h in found), host=host,
+                              calibration=run, **links)
+    return dataclasses.replace(out, doubts=doubts(out))
 
 
 def measured_hardware(hw: Hardware, rows: tuple[tuple[Estimate, dict[str, float]], ...]) -> Hardware:
@@ -258,7 +278,7 @@ def measured_hardware(hw: Hardware, rows: tuple[tuple[Estimate, dict[str, float]
     tp_factor, fsdp_factor = {}, {}
     for e, m in rows:
         c = e.choice
-        host = e.step["compute"] - e.step.get("gemm", e.step["compute"])  # kept as priced (NOTE: [host time])
+        host = _host_s(e)  # kept as priced (NOTE: [host time])
         if m["compute"] > host:  # the rate the row's GEMMs were priced at, rescaled
             rates[c.tp] = e.rate * (e.step["compute"] - host) / (m["compute"] - host)
         if e.step["tp_comm"] > 0 and m["tp_comm"] > 0:

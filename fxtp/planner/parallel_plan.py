@@ -9,7 +9,7 @@ from tabulate import tabulate
 
 from fxtp.core.strategy import TensorParallelStrategy
 from fxtp.planner.costs import Choice, Estimate
-from fxtp.planner.hardware import GiB, Hardware
+from fxtp.planner.hardware import CalibrationRun, GiB, Hardware
 
 __all__ = ["ParallelPlan", "Alternative", "Units", "fmt_size", "fmt_time"]
 
@@ -105,6 +105,15 @@ def _schedule_name(c: Choice) -> str:
 def _layout(c: Choice) -> str:
     """``tp 2 x dp 256``, or ``pp 8 x tp 8 x dp 8`` when pipelined."""
     return (f"pp {c.pp} x " if c.pp > 1 else "") + f"tp {c.tp} x dp {c.dp}"
+
+
+def _idle(run: Optional[CalibrationRun]) -> str:
+    """What an idler host means for a calibration that ran as ``run``: a load average under its
+    cores plus the ranks' own (4 ranks on 2 cores load it 4 themselves)."""
+    if run is None:
+        return ""
+    return f" (a load average under {run.cores + run.ranks}: its {run.cores} cores" + (
+        f" and the {run.ranks} ranks' own)" if run.ranks else ")")
 
 
 def _spans(counts: Sequence[int]) -> str:
@@ -274,8 +283,8 @@ class ParallelPlan:
             f"chosen: {_layout(c)}{sp}{schedule}, activation checkpointing: {_ac_name(c.activation_checkpointing)}, {micro}"
             + (f" ({' and '.join(p.split()[0] for p in pinned)} pinned by {self.pinned_by})" if pinned else ""),
             self._verdict(),
-            *([f"calibration doubts its figures: {'; '.join(self.hardware.doubts)}. fix: calibrate again when the host "
-               "is idler (a load average under its cores), or compare two calibrations"] if self.hardware.doubts else []),
+            *([f"calibration doubts its figures: {'; '.join(self.hardware.doubts)}. fix: calibrate again on an idler host"
+               f"{_idle(self.hardware.calibration)}, or compare two calibrations"] if self.hardware.doubts else []),
             *self._pipeline_lines(),
             *(f"close call: {line}" for line in self.close_calls),
             "memory per device: " + " + ".join(f"{k.replace('_', ' ')} {fmt_size(m[k], like=m['total'])}" for k in _MEMORY_KEYS[:-1] if m[k])
@@ -358,7 +367,8 @@ class ParallelPlan:
 
         bubble, source = bubble_fraction(c.schedule, c.pp, c.accumulation, c.stages_per_rank)
         return [f"pipeline: {len(self.chosen.stages)} stages of model.layers {_spans(self.chosen.stages)} (the embedding on the first, "
-                f"the head on the last; stage s on pp rank s % {c.pp}); bubble {bubble:.1%} of the step ({source}); "
+                f"the head on the last; stage s on pp rank s % {c.pp}); bubble {bubble:.1%} of the pipeline's time, the step "
+                f"less its FSDP communication not hidden ({source}); "
                 f"sent between stages {fmt_size(self.chosen.comm_bytes['pp'])} a device per step"]
 
     def _params_line(self) -> str:

@@ -17,9 +17,7 @@ shape ops make of it (``p.grad * c``, ``p.detach().float()``, ``torch.zeros_like
 are :class:`ShardedTensor` s with the same knowledge. On them:
 
 * pointwise ops, views, casts and the ``_foreach_`` ops optimizers use (SGD, AdamW, weight
-  decay, EMA's ``lerp_``, ``clip_grad_value_``'s clamp) run on the shard: they are exact. Both
-  types are listed where torch's optimizers and ``clip_grad_norm_`` look before taking their
-  ``_foreach_`` path, as DTensor is (``_join_torch_foreach_types``).
+  decay, EMA's ``lerp_``, ``clip_grad_value_``'s clamp) run on the shard: exact (fxtp/core/foreach_types.py).
 * reductions over all elements (``torch.linalg.vector_norm``, ``norm``, ``_foreach_norm``,
   ``sum``, ``mean``, ``max``/``amax``, ``min``/``amin``, ``count_nonzero``) reduce the shard and
   then all_reduce over the group: every rank gets the single device's value. They are
@@ -38,10 +36,8 @@ are :class:`ShardedTensor` s with the same knowledge. On them:
 Replicated parameters stay plain ``nn.Parameter`` s: their copies (and gradients) are identical on
 every rank, so any computation on them is the single device's already. The rank graph runs on
 plain tensors (:func:`plain_inputs`), and ``bool`` reductions (``all``/``any``) stay local, so an
-assertion on one rank's shard cannot hang the others.
-
-Why not DTensor parameters, and this type's limits under FSDP2: docs/internals.md, "Sharded
-parameters".
+assertion on one rank's shard cannot hang the others. Why not DTensor parameters, and this
+type's limits under FSDP2: docs/internals.md, "Sharded parameters".
 """
 
 from __future__ import annotations
@@ -59,6 +55,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group  # NOTE: [
 
 from fxtp.core.errors import FxtpRuntimeError
 from fxtp.core.placement import Shard, owned_part
+from fxtp.core.foreach_types import join_foreach_types
 
 __all__ = ["ShardLayout", "ShardedTensor", "ShardedParameter", "plain", "local_tensor", "layout_of", "like", "plain_inputs", "plain_views", "resolve_group"]
 
@@ -92,9 +89,8 @@ def resolve_group(name: str) -> dist.ProcessGroup:
 
 @contextlib.contextmanager
 def plain() -> Iterator[None]:
-    """Inside, sharded tensors behave as plain tensors (the rank graph, fxtp's own bookkeeping):
-    ``torch._C.DisableTorchFunctionSubclass``, what ``torch.Tensor.__torch_function__`` runs ops
-    under; private, so entered here only. ``torch.compile`` traces it."""
+    """Sharded tensors as plain tensors inside (the rank graph, fxtp's bookkeeping; ``torch.compile`` traces it):
+    ``torch._C.DisableTorchFunctionSubclass``, which ``Tensor.__torch_function__`` runs ops under; private: here only."""
     with torch._C.DisableTorchFunctionSubclass():
         yield
 
@@ -451,22 +447,4 @@ def like(current: torch.Tensor, value: nn.Parameter) -> nn.Parameter:
     return value if layout is None else ShardedParameter(value.detach(), value.requires_grad, layout)
 
 
-def _join_torch_foreach_types() -> None:
-    """List :class:`ShardedTensor` and :class:`ShardedParameter` where torch looks before taking
-    its multi-tensor ``_foreach_`` path: an optimizer's default (``_default_to_fused_or_foreach``
-    in ``torch/optim/optimizer.py``, on CUDA) and ``clip_grad_norm_``'s
-    (``torch/utils/_foreach_utils.py``, on the CPU too) take it only for the exact types in those
-    lists, and DTensor appends itself to both (``torch/distributed/tensor/__init__.py``). Both lists are private: this is the one place
-    fxtp touches them. Without it an AdamW over ``pm.parameters()`` on GPUs silently ran its
-    per-tensor loop, where the same model under DTensor's plan runs the foreach kernels. The
-    ``_foreach_`` ops run on the shard (NOTE: [sharded parameters]): exact either way."""
-    from torch.optim import optimizer
-    from torch.utils import _foreach_utils
-
-    for types in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
-        for cls in (ShardedTensor, ShardedParameter):
-            if cls not in types:
-                types.append(cls)
-
-
-_join_torch_foreach_types()
+join_foreach_types(ShardedTensor, ShardedParameter)  # torch's _foreach_ paths take them (fxtp/core/foreach_types.py)
