@@ -412,6 +412,9 @@ def test_mixed_dense_and_moe_stacks_count_every_block_exactly(name):
     for tp in (1, 2, 4):
         assert (shapes[tp].analyzed_blocks, shapes[tp].n_blocks, len(shapes[tp].kinds)) == (4, 6, 2), tp
         assert sorted(n for _, n in shapes[tp].kinds) == [2, 4], tp
+        # the tensor-parallel flags describe ``block`` (the first kind's pieces), piece by piece
+        assert len(shapes[tp].sharded[1]) == len(shapes[tp].block) and len(shapes[tp].sharded[0]) == len(shapes[tp].other), tp
+        assert (sum(shapes[tp].sharded[1]) > 0) == (tp > 1), tp
     for tp in (2, 4):
         whole = fxtp.analyze(model, tp, (MIXED_IDS,), example_kwargs={"use_cache": False}, dynamic=False, capture="export")
         assert shapes[tp].bytes() == whole.param_bytes_per_rank, tp

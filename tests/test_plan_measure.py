@@ -42,23 +42,37 @@ def _calibrate_and_measure() -> dict:
     """On each rank: the measurement (1 round: one calibration, a timed step per layout; 3 where
     the timing bounds are asserted; the rounds' pooling is tested without ranks) and the measured
     Hardware's prediction of each row (the re-plan's figures, as the plan prices them)."""
-    from fxtp.planner.measurement import _estimates_on_rank0, measure_on_ranks
+    from fxtp.planner.measurement import measure_on_ranks
 
-    model = _model()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        m = measure_on_ranks(model, batch=BATCH, seq=SEQ, steps=3 if TIMING_BOUNDS else 1)
+        m = measure_on_ranks(_model(), batch=BATCH, seq=SEQ, steps=3 if TIMING_BOUNDS else 1)
+    return {"measurement": m, "warned": [str(w.message) for w in seen]}
+
+
+def _priced_again(m) -> list:
+    """Each row measured, priced with the measured Hardware as ``fxtp.plan`` prices it (the
+    re-plan's own estimate where it has the row, else the cost model's)."""
+    from fxtp.planner.costs import Workload, estimate
+    from fxtp.planner.model import TransformerShape
+    from fxtp.planner.params import parameter_shapes, repeated_blocks
+    from fxtp.planner.search import _inputs
+
     priced = {e.choice: e for e in [m.replan.chosen] + [a.estimate for a in m.replan.alternatives]}
-    again = [priced.get(e.choice) for e, _ in m.rows]
-    if None in again:  # a row the re-plan did not price as such (another micro-batch)
-        again = _estimates_on_rank0(model, [e.choice for e, _ in m.rows], m.measured_hardware, BATCH, SEQ, "adamw")
-    return {"measurement": m, "again": again, "warned": [str(w.message) for w in seen]}
+    if all(e.choice in priced for e, _ in m.rows):
+        return [priced[e.choice] for e, _ in m.rows]
+    model, hw = _model(), m.measured_hardware  # a row the re-plan did not price as such (another micro-batch)
+    shape = TransformerShape.of(model, repeated_blocks(model).fqn)
+    params = parameter_shapes(model, tuple(sorted({e.choice.tp for e, _ in m.rows})), *_inputs(model, None, None))
+    work = Workload(BATCH, SEQ, True, "adamw", 4, activation_bytes=hw.compute_bytes, gather_bytes=hw.compute_bytes)
+    return [estimate(e.choice, shape, params[e.choice.tp], hw, work) for e, _ in m.rows]
 
 
 @pytest.fixture(scope="module")
 def measured(rank_pools):
     start = time.perf_counter()
     result = rank_pools(4).run(_calibrate_and_measure)[0]
+    result["again"] = _priced_again(result["measurement"])
     print(f"\ncalibrate and measure on 4 gloo ranks: {time.perf_counter() - start:.1f} s\n{result['measurement']}")
     return result
 

@@ -128,7 +128,7 @@ from typing import Optional
 
 from fxtp.planner.comm import Group, Unit, fsdp_exposed, ring_latency, ring_time
 from fxtp.planner.hardware import Hardware, gemm_efficiency
-from fxtp.planner.host import host_seconds
+from fxtp.planner.host import host_seconds, with_host
 from fxtp.planner.model import TransformerShape
 from fxtp.planner.params import ParamShapes
 
@@ -275,10 +275,8 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
     host = _host(choice, shape, params, hw, work) if work.training else {"compute": 0.0, "recompute": 0.0, "optimizer": 0.0,
                                                                          "fsdp": 0.0}
     gemms = compute
-    # NOTE: [host time]: a CPU's host computes (its seconds add), a GPU's runs ahead of the device
-    host_compute = host["compute"] + host["optimizer"]
-    compute = max(compute, host_compute) if hw.host.asynchronous else compute + host_compute
-    recompute += 0.0 if hw.host.asynchronous else host["recompute"]  # a CPU's recomputed forwards dispatch again
+    compute, host_recompute = with_host(hw.host, gemms, host)  # NOTE: [host time]
+    recompute += host_recompute
     comm = tp_comm(choice, shape, params, hw, work, rate_device)
     tp_bytes = round(choice.accumulation * (shape.layers * comm.block_bytes + comm.outside_bytes))
     tp_all_s = choice.accumulation * (shape.layers * comm.block_all_s + comm.outside_s)

@@ -84,9 +84,10 @@ class HostCosts:
         op, op_backward: seconds per dispatched forward op, in forward and in its backward.
         op_byte, op_backward_byte: seconds per byte a forward op writes, in forward and backward.
         optimizer_tensor, optimizer_dtensor, optimizer_sharded: seconds per parameter tensor of an
-            optimizer step (with ``zero_grad``): a plain tensor, FSDP2's DTensor shard, and fxtp's
-            ``ShardedParameter`` (a tensor-parallel shard at dp 1, its ops through
-            ``__torch_function__``; 0: priced as a plain one).
+            optimizer step (``zero_grad``, a loop setting each gradient to None, is not timed): a
+            plain tensor, FSDP2's DTensor shard, and fxtp's ``ShardedParameter`` (a
+            tensor-parallel shard at dp 1, its ops through ``__torch_function__``; 0: priced as a
+            plain one).
         optimizer_element: seconds per parameter element of an optimizer step.
         fsdp_unit, fsdp_tensor: seconds of FSDP2's own work per unit and per its parameter
             tensors, for each of its collectives.

@@ -58,7 +58,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxtp.planner.hardware import HostCosts
 
-__all__ = ["HostCosts", "OpCounts", "count_ops", "host_seconds"]
+__all__ = ["HostCosts", "OpCounts", "count_ops", "host_seconds", "with_host"]
 
 # priced by FLOPs at the calibrated GEMM rate, which includes their dispatch (NOTE: [host time])
 _GEMMS = frozenset({"aten.mm.default", "aten.addmm.default", "aten.bmm.default"})
@@ -187,3 +187,13 @@ def host_seconds(costs: HostCosts, ops: Optional[OpCounts], *, layers: int, toke
         collectives = [(3, n) for n in blocks] + [(2, root)]  # the root is not resharded after forward
         out["fsdp"] = micro_batches * sum(k * (costs.fsdp_unit + n * costs.fsdp_tensor) for k, n in collectives)
     return out
+
+
+def with_host(costs: HostCosts, gemms: float, host: dict[str, float]) -> tuple[float, float]:
+    """A rank's compute seconds with its ``host`` seconds (:func:`host_seconds`) beside its
+    ``gemms``' (NOTE: [host time]): added on a CPU, the larger of the two on a GPU; and the host
+    seconds the recomputed forwards add to it (none shown on a GPU, whose host runs ahead)."""
+    busy = host["compute"] + host["optimizer"]
+    if costs.asynchronous:
+        return max(gemms, busy), 0.0
+    return gemms + busy, host["recompute"]

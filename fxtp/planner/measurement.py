@@ -75,11 +75,10 @@ from torch import nn
 
 from fxtp.local_ranks import slowest, spawn_ranks, sync
 from fxtp.planner.calibration import calibrate_on_ranks, doubts
-from fxtp.planner.costs import Choice, Estimate, Workload, estimate
+from fxtp.planner.costs import Choice, Estimate
 from fxtp.planner.hardware import CalibrationRun, Hardware
 from fxtp.planner.parallel_plan import ParallelPlan, fmt_size, fmt_time
-from fxtp.planner.model import TransformerShape
-from fxtp.planner.params import parameter_shapes, repeated_blocks
+from fxtp.planner.params import repeated_blocks
 from fxtp.runtime.memory import Peak, in_use, storage_bytes
 
 __all__ = ["measure", "measure_on_ranks", "Measurement", "TERMS", "unreproduced"]
@@ -310,24 +309,6 @@ def _plan_on_rank0(model: nn.Module, memory: int, batch: int, seq: int, hw: Hard
 def _rows(p: ParallelPlan) -> list[Estimate]:
     """Each degree's best row: the choice, and every other degree's (NOTE: [predicted against measured])."""
     return sorted([p.chosen] + [a.estimate for a in p._per_tp().values()], key=lambda e: e.choice.tp)
-
-
-def _estimates_on_rank0(model: nn.Module, choices: list[Choice], hw: Hardware, batch: int, seq: int,
-                        optimizer: str) -> list[Estimate]:
-    """The cost model's figures for ``choices`` with ``hw`` (as ``fxtp.plan`` prices them), sent to every rank."""
-    from fxtp.planner.search import _inputs
-
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        blocks = repeated_blocks(model)
-        shape = TransformerShape.of(model, blocks.fqn)
-        args, kwargs = _inputs(model, None, None)
-        params = parameter_shapes(model, tuple(sorted({c.tp for c in choices})), args, kwargs)
-        ranks = dist.get_world_size()
-        work = Workload(batch, seq, True, optimizer, ranks, activation_bytes=hw.compute_bytes, gather_bytes=hw.compute_bytes)
-        box[0] = [estimate(c, shape, params[c.tp], hw, work) for c in choices]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 class _Layout:

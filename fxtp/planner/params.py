@@ -280,7 +280,6 @@ def _collect(
         for i in range(depth if alike else 0):
             seen_here = (tuple(per_block.get(i, ())), held.get(i, 0.0))
             alike = alike and kinds.setdefault(blocks.kind_of(i), seen_here) == seen_here
-        last_block = tuple(block_sharded[max(block_sharded)]) if block_sharded else ()
         if blocks is None or not depth:
             out[key] = ParamShapes(tp, tuple(other), (), 0, 0, outside, styles, outside_collectives=counted,
                                    sharded=(tuple(other_sharded), ()))
@@ -289,10 +288,11 @@ def _collect(
         elif alike:
             counts = [sum(1 for i in range(blocks.count) if blocks.kind_of(i) == k) for k in sorted(kinds)]
             pieces = [kinds[k][0] for k in sorted(kinds)]
+            first = next(i for i in range(depth) if blocks.kind_of(i) == min(kinds))  # the block ``pieces[0]`` is
             sent = sum(n * kinds[k][1] for k, n in zip(sorted(kinds), counts)) / blocks.count  # per block, on average
             out[key] = ParamShapes(tp, tuple(other), pieces[0], blocks.count, depth, outside, styles, before or 0, sent,
                                    tuple(zip(pieces, counts)) if len(kinds) > 1 else (), outside_collectives=counted,
-                                   sharded=(tuple(other_sharded), last_block))
+                                   sharded=(tuple(other_sharded), tuple(block_sharded.get(first, ()))))
         else:  # the whole stack analyzed, two blocks of one kind sharded unlike: priced as one unit
             pieces = tuple(other + [p for i in sorted(per_block) for p in per_block[i]])
             outside = _outside_sent(stats, tp, depth, payload)

@@ -66,7 +66,7 @@ import numpy as np
 from fxtp.planner.comm import Group, Unit, fsdp_exposed, p2p_time, ring_time
 from fxtp.planner.costs import _GRAD, OPTIMIZER_BYTES, Choice, Estimate, Workload, rate_per_device, tp_comm
 from fxtp.planner.hardware import Hardware
-from fxtp.planner.host import host_seconds
+from fxtp.planner.host import host_seconds, with_host
 from fxtp.planner.model import TransformerShape
 from fxtp.planner.params import ParamShapes
 
@@ -185,8 +185,7 @@ def estimate_pipeline(choice: Choice, shape: TransformerShape, params: ParamShap
         flops = blocks * (3 * block_fwd + redo) + (3 * head_fwd if last else 0.0)
         gemms = flops * tokens / (tp * rate)
         host = _rank_host(choice, params, hw, work, blocks, first, last)
-        host_compute = host["compute"] + host["optimizer"]  # NOTE: [host time] in fxtp/planner/host.py
-        compute = max(gemms, host_compute) if hw.host.asynchronous else gemms + host_compute
+        compute, host_recompute = with_host(hw.host, gemms, host)  # NOTE: [host time] in fxtp/planner/host.py
         sends = sum(k < n - 1 for k in stages) + sum(k > 0 for k in stages)  # = its receives
         tp_s = m * (blocks * comm.block_s + (comm.outside_s if first or last else 0.0))
         tp_all = m * (blocks * comm.block_all_s + (comm.outside_s if first or last else 0.0))
@@ -217,7 +216,7 @@ def estimate_pipeline(choice: Choice, shape: TransformerShape, params: ParamShap
             fsdp_seen[(blocks, first, last)] = fsdp_s, fsdp_hidden_s
         ranks.append({"busy": compute + tp_s + m * sends * hop, "compute": compute, "gemm": gemms,
                       "fsdp_host": host["fsdp"],
-                      "recompute": blocks * redo * tokens / (tp * rate) + (0.0 if hw.host.asynchronous else host["recompute"]),
+                      "recompute": blocks * redo * tokens / (tp * rate) + host_recompute,
                       "tp": tp_s, "tp_all": tp_all, "p2p": m * sends * hop, "memory": memory, "fsdp": fsdp_s,
                       "fsdp_exposed": fsdp_hidden_s, "bytes": {"tp": round(tp_bytes), "pp": m * sends * payload,
                                                                "fsdp": round((g + _GRAD) * (dp - 1) * sharded)}})
