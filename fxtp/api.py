@@ -29,6 +29,7 @@ from fxtp.core.rng import draws_random, sync_generators
 from fxtp.planning import normalized, plan_program
 from fxtp.runtime.blocks import module_templates
 from fxtp.runtime.module import ParallelModule
+from fxtp.runtime import layout
 from fxtp.runtime.variants import SizeGraphs, in_mode, meta_copy, mode_of
 from fxtp.capture.shapes import input_specs, specialized_shapes
 from passes.dynamic import plan_symbols
@@ -190,7 +191,7 @@ def _compile(model: nn.Module, example_inputs: Optional[tuple], example_kwargs: 
     pm._call_defaults = defaults
     bind_state_keys(pm, model)
     if copied is not None and any(mode not in graphs for mode in modes):
-        pm._mode_graphs = _mode_graphs(copied, args, kwargs, options, tp_group, compiled, code, input_specs(program))
+        pm._mode_graphs = _mode_graphs(copied, args, kwargs, options, compiled, code, input_specs(program))
     if copied is not None and not options.kv_heads:  # NOTE: [size-1 graphs] in fxtp/runtime/variants.py, [autocast graphs]
         pm._size_graphs = _size_graphs(copied, options, (report.plan, options.plan), dynamic_shapes is not None or dynamic, devices)
     pm._generation = generation_for(model, _compile_decoder)  # NOTE: [generation]
@@ -228,13 +229,15 @@ def _other_mode(model: nn.Module, mode: str, args: tuple, kwargs: dict,
     return captured.program, _recomputed(captured, other, options)
 
 
-def _mode_graphs(copied: nn.Module, args: tuple, kwargs: dict, options: CompileOptions, tp_group: Any, compiled: str,
-                 code: str, specs: Any) -> Callable[[ParallelModule, str], Any]:
+def _mode_graphs(copied: nn.Module, args: tuple, kwargs: dict, options: CompileOptions, compiled: str, code: str,
+                 specs: Any) -> Callable[[ParallelModule, str], Any]:
     """What ``pm.train()`` / ``pm.eval()`` calls to capture a mode's graph on the first switch
     to it (NOTE: [modes]): the pipeline on the model's ``meta`` copy ``copied`` with ``meta``
     inputs shaped like the example, bound to the module's own parameters. ``compiled``, ``code``
     and ``specs``: the compiled graph's mode, code and input specs (a graph equal to it is
-    shared). Holds neither the user's model nor its weights."""
+    shared). Holds neither the user's model nor its weights, nor the process group: its name
+    (NOTE: [group by name] in fxtp/runtime/layout.py; a group held here outlived
+    ``destroy_process_group()``, and its gloo threads ran on at exit)."""
     meta_args, meta_kwargs = pytree.tree_map_only(
         torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), (args, kwargs)
     )
@@ -249,9 +252,10 @@ def _mode_graphs(copied: nn.Module, args: tuple, kwargs: dict, options: CompileO
         pm.report.timings["modes_s"] = time.perf_counter() - start
         if same:
             return pm.mode_graph(compiled)
-        if tp_group is not None and draws_random(program.graph) and not pm.report.generator_check:
+        group = layout.tp_group(pm)
+        if group is not None and draws_random(program.graph) and not pm.report.generator_check:
             pm.report.generator_check = True  # NOTE: [dropout across ranks]: every rank switches at the same call
-            sync_generators(tp_group)
+            sync_generators(group)
         return pm.bind_graph(program, gm)
 
     return capture_mode

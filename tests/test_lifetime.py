@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -319,3 +322,44 @@ def test_dims_that_share_a_symbol_must_agree():
     torch.testing.assert_close(pm(x, mask), model(x, mask))
     with pytest.raises(fxtp.FxtpInputError, match=r"input 'mask' dim 0 is 4 but must equal input 'x' dim 0 \(3\)"):
         pm(x, torch.ones(4, 7, 1))
+
+
+
+_FREED = """
+import datetime, os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+from torch import nn
+
+
+def run(rank, path):
+    dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    import fxtp  # its runtime loads on first use, after init_process_group, as in a torchrun script
+    torch.manual_seed(0)
+    pm = fxtp.compile(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)), 2, (torch.randn(2, 8),))
+    pm(torch.randn(2, 8)).sum().backward()
+    from torch.distributed.nn import functional
+    held = [name for name, fn in vars(functional).items() if isinstance(getattr(fn, "__defaults__", None), tuple)
+            and any(isinstance(d, dist.ProcessGroup) for d in fn.__defaults__)]
+    assert not held, held
+    dist.destroy_process_group()  # pm still alive, as at the end of a script
+    threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    assert not [t for t in threads if "gloo" in t], threads
+
+
+if __name__ == "__main__":
+    mp.spawn(run, args=(sys.argv[1],), nprocs=2)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the process's threads from Linux's /proc")
+def test_destroy_process_group_frees_the_group_fxtp_ran_on(tmp_path):
+    """Two fresh ranks, as a torchrun script runs them: after ``destroy_process_group()``, with
+    ``pm`` still alive, nothing holds the group and none of gloo's threads is left. Two holders
+    kept it, and 2 of about 130 runs of the README's quickstart aborted at exit ("terminate
+    called without an active exception"): ``pm``'s capture of its other mode held the group
+    itself (now its name, NOTE: [group by name]), and fxtp's runtime, loaded after
+    ``init_process_group``, imports ``torch._dynamo`` and with it ``torch.distributed.nn.functional``,
+    whose argument defaults bind the group (NOTE: [world defaults])."""
+    script = tmp_path / "freed.py"
+    script.write_text(_FREED)
+    subprocess.run([sys.executable, str(script), str(tmp_path / "store")], check=True, timeout=180)

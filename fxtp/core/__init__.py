@@ -5,6 +5,7 @@ hierarchy), ``local_ops``, ``norms``, ``losses`` and ``collectives`` (the ops th
 into rank graphs: distributed norms, the vocab-parallel cross entropy, Megatron-LM's f/g
 backward), ``rng`` (random ops on shards), ``activations`` (saved-tensor
 hooks that keep regathered activations as shards), ``foreach_types`` (fxtp's tensor types on
-torch's ``_foreach_`` paths). Nothing here imports the passes, the
+torch's ``_foreach_`` paths), ``world_defaults`` (torch's argument defaults that hold the
+default process group, unbound). Nothing here imports the passes, the
 runtime or the API.
 """

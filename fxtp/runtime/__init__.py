@@ -3,7 +3,13 @@
 
 from typing import Any
 
+from fxtp.core.world_defaults import unbind_world_defaults
+
 __all__ = ["ParallelModule"]
+
+# the runtime imports torch._dynamo, and with it a torch module whose argument defaults hold the
+# default process group when imported after init_process_group (NOTE: [world defaults])
+unbind_world_defaults()
 
 
 def __getattr__(name: str) -> Any:
