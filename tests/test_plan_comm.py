@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from fxtp.planner import HARDWARE
-from fxtp.planner.comm import Group, Unit, fsdp_exposed, ring_latency, ring_time
+from fxtp.planner.comm import Group, Unit, collective_wait, fsdp_exposed, ring_latency, ring_time
 
 H100 = HARDWARE["h100"]
 US = 1e-6
@@ -34,6 +34,17 @@ def test_ring_time_is_nccls_alpha_beta_model():
     # a faster network is priced: the figures are the user's
     fast = dataclasses.replace(H100, inter_node_bw=100e9, network_step_latency=0.0)
     assert ring_time("all_gather", 1e9, Group.dp(8, 8, 8), fast) == pytest.approx((8.4 + 7 * 0) * US + 1e9 * 7 / 8 / 100e9)
+
+
+def test_a_collective_waits_for_the_compute_since_its_groups_last_one():
+    # NOTE: [collective wait]: per_s x max(0, compute - count x after_s), for the group's size only
+    cpu = dataclasses.replace(H100, collective_wait=((2, 2e-3, 0.25), (4, 1e-3, 0.5)))
+    assert collective_wait(Group.tp(4, 8), 0.050, 10, cpu) == pytest.approx(0.5 * (0.050 - 10 * 1e-3))
+    assert collective_wait(Group.dp(2, 2, 8), 0.050, 8, cpu) == pytest.approx(0.25 * (0.050 - 8 * 2e-3))
+    assert collective_wait(Group.tp(4, 8), 0.005, 10, cpu) == 0.0  # no more compute than the calibration's
+    assert collective_wait(Group.tp(8, 8), 0.050, 10, cpu) == 0.0  # a size not measured
+    assert collective_wait(Group.tp(4, 8), 0.050, 0, cpu) == 0.0  # no collective
+    assert collective_wait(Group.tp(4, 8), 0.050, 10, H100) == 0.0  # the table: GPUs wait on their devices
 
 
 def test_fsdp_exposes_what_the_previous_unit_does_not_hide():

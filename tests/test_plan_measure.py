@@ -88,6 +88,9 @@ def test_calibration_measures_every_degree_and_group(measured):
     assert sorted((kind, n) for kind, n, _, _ in hw.collectives) == sorted(
         (kind, n) for kind in ("all_reduce", "all_gather", "reduce_scatter") for n in (2, 4)), hw
     assert all(0 <= lat < 1.0 and bw > 1e6 for _, _, lat, bw in hw.collectives), hw
+    # NOTE: [collective wait]: after half a block of work, and the wait a second of work more adds
+    assert [n for n, _, _ in hw.collective_wait] == [2, 4] and all(0 < after < 0.1 and 0 <= per < 10
+                                                                   for _, after, per in hw.collective_wait), hw
     with open("/proc/meminfo") as f:
         total = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
     assert 0 < hw.memory_bytes <= total // 4
@@ -162,7 +165,8 @@ def test_the_measured_hardware_prices_each_row_as_measured():
                   collectives=tuple((kind, n, 1e-4, 1e9) for kind in ("all_reduce", "all_gather", "reduce_scatter")
                                     for n in (2, 4)),
                   host=HostCosts(op=2e-5, op_backward=2e-5, optimizer_tensor=1e-4, fsdp_unit=1e-4,
-                                 asynchronous=False))  # kept as priced
+                                 asynchronous=False),  # kept as priced
+                  collective_wait=((2, 1e-4, 0.3), (4, 1e-4, 0.4)))  # in the measured collectives' figures
     work = Workload(BATCH, SEQ, True, "adamw", 4, activation_bytes=4, gather_bytes=4)
     rows = []
     for i, c in enumerate([Choice(1, 4, False, None, 2, 1), Choice(2, 2, True, None, 4, 1), Choice(4, 1, True, None, 8, 1)]):
@@ -172,6 +176,8 @@ def test_the_measured_hardware_prices_each_row_as_measured():
     again = measured_hardware(hw, tuple(rows))
     assert all(e.step["gemm"] < e.step["compute"] for e, _ in rows)  # the host's seconds are in the compute
     assert [e.step["fsdp_host"] > 0 for e, _ in rows] == [True, True, False]  # and FSDP2's in its term, at dp > 1
+    assert [(e.step["tp_wait"] > 0, e.step["fsdp_wait"] > 0) for e, _ in rows] == [(False, True), (True, True), (True, False)]
+    assert again.collective_wait == ()
     for e, m in rows:
         priced = estimate(e.choice, shape, params[e.choice.tp], again, work)
         for term in ("compute", "tp_comm", "fsdp_exposed"):
@@ -231,6 +237,7 @@ def test_rounds_pool_their_calibrations():
         return Hardware("calibrated", 1e10, memory, 1e9, 1e9, mfu=1.0, achieved_flops=((1, 1e10 * f), (2, rate2 * f)),
                         collectives=(("all_reduce", 2, 1e-4 * f, 1e9 / f), ("all_gather", 2, 2e-4 * f, 2e9 / f)),
                         host=HostCosts(op=1e-5 * f, op_backward=1e-5, fsdp_unit=1e-3, asynchronous=False), calibration=CalibrationRun(20.0 * f, load, 2, 4),
+                        collective_wait=((2, 2e-3 * f, 0.1 * f),),
                         doubts=("a round's own doubt",))
 
     # the second round's tp 2 GEMMs at a tenth: a doubt of that round, not of the medians the plan uses
@@ -240,6 +247,7 @@ def test_rounds_pool_their_calibrations():
     assert hw.achieved_flops == ((1, 2e10), (2, 8e9)) and hw.memory_bytes == 2**30 and hw.peak_flops == 2e10
     assert hw.collectives == (("all_reduce", 2, 2e-4, 5e8), ("all_gather", 2, 4e-4, 1e9))
     assert (hw.intra_node_bw, hw.collective_latency) == (5e8, 2e-4)  # the widest all_reduce's
+    assert hw.collective_wait == ((2, 4e-3, 0.2),)
 
 
 def test_calibrate_and_measure_usage(capsys):

@@ -34,7 +34,7 @@ def _predicted_and_counted(batch: int, seq: int) -> dict:
     parallelism at ws 2, with it at ws 4 (one compile per world size)."""
     import fxtp
     from fxtp.planner import HARDWARE
-    from fxtp.planner.costs import Choice, Workload, estimate
+    from fxtp.planner.costs import Choice, Workload, estimate, tp_comm
     from fxtp.planner.model import TransformerShape
     from fxtp.planner.params import parameter_shapes, repeated_blocks
     from fxtp.runtime.memory import allocated_after_forward
@@ -48,7 +48,9 @@ def _predicted_and_counted(batch: int, seq: int) -> dict:
     out = {}
     start = time.perf_counter()
     for sp in (ws == 4,):
-        e = estimate(Choice(ws, 1, sp, None, batch, 1), shape, params, HARDWARE["h100"], work)
+        choice = Choice(ws, 1, sp, None, batch, 1)
+        e = estimate(choice, shape, params, HARDWARE["h100"], work)
+        priced = tp_comm(choice, shape, params, HARDWARE["h100"], work, e.rate)
         pm = fxtp.compile(model, ws, (ids,), sequence_parallel=sp, dynamic=False)
         pm(ids).logits.float().pow(2).mean().backward()  # lazily made state exists from here on
         with CommDebugMode() as comm, FunctionalSentBytes() as sent:
@@ -57,6 +59,8 @@ def _predicted_and_counted(batch: int, seq: int) -> dict:
         m.result.logits.float().pow(2).mean().backward()
         counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
         out[sp] = {"predicted_sent": e.comm_bytes["tp"], "sent": sum(sent.sent.values()), "sent_by_kind": dict(sent.sent),
+                   # the collectives NOTE: [collective wait] counts, less the vocab-parallel loss's 3 (no labels here)
+                   "predicted_calls": shape.layers * priced.block_count + priced.outside_count - 3,
                    "calls": dict(sent.calls), "comm_debug_counts": counts,
                    # the run's forward has no loss (no labels): the blocks' saved tensors and the final norm's
                    "predicted_activations": shape.layers * shape.block_activations(batch, seq, ws, sp=sp, ac=None, e=4)
@@ -67,11 +71,12 @@ def _predicted_and_counted(batch: int, seq: int) -> dict:
 
 
 def test_predictions_against_a_run(pool):
-    """Predicted tensor-parallel bytes sent per step equal the run's (counted ring bytes, whose
-    collective counts equal ``CommDebugMode``'s); predicted activation bytes are within 10% of
+    """Predicted tensor-parallel bytes sent per step and collectives issued equal the run's
+    (counted ring bytes, whose collective counts equal ``CommDebugMode``'s); predicted activation bytes are within 10% of
     the allocator's after the forward (less the logits, the output)."""
     for rank in pool.run(_predicted_and_counted, 2, 16):
         for sp, fig in rank.items():
             assert fig["calls"] == {k: v for k, v in fig["comm_debug_counts"].items() if k in fig["calls"]}, fig
             assert fig["predicted_sent"] == round(fig["sent"]), (sp, fig)
+            assert fig["predicted_calls"] == sum(fig["calls"].values()), (sp, fig["calls"], fig["predicted_calls"])
             assert abs(fig["predicted_activations"] / fig["held"] - 1) <= 0.10, (sp, fig)

@@ -27,7 +27,9 @@ they will in the run; NOTE: [contended window] in fxtp/local_ranks.py), each fig
   ``_NO_BANDWIDTH_COST``), each what it adds to a window of calls after half a block's forward
   of work (the largest GEMM and ``_BETWEEN_OPS`` elementwise ops) and, for groups smaller than
   the world, an all_reduce over the other mesh dim's group, as FSDP2's traffic runs beside
-  tp's in a step (NOTE: [contended window] in fxtp/local_ranks.py).
+  tp's in a step (NOTE: [contended window] in fxtp/local_ranks.py). Then, per group size,
+  the activation all_reduce again after 4 half blocks: the seconds of wait a second of work
+  adds (``Hardware.collective_wait``, NOTE: [collective wait] in fxtp/planner/comm.py).
 - host (CPU ranks): the seconds a dispatched op costs the host, forward and backward, fixed and
   per byte it writes; an optimizer step per parameter tensor (plain, and FSDP2's DTensor shards)
   and per element; FSDP2's own work per collective, per unit and per parameter tensor
@@ -81,6 +83,7 @@ _LARGE_CPU = 8 << 20  # bytes: on CPU ranks, a payload whose bandwidth term show
 # on CPU ranks, the elementwise ops before each timed collective: about half a block's forward, the
 # compute between two of Megatron's collectives (a hidden-128 Llama block's forward: ~2.5 ms on 4 ranks here)
 _BETWEEN_OPS = 200
+_WAIT_HALVES = 4  # the all_reduce timed again after this many times ``between``'s work (NOTE: [collective wait])
 _NO_BANDWIDTH_COST = 1e12  # bytes/s where a larger payload took no longer: the latency is all of it
 
 
@@ -126,7 +129,7 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
         rates.append((tp, sum(6 * m * k * n * count for m, k, n, count in shapes) / seconds))
     element = torch.finfo(dtype).bits // 8
     large = max(batch // ranks * seq * shape.hidden, shape.block_params) * element
-    collectives = []
+    collectives, waits = [], []
     for n in tps[1:]:
         group = _groups_of(n, ranks)
         tokens = max(1, batch // (ranks // n)) * seq
@@ -138,17 +141,20 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
         act = torch.randn(tokens * shape.hidden // n, device=device, dtype=dtype)
         across = _groups_of(n, ranks, strided=True) if not cuda and n < ranks else None
 
-        def between() -> None:  # half a block's forward: its largest GEMM and its elementwise ops
-            torch.mm(x, w.t())
-            y = act
-            for _ in range(_BETWEEN_OPS):
-                y = y * 1.0001
+        def between(halves: int = 1) -> None:  # half a block's forward: its largest GEMM and its elementwise ops
+            for _ in range(halves):
+                torch.mm(x, w.t())
+                y = act
+                for _ in range(_BETWEEN_OPS):
+                    y = y * 1.0001
             if across is not None:  # the other mesh dim's traffic (FSDP2's beside tp's): NOTE: [contended window]
                 dist.all_reduce(act[:1], group=across)
 
         for kind in KINDS:
             latency, bw = _fit(kind, group, n, payloads, device, dtype, repeats, between)
             collectives.append((kind, n, latency, bw))
+        if not cuda:
+            waits.append((n, *_wait(group, n, payloads[0], dtype, repeats, between)))
     memory = slowest(_usable_memory(device, ranks), op=dist.ReduceOp.MIN)
     host = HostCosts() if cuda else host_costs(dict(((k, n), lat) for k, n, lat, _ in collectives), repeats)
     if not cuda and all(p.device.type != "meta" for p in model.parameters()):  # a model with weights runs
@@ -160,6 +166,7 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
         inter_node_bw=widest[0][3], devices_per_node=ranks, mfu=1.0, collective_latency=widest[0][2],
         nvlink_step_latency=0.0, network_step_latency=0.0, achieved_flops=tuple(rates),
         collectives=tuple(collectives), overlap_fsdp=cuda, compute_bytes=element, host=host,
+        collective_wait=tuple(waits),
     )
     run = CalibrationRun(slowest(time.perf_counter() - start), os.getloadavg()[0], os.cpu_count() or 1, 0 if cuda else ranks)
     hw = dataclasses.replace(hw, calibration=run)
@@ -425,6 +432,28 @@ def _fit(kind: str, group: Any, n: int, payloads: tuple[int, int], device: torch
         times.append(max(0.0, per_call(once, repeats, device) - base))
     per_byte = max(0.0, (times[1] - times[0]) / (large - small))  # 0: the large payload was not slower
     return max(0.0, times[0] - small * per_byte), steps / n / per_byte if per_byte else _NO_BANDWIDTH_COST
+
+
+def _wait(group: Any, n: int, payload: int, dtype: torch.dtype, repeats: int,
+          between: Callable[[int], Any]) -> tuple[float, float]:
+    """``(after_s, per_s)`` of ``Hardware.collective_wait`` for groups of ``n`` on CPU ranks (NOTE:
+    [collective wait] in fxtp/planner/comm.py): the seconds of ``between``'s half block of work,
+    which every collective of :func:`_fit` follows, and the seconds a ``payload``-byte
+    all_reduce adds per second of work more before it (timed after 1 and after
+    ``_WAIT_HALVES`` half blocks, each the slowest rank's median in a window); 0 where more
+    work did not make it slower."""
+    element = torch.finfo(dtype).bits // 8
+    full = torch.ones(max(n, payload // element), dtype=dtype)
+    works, adds = [], []
+    for halves in (1, _WAIT_HALVES):
+        def once(halves: int = halves) -> None:
+            between(halves)
+            dist.all_reduce(full, group=group)
+
+        works.append(per_call(lambda halves=halves: between(halves), repeats))
+        adds.append(max(0.0, per_call(once, repeats) - works[-1]))
+    more = works[1] - works[0]
+    return works[0], max(0.0, (adds[1] - adds[0]) / more) if more > 0 else 0.0
 
 
 def _usable_memory(device: torch.device, ranks: int) -> int:

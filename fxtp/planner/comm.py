@@ -52,6 +52,25 @@ One NCCL send/recv of ``payload`` bytes between two ranks is one step of its rin
 ``collective_latency`` plus one hop's (``nvlink_step_latency`` inside a node,
 ``network_step_latency`` across nodes), and the bytes over that link (NVLink's per-direction
 bandwidth, or the GPU's own NIC), from the same table as NOTE: [collective time].
+
+NOTE: [collective wait]
+Ranks that share a host's cores (CPU ranks, more ranks than cores) do not compute at the same
+pace: the scheduler runs some longer than others between two collectives, and a collective
+waits for its group's peer that ran least. That wait grows with the compute since the group's
+last collective. On this project's 2-core host, a 4-rank all_reduce of 256 KB cost 6.0 ms
+after 1.8 ms of work, 6.4-6.8 ms after 3.4 ms and 8.2 ms after 7.6 ms (2026-12-06, load
+average 0.1), where a tp 4 step's activation all_reduces, half a block's forward apart, took
+6.7 ms and the calibration priced 4.6. A calibration on CPU ranks (NOTE: [calibration] in
+fxtp/planner/calibration.py) times each group size's collectives after ``after_s`` seconds of
+work, and the all_reduce again after 4 times it: the seconds of wait a second of compute
+adds, ``per_s`` (``Hardware.collective_wait``). A step's collectives over a group of ``n``
+ranks, ``count`` of them a micro-batch, with ``compute`` seconds of it between them, add
+``per_s x max(0, compute - count x after_s)``: each waits for the compute since its group's
+last collective (on average ``compute / count``) beyond the ``after_s`` already in its
+figures. ``count`` is what the cost model prices (``TpComm.block_count`` and
+``outside_count``, FSDP2's 3 a block and the root's 2 as ``_fsdp_serial`` prices them); a
+tp run issues as many (tests/test_plan_run.py counts them). A GPU rank waits on its own device, not on a shared
+core: no such term.
 """
 
 from __future__ import annotations
@@ -60,7 +79,7 @@ from dataclasses import dataclass
 
 from fxtp.planner.hardware import Hardware
 
-__all__ = ["Group", "Unit", "ring_time", "ring_latency", "fsdp_exposed", "p2p_time"]
+__all__ = ["Group", "Unit", "collective_wait", "ring_time", "ring_latency", "fsdp_exposed", "p2p_time"]
 
 
 @dataclass(frozen=True)
@@ -136,6 +155,16 @@ def ring_time(kind: str, payload: float, group: Group, hw: Hardware) -> float:
 def ring_latency(kind: str, group: Group, hw: Hardware) -> float:
     """The latency term alone of :func:`ring_time` (a zero-byte collective)."""
     return ring_time(kind, 0.0, group, hw)
+
+
+def collective_wait(group: Group, compute: float, count: int, hw: Hardware) -> float:
+    """Seconds ``count`` collectives over ``group`` wait for its peers, beyond their
+    :func:`ring_time`, with ``compute`` seconds of a rank's compute between them (NOTE:
+    [collective wait]); 0 where ``hw`` measured no wait for the group's size (GPUs, the table)."""
+    for ranks, after_s, per_s in hw.collective_wait:
+        if ranks == group.ranks and count > 0:
+            return per_s * max(0.0, compute - count * after_s)
+    return 0.0
 
 
 def p2p_time(payload: float, across_nodes: bool, hw: Hardware) -> float:

@@ -99,6 +99,10 @@ not hide.
   collective over the ``dp`` group (NOTE: [collective time]: over the network once the group
   spans nodes, one NIC per member on a node); what compute does not hide is computed per
   unit (NOTE: [fsdp overlap] in fxtp/planner/comm.py).
+- waits: on CPU ranks that share cores, each group's collectives also wait for its slowest
+  peer, more the more compute since the group's last collective (NOTE: [collective wait] in
+  fxtp/planner/comm.py, measured by the calibration): in ``tp_comm`` and ``fsdp_exposed``,
+  and apart as ``tp_wait`` and ``fsdp_wait``.
 NOTE: [tp overlap]
 Two runtimes hide sequence parallelism's all_gather/reduce_scatter pairs behind the matmuls
 that consume or produce them, by splitting each into chunks and pipelining chunk ``i``'s
@@ -126,7 +130,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from fxtp.planner.comm import Group, Unit, fsdp_exposed, ring_latency, ring_time
+from fxtp.planner.comm import Group, Unit, collective_wait, fsdp_exposed, ring_latency, ring_time
 from fxtp.planner.hardware import Hardware, gemm_efficiency
 from fxtp.planner.host import host_seconds, with_host
 from fxtp.planner.model import TransformerShape
@@ -210,13 +214,16 @@ def compute_efficiency(hw: Hardware, shape: TransformerShape, tokens: int, tp: i
 class TpComm:
     """One micro-batch's tensor-parallel collectives on a rank (NOTE: [cost model]): seconds a
     block's cost exposed (``block_s``) and before any overlap (``block_all_s``), seconds outside
-    the blocks, and the bytes a rank sends for a block and outside."""
+    the blocks, the bytes a rank sends for a block and outside, and the collectives a block
+    issues and those outside it (NOTE: [collective wait] in fxtp/planner/comm.py counts them)."""
 
     block_s: float
     block_all_s: float
     outside_s: float
     block_bytes: float
     outside_bytes: float
+    block_count: int = 0
+    outside_count: int = 0
 
 
 def rate_per_device(choice: Choice, shape: TransformerShape, hw: Hardware, work: Workload) -> float:
@@ -244,18 +251,24 @@ def tp_comm(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: Ha
     block_s = (2 * per_block * ring_time("all_gather", payload, tp_group, hw) if sp
                else per_block * ring_time("all_reduce", payload, tp_group, hw))
     outside_s = ring_time("all_reduce", outside * payload * tp / (2 * (tp - 1)), tp_group, hw) if tp > 1 and outside else 0.0
+    count = sum(params.outside_collectives) if work.training else params.outside_collectives[0]
+    outside_count = max(count, 1 if outside else 0) if tp > 1 else 0
     if tp > 1:  # each collective outside the blocks beyond the one priced above costs its latency
-        count = sum(params.outside_collectives) if work.training else params.outside_collectives[0]
         outside_s += max(0, count - (1 if outside else 0)) * ring_latency("all_reduce", tp_group, hw)
     if tp > 1 and work.training:  # the vocab-parallel loss's 3 all_reduces of a float per token
         outside_s += 3 * ring_time("all_reduce", b * work.seq * 4, tp_group, hw)
+        outside_count += 3
+    if tp > 1 and sp and work.training:  # entering and leaving the sp region, the regather, a norm tensor's each
+        outside_count += 3 + shape.norm_params // shape.hidden
     if weights:
         block_s += ring_time("all_reduce", weights * tp / (2 * (tp - 1)), tp_group, hw)
     block_all_s = block_s
     if work.tp_overlap and sp and tp > 1:  # NOTE: [tp overlap]
         matmul_s = 6 * shape.block_params / tp * b * work.seq / rate if work.training else 0.0
         block_s = max(0.0, block_s - matmul_s)
-    return TpComm(block_s, block_all_s, outside_s, per_block * 2 * (tp - 1) / tp * payload + weights, outside * payload)
+    block_count = (2 * per_block if sp else per_block) + (1 if weights else 0) if tp > 1 else 0
+    return TpComm(block_s, block_all_s, outside_s, per_block * 2 * (tp - 1) / tp * payload + weights, outside * payload,
+                  block_count, outside_count)
 
 
 def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: Hardware, work: Workload) -> Estimate:
@@ -278,17 +291,23 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
     compute, host_recompute = with_host(hw.host, gemms, host)  # NOTE: [host time]
     recompute += host_recompute
     comm = tp_comm(choice, shape, params, hw, work, rate_device)
+    # a micro-batch's compute between its collectives: the optimizer's step follows the last (NOTE: [collective wait])
+    between = (compute - host["optimizer"]) / choice.accumulation
+    tp_wait = choice.accumulation * collective_wait(Group.tp(tp, work.devices_per_node), between,
+                                                    shape.layers * comm.block_count + comm.outside_count, hw)
     tp_bytes = round(choice.accumulation * (shape.layers * comm.block_bytes + comm.outside_bytes))
-    tp_all_s = choice.accumulation * (shape.layers * comm.block_all_s + comm.outside_s)
-    tp_s = choice.accumulation * (shape.layers * comm.block_s + comm.outside_s)
-    fsdp_bytes, fsdp_s, fsdp_exposed_s = 0, 0.0, 0.0
+    tp_all_s = choice.accumulation * (shape.layers * comm.block_all_s + comm.outside_s) + tp_wait
+    tp_s = choice.accumulation * (shape.layers * comm.block_s + comm.outside_s) + tp_wait
+    fsdp_bytes, fsdp_s, fsdp_exposed_s, fsdp_wait = 0, 0.0, 0.0, 0.0
     if work.training and dp > 1:
         # a rank sends (dp-1)/dp of each all_gather's output and reduce_scatter's input, whose
         # dim 0 FSDP2 pads to a multiple of dp: (dp-1) x its padded shard (NOTE: [collective time])
         fsdp_bytes = choice.accumulation * (2 * work.gather_bytes + _GRAD) * (dp - 1) * params.elements(dp)
         units = _fsdp_units(choice, shape, params, hw, work, compute / choice.accumulation)
-        fsdp_s = choice.accumulation * _fsdp_serial(choice, params, hw, work, units) + host["fsdp"]
-        fsdp_exposed_s = choice.accumulation * fsdp_exposed(units) if hw.overlap_fsdp else fsdp_s
+        fsdp_wait = choice.accumulation * collective_wait(Group.dp(tp, dp, work.devices_per_node), between,
+                                                          2 + 3 * (len(units) - 2) if params.n_blocks else 2, hw)
+        fsdp_s = choice.accumulation * _fsdp_serial(choice, params, hw, work, units) + host["fsdp"] + fsdp_wait
+        fsdp_exposed_s = choice.accumulation * fsdp_exposed(units) + fsdp_wait if hw.overlap_fsdp else fsdp_s
     step = {
         "compute": compute,
         "gemm": gemms,  # of which the GEMMs (FLOPs at the rate); the rest is the host's (NOTE: [host time])
@@ -299,6 +318,8 @@ def estimate(choice: Choice, shape: TransformerShape, params: ParamShapes, hw: H
         "fsdp_comm": fsdp_s,
         "fsdp_exposed": fsdp_exposed_s,
         "fsdp_host": host["fsdp"] if work.training and dp > 1 else 0.0,  # of which FSDP2's own host work (NOTE: [host time])
+        "tp_wait": tp_wait,  # of which waiting for peers on shared cores (NOTE: [collective wait])
+        "fsdp_wait": fsdp_wait,
         "total": compute + tp_s + fsdp_exposed_s,
     }
     return Estimate(choice, memory, step, {"tp": tp_bytes, "fsdp": fsdp_bytes}, rate_device)

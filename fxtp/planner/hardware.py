@@ -156,6 +156,11 @@ class Hardware:
             and prices fp32, 4.
         host: seconds the host spends per op, tensor and FSDP2 unit (NOTE: [host time] in
             fxtp/planner/host.py); not priced (zeros) unless a calibration on CPU ranks measured them.
+        collective_wait: measured ``((ranks, after_s, per_s), ...)``: on CPU ranks that share
+            cores, a collective over ``ranks`` ranks also waits ``per_s`` seconds per second of
+            compute since its group's last collective beyond the ``after_s`` seconds its
+            ``collectives`` figures were measured after (NOTE: [collective wait] in
+            fxtp/planner/comm.py). Empty: none (GPUs, the datasheet table).
         doubts: what a calibration found suspect in its own figures, a sentence each (a
             host busy with other jobs: NOTE: [calibration] in fxtp/planner/calibration.py);
             the plan prints them. ``calibration``: how it ran (None: not calibrated).
@@ -177,6 +182,7 @@ class Hardware:
     overlap_fsdp: bool = True
     compute_bytes: int = 2
     host: HostCosts = HostCosts()
+    collective_wait: tuple[tuple[int, float, float], ...] = ()
     doubts: tuple[str, ...] = ()
     calibration: Optional[CalibrationRun] = None
 
@@ -194,6 +200,8 @@ class Hardware:
         if any(not rate > 0 for _, rate in self.achieved_flops) or any(not (lat >= 0 and bw > 0) for *_, lat, bw in self.collectives):
             raise FxtpConfigError(f"Hardware {self.name!r}: achieved_flops must be > 0 and collectives' latency >= 0, "
                                   f"bandwidth > 0, got {self.achieved_flops!r}, {self.collectives!r}")
+        if any(not (after >= 0 and per >= 0) for _, after, per in self.collective_wait):
+            raise FxtpConfigError(f"Hardware {self.name!r}: collective_wait's seconds must be >= 0, got {self.collective_wait!r}")
 
     def collective(self, kind: str, ranks: int, role: str = "") -> "tuple[float, float] | None":
         """The measured ``(latency_s, bus_bytes_per_s)`` of ``kind`` over ``ranks`` ranks, or None:

@@ -46,7 +46,9 @@ fxtp/planner/calibration.py) unless one is given:
 5. The measured figures make a second ``Hardware``: each degree's rate scaled by predicted over
    measured compute (its host seconds, NOTE: [host time], kept), each collective of a tp group
    of ``n`` ranks (sequence parallelism's too) by the tp ``n`` layout's measured over predicted
-   tp time, of a dp group by the dp ``n`` layout's FSDP time, apart by role (``"tp:all_gather"``: dp 2 x tp 2's groups both have 2 ranks);
+   tp time, of a dp group by the dp ``n`` layout's FSDP time, apart by role (``"tp:all_gather"``: dp 2 x tp 2's groups both have 2 ranks),
+   each less the waits priced in it (NOTE: [collective wait] in fxtp/planner/comm.py): the
+   measured figures include them, and the measured Hardware has none;
    ``fxtp.plan`` runs again with it: the result says whether the choice changes.
 
 On CPU ranks FSDP2 has no streams to overlap on (NOTE: [calibration]), so the run cannot show
@@ -145,6 +147,7 @@ class Measurement:
             f"(calibrated in {self.calibrate_s:.1f} s, ran in {self.run_s:.1f} s)",
             tabulate(table, headers=["layout", "", "step", "compute", "tp comm", "fsdp exposed", "peak memory"],
                      colalign=("left", "left", "right", "right", "right", "right", "right")),
+            *_waits(self.rows),
             f"fastest first: predicted {names(self.order(False))}; measured {names(self.order(True))}"
             + (" (the same order)" if self.order(False) == self.order(True) else " (the order differs)"),
             f"re-planned with the measured figures: {new}"
@@ -152,6 +155,16 @@ class Measurement:
             *unreproduced(self.rows),
         ]
         return "\n".join(lines)
+
+
+def _waits(rows: tuple[tuple[Estimate, dict[str, float]], ...]) -> list[str]:
+    """The line saying what of each row's predicted communication is waiting for peers on shared
+    cores (NOTE: [collective wait] in fxtp/planner/comm.py); none where nothing waits (GPUs)."""
+    waits = [(e, e.step.get("tp_wait", 0.0) + e.step.get("fsdp_wait", 0.0)) for e, _ in rows]
+    if not any(w for _, w in waits):
+        return []
+    return ["of the predicted tp comm and fsdp exposed, waiting for peers on shared cores: "
+            + ", ".join(f"{_layout(e.choice)} {fmt_time(w, like=max(w for _, w in waits))}" for e, w in waits)]
 
 
 def unreproduced(rows: tuple[tuple[Estimate, dict[str, float]], ...]) -> list[str]:
@@ -261,12 +274,16 @@ def pooled(found: list[Hardware]) -> Hardware:
                          statistics.median(h.collective(kind, n)[1] for h in found)) for kind, n, _, _ in found[0].collectives)
     widest = [c for c in collectives if c[0] == "all_reduce"][-1:]
     links = dict(intra_node_bw=widest[0][3], inter_node_bw=widest[0][3], collective_latency=widest[0][2]) if widest else {}
+    waits = tuple((n, statistics.median({r: a for r, a, _ in h.collective_wait}[n] for h in found),
+                   statistics.median({r: w for r, _, w in h.collective_wait}[n] for h in found))
+                  for n, _, _ in found[0].collective_wait)
     host = dataclasses.replace(found[0].host, **{f.name: statistics.median(getattr(h.host, f.name) for h in found)
                                                  for f in dataclasses.fields(found[0].host) if f.name != "asynchronous"})
     runs = [h.calibration for h in found if h.calibration is not None]
     run = CalibrationRun(max(r.seconds for r in runs), max(r.load for r in runs), runs[0].cores, runs[0].ranks) if runs else None
     out = dataclasses.replace(found[0], achieved_flops=tuple(sorted(rates.items())), collectives=collectives,
                               peak_flops=max(rates.values()), memory_bytes=min(h.memory_bytes for h in found), host=host,
+                              collective_wait=waits,
                               calibration=run, **links)
     return dataclasses.replace(out, doubts=doubts(out))
 
@@ -280,9 +297,10 @@ def measured_hardware(hw: Hardware, rows: tuple[tuple[Estimate, dict[str, float]
         host = _host_s(e)  # kept as priced (NOTE: [host time])
         if m["compute"] > host:  # the rate the row's GEMMs were priced at, rescaled
             rates[c.tp] = e.rate * (e.step["compute"] - host) / (m["compute"] - host)
-        if e.step["tp_comm"] > 0 and m["tp_comm"] > 0:
-            tp_factor[c.tp] = m["tp_comm"] / e.step["tp_comm"]
-        wire = e.step["fsdp_exposed"] - e.step.get("fsdp_host", 0.0)  # FSDP2's host work kept as priced
+        # the waits for peers (NOTE: [collective wait]) are in the measured collectives' figures
+        if e.step["tp_comm"] > e.step.get("tp_wait", 0.0) and m["tp_comm"] > 0:
+            tp_factor[c.tp] = m["tp_comm"] / (e.step["tp_comm"] - e.step.get("tp_wait", 0.0))
+        wire = e.step["fsdp_exposed"] - e.step.get("fsdp_host", 0.0) - e.step.get("fsdp_wait", 0.0)  # host work kept as priced
         if wire > 0 and m["fsdp_exposed"] > e.step.get("fsdp_host", 0.0):
             fsdp_factor[c.dp] = (m["fsdp_exposed"] - e.step.get("fsdp_host", 0.0)) / wire
     collectives = list(hw.collectives) + [  # per role: dp 2 x tp 2's two groups both have 2 ranks
@@ -290,7 +308,7 @@ def measured_hardware(hw: Hardware, rows: tuple[tuple[Estimate, dict[str, float]
         for n, f in sorted(factors.items()) for kind in ("all_reduce", "all_gather", "reduce_scatter")
         for found in [hw.collective(kind, n)] if found is not None]
     return dataclasses.replace(hw, name=f"{hw.name}, measured", achieved_flops=tuple(sorted(rates.items())),
-                               collectives=tuple(collectives))
+                               collectives=tuple(collectives), collective_wait=())
 
 
 def _plan_on_rank0(model: nn.Module, memory: int, batch: int, seq: int, hw: Hardware, optimizer: str) -> ParallelPlan:

@@ -63,7 +63,7 @@ import functools
 
 import numpy as np
 
-from fxtp.planner.comm import Group, Unit, fsdp_exposed, p2p_time, ring_time
+from fxtp.planner.comm import Group, Unit, collective_wait, fsdp_exposed, p2p_time, ring_time
 from fxtp.planner.costs import _GRAD, OPTIMIZER_BYTES, Choice, Estimate, Workload, rate_per_device, tp_comm
 from fxtp.planner.hardware import Hardware
 from fxtp.planner.host import host_seconds, with_host
@@ -187,8 +187,11 @@ def estimate_pipeline(choice: Choice, shape: TransformerShape, params: ParamShap
         host = _rank_host(choice, params, hw, work, blocks, first, last)
         compute, host_recompute = with_host(hw.host, gemms, host)  # NOTE: [host time] in fxtp/planner/host.py
         sends = sum(k < n - 1 for k in stages) + sum(k > 0 for k in stages)  # = its receives
-        tp_s = m * (blocks * comm.block_s + (comm.outside_s if first or last else 0.0))
-        tp_all = m * (blocks * comm.block_all_s + (comm.outside_s if first or last else 0.0))
+        between = compute - host["optimizer"]  # the compute between its collectives (NOTE: [collective wait])
+        tp_wait = m * collective_wait(Group.tp(tp, work.devices_per_node), between / m,
+                                      blocks * comm.block_count + (comm.outside_count if first or last else 0), hw)
+        tp_s = m * (blocks * comm.block_s + (comm.outside_s if first or last else 0.0)) + tp_wait
+        tp_all = m * (blocks * comm.block_all_s + (comm.outside_s if first or last else 0.0)) + tp_wait
         tp_bytes = m * (blocks * comm.block_bytes + (comm.outside_bytes if first or last else 0.0))
         elements = blocks * block_el + (emb if first else 0) + (head if last else 0)
         sharded = blocks * block_el_dp + (emb_dp if first else 0) + (head_dp if last else 0)
@@ -198,9 +201,9 @@ def estimate_pipeline(choice: Choice, shape: TransformerShape, params: ParamShap
                   "optimizer": round(OPTIMIZER_BYTES[work.optimizer] * (sharded if dp > 1 else elements)),
                   "activations": round(acts), "kv_cache": 0, "fsdp_buffers": round(g * elements) if dp > 1 else 0}
         memory["total"] = sum(memory.values())
-        fsdp_s = fsdp_hidden_s = 0.0
+        fsdp_s = fsdp_hidden_s = wait = 0.0
         if dp > 1 and (blocks, first, last) in fsdp_seen:
-            fsdp_s, fsdp_hidden_s = fsdp_seen[(blocks, first, last)]
+            fsdp_s, fsdp_hidden_s, wait = fsdp_seen[(blocks, first, last)]
         elif dp > 1:
             scale = tokens // m / (tp * rate)  # seconds per FLOP a token of one micro-batch
             units = [Unit(ring_time("all_gather", g * emb, group, hw), ring_time("reduce_scatter", _GRAD * emb, group, hw),
@@ -211,11 +214,12 @@ def estimate_pipeline(choice: Choice, shape: TransformerShape, params: ParamShap
             if last:
                 units.append(Unit(ring_time("all_gather", g * head, group, hw), ring_time("reduce_scatter", _GRAD * head, group, hw),
                                   head_fwd * scale, 2 * head_fwd * scale))
-            fsdp_s = sum(u.all_gather + u.reduce_scatter for u in units) + host["fsdp"]
-            fsdp_hidden_s = fsdp_exposed(units, regather=False) if hw.overlap_fsdp else fsdp_s
-            fsdp_seen[(blocks, first, last)] = fsdp_s, fsdp_hidden_s
+            wait = collective_wait(group, between, 2 * len(units), hw)  # each unit gathered and reduced once a step
+            fsdp_s = sum(u.all_gather + u.reduce_scatter for u in units) + host["fsdp"] + wait
+            fsdp_hidden_s = fsdp_exposed(units, regather=False) + wait if hw.overlap_fsdp else fsdp_s
+            fsdp_seen[(blocks, first, last)] = fsdp_s, fsdp_hidden_s, wait
         ranks.append({"busy": compute + tp_s + m * sends * hop, "compute": compute, "gemm": gemms,
-                      "fsdp_host": host["fsdp"],
+                      "fsdp_host": host["fsdp"], "tp_wait": tp_wait, "fsdp_wait": wait,
                       "recompute": blocks * redo * tokens / (tp * rate) + host_recompute,
                       "tp": tp_s, "tp_all": tp_all, "p2p": m * sends * hop, "memory": memory, "fsdp": fsdp_s,
                       "fsdp_exposed": fsdp_hidden_s, "bytes": {"tp": round(tp_bytes), "pp": m * sends * payload,
@@ -227,7 +231,8 @@ def estimate_pipeline(choice: Choice, shape: TransformerShape, params: ParamShap
     step = {"compute": slow["compute"], "gemm": slow["gemm"], "fsdp_host": max(x["fsdp_host"] for x in ranks),
             "recompute": slow["recompute"], "comm": slow["tp"] + slow["p2p"] + exposed,
             "tp_comm": slow["tp"], "tp_comm_hidden": slow["tp_all"] - slow["tp"], "fsdp_comm": max(x["fsdp"] for x in ranks),
-            "fsdp_exposed": exposed, "p2p": slow["p2p"], "bubble": idle, "total": slow["busy"] + idle + exposed}
+            "fsdp_exposed": exposed, "p2p": slow["p2p"], "bubble": idle, "tp_wait": slow["tp_wait"],
+            "fsdp_wait": max(x["fsdp_wait"] for x in ranks), "total": slow["busy"] + idle + exposed}
     peak = max(ranks, key=lambda x: x["memory"]["total"])["memory"]
     sent = {k: max(x["bytes"][k] for x in ranks) for k in ("tp", "fsdp", "pp")}
     return Estimate(choice, peak, step, sent, rate, counts)
