@@ -200,7 +200,7 @@ def test_a_calibration_says_which_of_its_figures_it_doubts():
 
     import fxtp
     from fxtp.planner import Hardware
-    from fxtp.planner.calibration import doubts
+    from fxtp.planner.hardware import doubts
     from fxtp.planner.hardware import CalibrationRun, HostCosts
 
     host = HostCosts(op=2e-5, op_backward=2e-5, optimizer_tensor=6e-5, fsdp_unit=1e-3, fsdp_tensor=8e-5, asynchronous=False)
@@ -357,3 +357,46 @@ def test_pipeline_ranks_share_the_host_time_of_the_whole_model():
         cpu, host=dataclasses.replace(host, fsdp_unit=1e-3, fsdp_tensor=1e-4)), work, 1, False, True)
     units = (len(params.block), len(params.other) - params.before)
     assert dp2["fsdp"] == pytest.approx(sum(2 * (1e-3 + n * 1e-4) for n in units))
+
+
+def test_collectives_wait_for_the_compute_between_them():
+    """No ranks (NOTE: [collective wait]): with a calibration's waits, each group's collectives
+    add ``per_s x max(0, compute between them - count x after_s)`` a micro-batch: tp 4's at 2
+    micro-batches (count: the blocks' and the outside collectives, the loss's 3 included), dp
+    4's (FSDP2's root 2 and 3 a block), a pipelined tp 2's on each pipeline rank; in the tp and
+    FSDP terms and the step, and nothing without waits."""
+    import dataclasses
+
+    import torch
+
+    from fxtp.planner import Hardware
+    from fxtp.planner.costs import Choice, Workload, _host, estimate, tp_comm
+    from fxtp.planner.hardware import HostCosts
+    from fxtp.planner.model import TransformerShape
+    from fxtp.planner.params import parameter_shapes, repeated_blocks
+    from fxtp.planner.pipeline_costs import estimate_pipeline
+
+    model = _model()
+    shape = TransformerShape.of(model, repeated_blocks(model).fqn)
+    params = parameter_shapes(model, (1, 2, 4), (torch.zeros(1, SEQ, dtype=torch.long),), {})
+    plain = Hardware("cpu", 1e9, 2**30, 1e9, 1e9, devices_per_node=4, mfu=1.0, overlap_fsdp=False, compute_bytes=4,
+                     achieved_flops=((1, 1e9), (2, 1e9), (4, 1e9)),
+                     collectives=tuple((k, n, 1e-3, 1e9) for k in ("all_reduce", "all_gather", "reduce_scatter") for n in (2, 4)),
+                     host=HostCosts(op=2e-5, op_backward=2e-5, optimizer_tensor=1e-4, asynchronous=False))
+    after, per = 1e-4, 0.4
+    waiting = dataclasses.replace(plain, collective_wait=((2, after, per), (4, after, per)))
+    work = Workload(BATCH, SEQ, True, "adamw", 4, activation_bytes=4, gather_bytes=4)
+    for choice in (Choice(4, 1, False, None, BATCH // 2, 2), Choice(1, 4, False, None, BATCH // 8, 2)):
+        e, none = (estimate(choice, shape, params[choice.tp], hw, work) for hw in (waiting, plain))
+        between = (e.step["compute"] - _host(choice, shape, params[choice.tp], waiting, work)["optimizer"]) / 2
+        comm = tp_comm(choice, shape, params[choice.tp], waiting, work, e.rate)
+        count = shape.layers * comm.block_count + comm.outside_count if choice.tp > 1 else 2 + 3 * shape.layers
+        wait = 2 * per * (between - count * after)
+        term = "tp_comm" if choice.tp > 1 else "fsdp_exposed"
+        assert wait > 0 and e.step["tp_wait" if choice.tp > 1 else "fsdp_wait"] == pytest.approx(wait), choice
+        assert e.step[term] - none.step[term] == pytest.approx(wait) and none.step["tp_wait"] == none.step["fsdp_wait"] == 0
+        assert e.step["total"] - none.step["total"] == pytest.approx(wait)
+    assert tp_comm(Choice(4, 1, False, None, 4, 2), shape, params[4], waiting, work, 1e9).outside_count >= 3  # the loss's
+    piped = Choice(2, 1, False, None, BATCH // 2, 2, pp=2, schedule="1F1B")
+    e, none = (estimate_pipeline(piped, shape, params[2], hw, work) for hw in (waiting, plain))
+    assert e.step["tp_wait"] > 0 and e.step["tp_comm"] - none.step["tp_comm"] == pytest.approx(e.step["tp_wait"])

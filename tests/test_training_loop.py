@@ -85,7 +85,7 @@ def _clipped_loop(optimizer: str, clip: str):
     """3 steps of ``optimizer`` with gradient clipping ``clip`` ("torch": torch.nn.utils, "pm":
     pm.clip_grad_norm_; "torch on CUDA's defaults": torch's, its foreach kernels' devices patched
     to include the CPU, where the optimizer then takes its ``_foreach_`` path over the sharded
-    parameters, fxtp/core/foreach_types.py) by a max_norm that clips every step; the norms and
+    parameters, NOTE: [foreach types] in fxtp/core/torch_globals.py) by a max_norm that clips every step; the norms and
     the parameters after each step against the single device."""
     patches = contextlib.ExitStack()
     if clip == "torch on CUDA's defaults":

@@ -40,8 +40,8 @@ they will in the run; NOTE: [contended window] in fxtp/local_ranks.py), each fig
   on ``meta``) keeps the chain's. On GPUs they are not priced.
 - memory: per rank, a GPU's free memory (``torch.cuda.mem_get_info``), or on a CPU the host's
   ``MemAvailable`` (``/proc/meminfo``) shared by the local ranks: ``Hardware.memory_bytes``.
-- doubts (:func:`doubts`): what the figures themselves say about a host busy with other jobs,
-  the plan prints each: a degree's GEMM rate under a third of the others' median (the same
+- doubts (:func:`~fxtp.planner.hardware.doubts`): what the figures themselves say about a
+  host busy with other jobs, the plan prints each: a degree's GEMM rate under a third of the others' median (the same
   GEMMs, split finer); a collective fitted with no latency; FSDP2 or an op measured as free
   (a difference of two timings that came out negative, clamped); a load average above the
   cores and the ranks' own load; a calibration over a minute (on this repository's 2 shared
@@ -61,7 +61,6 @@ import copy
 import dataclasses
 import math
 import os
-import statistics
 import time
 from typing import Any, Callable
 
@@ -71,11 +70,11 @@ from torch import nn
 
 from fxtp.core.errors import FxtpConfigError
 from fxtp.local_ranks import per_call, slowest, spawn_ranks
-from fxtp.planner.hardware import CalibrationRun, Hardware, HostCosts
+from fxtp.planner.hardware import CalibrationRun, Hardware, HostCosts, doubts
 from fxtp.planner.model import TransformerShape
 from fxtp.planner.params import repeated_blocks
 
-__all__ = ["calibrate", "calibrate_on_ranks", "doubts", "gemm_shapes", "host_costs", "spawn_ranks"]
+__all__ = ["calibrate", "calibrate_on_ranks", "gemm_shapes", "host_costs", "spawn_ranks"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 _SMALL = 16 << 10  # bytes: a payload whose time is mostly latency
@@ -171,35 +170,6 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
     run = CalibrationRun(slowest(time.perf_counter() - start), os.getloadavg()[0], os.cpu_count() or 1, 0 if cuda else ranks)
     hw = dataclasses.replace(hw, calibration=run)
     return dataclasses.replace(hw, doubts=doubts(hw))
-
-
-_SUSPECT_RATE = 3  # a degree's GEMM rate this many times under the other degrees' median (NOTE: [calibration])
-
-
-def doubts(hw: Hardware) -> tuple[str, ...]:
-    """What a calibrated ``hw``'s own figures, and how its calibration ran (``hw.calibration``),
-    say is suspect (NOTE: [calibration]), a sentence each."""
-    out = []
-    rates = dict(hw.achieved_flops)
-    for tp, rate in rates.items():
-        others = [r for t, r in rates.items() if t != tp]
-        if others and rate * _SUSPECT_RATE < statistics.median(others):
-            out.append(f"the tp {tp} GEMMs ran at {rate / 1e9:.2f} GFLOP/s, under a third of the other degrees' "
-                       f"{statistics.median(others) / 1e9:.2f}")
-    free = [f"{kind} over {n} ranks" for kind, n, latency, _ in hw.collectives if latency == 0]
-    if free:
-        out.append(f"{', '.join(free)} came out with no latency (the larger payload's time left none)")
-    host = hw.host
-    if not host.asynchronous and hw.collectives and host.fsdp_unit == host.fsdp_tensor == 0:
-        out.append("FSDP2's own host work came out as none (its run no slower than the unsharded one)")
-    if not host.asynchronous and hw.achieved_flops and (host.op == 0 or host.op_backward == 0):
-        out.append("a dispatched op came out as free")
-    run = hw.calibration
-    if run is not None and run.load - run.ranks > run.cores:  # other jobs' share of the cores: the load less the ranks'
-        out.append(f"the load average was {run.load:.1f} on {run.cores} cores ({run.ranks} of it the ranks' own at most)")
-    if run is not None and run.seconds > 60:
-        out.append(f"it took {run.seconds:.0f} s (30-33 s on 2 idle cores for a hidden-128 Llama)")
-    return tuple(out)
 
 
 def host_costs(latency: dict[tuple[str, int], float], repeats: int = 5) -> HostCosts:

@@ -65,12 +65,13 @@ share; "fits" means the predicted peak fits ``device_memory`` less the reserve.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from dataclasses import dataclass
 from typing import Optional, Union
 
 from fxtp.core.errors import FxtpConfigError
 
-__all__ = ["Hardware", "HostCosts", "HARDWARE", "DEFAULT_RESERVE", "gemm_efficiency", "resolve_hardware", "reserve_bytes"]
+__all__ = ["Hardware", "HostCosts", "HARDWARE", "DEFAULT_RESERVE", "doubts", "gemm_efficiency", "resolve_hardware", "reserve_bytes"]
 
 GiB = 1 << 30
 DEFAULT_RESERVE = 0.10  # of device_memory, kept for the runtime (NOTE: [runtime reserve])
@@ -273,3 +274,32 @@ def reserve_bytes(reserve: Union[int, float, None], device_memory: int) -> int:
                               "fix: a smaller reserve (a share: reserve=0.1 in Python, --reserve 10% on the command line) "
                               "or more device memory")
     return held
+
+
+_SUSPECT_RATE = 3  # a degree's GEMM rate this many times under the other degrees' median (NOTE: [calibration] in fxtp/planner/calibration.py)
+
+
+def doubts(hw: Hardware) -> tuple[str, ...]:
+    """What a calibrated ``hw``'s own figures, and how its calibration ran (``hw.calibration``),
+    say is suspect (NOTE: [calibration] in fxtp/planner/calibration.py), a sentence each."""
+    out = []
+    rates = dict(hw.achieved_flops)
+    for tp, rate in rates.items():
+        others = [r for t, r in rates.items() if t != tp]
+        if others and rate * _SUSPECT_RATE < statistics.median(others):
+            out.append(f"the tp {tp} GEMMs ran at {rate / 1e9:.2f} GFLOP/s, under a third of the other degrees' "
+                       f"{statistics.median(others) / 1e9:.2f}")
+    free = [f"{kind} over {n} ranks" for kind, n, latency, _ in hw.collectives if latency == 0]
+    if free:
+        out.append(f"{', '.join(free)} came out with no latency (the larger payload's time left none)")
+    host = hw.host
+    if not host.asynchronous and hw.collectives and host.fsdp_unit == host.fsdp_tensor == 0:
+        out.append("FSDP2's own host work came out as none (its run no slower than the unsharded one)")
+    if not host.asynchronous and hw.achieved_flops and (host.op == 0 or host.op_backward == 0):
+        out.append("a dispatched op came out as free")
+    run = hw.calibration
+    if run is not None and run.load - run.ranks > run.cores:  # other jobs' share of the cores: the load less the ranks'
+        out.append(f"the load average was {run.load:.1f} on {run.cores} cores ({run.ranks} of it the ranks' own at most)")
+    if run is not None and run.seconds > 60:
+        out.append(f"it took {run.seconds:.0f} s (30-33 s on 2 idle cores for a hidden-128 Llama)")
+    return tuple(out)

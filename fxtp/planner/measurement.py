@@ -76,9 +76,9 @@ from tabulate import tabulate
 from torch import nn
 
 from fxtp.local_ranks import slowest, spawn_ranks, sync
-from fxtp.planner.calibration import calibrate_on_ranks, doubts
+from fxtp.planner.calibration import calibrate_on_ranks
 from fxtp.planner.costs import Choice, Estimate
-from fxtp.planner.hardware import CalibrationRun, Hardware
+from fxtp.planner.hardware import CalibrationRun, Hardware, doubts
 from fxtp.planner.parallel_plan import ParallelPlan, fmt_size, fmt_time
 from fxtp.planner.params import repeated_blocks
 from fxtp.runtime.memory import Peak, in_use, storage_bytes

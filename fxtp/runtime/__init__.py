@@ -3,7 +3,7 @@
 
 from typing import Any
 
-from fxtp.core.world_defaults import unbind_world_defaults
+from fxtp.core.torch_globals import unbind_world_defaults
 
 __all__ = ["ParallelModule"]
 

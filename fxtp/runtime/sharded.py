@@ -17,7 +17,7 @@ shape ops make of it (``p.grad * c``, ``p.detach().float()``, ``torch.zeros_like
 are :class:`ShardedTensor` s with the same knowledge. On them:
 
 * pointwise ops, views, casts and the ``_foreach_`` ops optimizers use (SGD, AdamW, weight
-  decay, EMA's ``lerp_``, ``clip_grad_value_``'s clamp) run on the shard: exact (fxtp/core/foreach_types.py).
+  decay, EMA's ``lerp_``, ``clip_grad_value_``'s clamp) run on the shard: exact (NOTE: [foreach types] in fxtp/core/torch_globals.py).
 * reductions over all elements (``torch.linalg.vector_norm``, ``norm``, ``_foreach_norm``,
   ``sum``, ``mean``, ``max``/``amax``, ``min``/``amin``, ``count_nonzero``) reduce the shard and
   then all_reduce over the group: every rank gets the single device's value. They are
@@ -55,7 +55,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group  # NOTE: [
 
 from fxtp.core.errors import FxtpRuntimeError
 from fxtp.core.placement import Shard, owned_part
-from fxtp.core.foreach_types import join_foreach_types
+from fxtp.core.torch_globals import join_foreach_types
 
 __all__ = ["ShardLayout", "ShardedTensor", "ShardedParameter", "plain", "local_tensor", "layout_of", "like", "plain_inputs", "plain_views", "resolve_group"]
 
@@ -447,4 +447,4 @@ def like(current: torch.Tensor, value: nn.Parameter) -> nn.Parameter:
     return value if layout is None else ShardedParameter(value.detach(), value.requires_grad, layout)
 
 
-join_foreach_types(ShardedTensor, ShardedParameter)  # torch's _foreach_ paths take them (fxtp/core/foreach_types.py)
+join_foreach_types(ShardedTensor, ShardedParameter)  # torch's _foreach_ paths take them (NOTE: [foreach types])
