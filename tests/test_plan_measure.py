@@ -127,6 +127,9 @@ def test_measure_runs_each_mesh_and_prices_it_again(measured):
     assert m.replan.fits and m.replan.chosen.step["total"] <= min(a.step["total"] for a in measured["again"]) * (1 + 1e-9)
     text = str(m)
     assert "measured / predicted" in text and ("the choice changes" in text or "the choice does not change" in text)
+    waits = [e.step["tp_wait"] + e.step["fsdp_wait"] for e, _ in m.rows]  # NOTE: [collective wait], said as priced
+    assert [row["predicted"]["waits"] for row in m.to_dict()["rows"]] == waits
+    assert ("waiting for peers on shared cores" in text) == any(waits), text
     assert "(pp pinned by --measure, which runs tp x FSDP2 layouts, no pipeline)" in str(m.plan)
     # nothing on any rank about what the layouts never do (clip under FSDP2), nor FSDP2's warning of
     # a view returned by its module (fxtp's gathered logits are contiguous, as the model's)

@@ -122,7 +122,9 @@ class Measurement:
     def to_dict(self) -> dict[str, Any]:
         return {"hardware": self.hardware.to_dict(), "measured_hardware": self.measured_hardware.to_dict(),
                 "rows": [{"mesh": {"tp": e.choice.tp, "dp": e.choice.dp}, "choice": dataclasses.asdict(e.choice),
-                          "predicted": {**{k: e.step[k] for k in TERMS}, "peak": e.peak}, "measured": dict(m)} for e, m in self.rows],
+                          "predicted": {**{k: e.step[k] for k in TERMS}, "peak": e.peak,
+                                                            "waits": e.step.get("tp_wait", 0.0) + e.step.get("fsdp_wait", 0.0)},
+                          "measured": dict(m)} for e, m in self.rows],
                 "predicted_order": self.order(False), "measured_order": self.order(True), "chosen": dataclasses.asdict(self.plan.chosen.choice),
                 "replanned": dataclasses.asdict(self.replan.chosen.choice), "choice_changed": self.choice_changed,
                 "steps": self.steps, "calibrate_s": self.calibrate_s, "run_s": self.run_s, "wall_s": self.wall_s}
