@@ -54,6 +54,9 @@ def unbind_world_defaults() -> None:
     """Replace each ``ProcessGroup`` in ``torch.distributed.nn.functional``'s argument defaults
     with ``None`` (NOTE: [world defaults]; idempotent)."""
     import torch.distributed as dist
+
+    if not dist.is_available():  # a torch built without distributed has no such module
+        return
     from torch.distributed.nn import functional
 
     for fn in vars(functional).values():
