@@ -149,11 +149,12 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
             if across is not None:  # the other mesh dim's traffic (FSDP2's beside tp's): NOTE: [contended window]
                 dist.all_reduce(act[:1], group=across)
 
+        base = 0.0 if cuda else per_call(between, repeats)  # the work alone, timed once for every fit below
         for kind in KINDS:
-            latency, bw = _fit(kind, group, n, payloads, device, dtype, repeats, between)
+            latency, bw = _fit(kind, group, n, payloads, device, dtype, repeats, between, base)
             collectives.append((kind, n, latency, bw))
         if not cuda:
-            waits.append((n, *_wait(group, n, payloads[0], dtype, repeats, between)))
+            waits.append((n, base, _wait(group, n, payloads[0], dtype, repeats, between, base)))
     memory = slowest(_usable_memory(device, ranks), op=dist.ReduceOp.MIN)
     host = HostCosts() if cuda else host_costs(dict(((k, n), lat) for k, n, lat, _ in collectives), repeats)
     if not cuda and all(p.device.type != "meta" for p in model.parameters()):  # a model with weights runs
@@ -367,7 +368,7 @@ def _groups_of(n: int, ranks: int, strided: bool = False) -> Any:
 
 
 def _fit(kind: str, group: Any, n: int, payloads: tuple[int, int], device: torch.device, dtype: torch.dtype,
-         repeats: int, between: Callable[[], Any]) -> tuple[float, float]:
+         repeats: int, between: Callable[[], Any], base: float) -> tuple[float, float]:
     """``(latency_s, bus_bytes_per_s)`` of ``kind`` over ``group`` from its times at two payloads
     (bytes, the smaller first); a bandwidth of ``_NO_BANDWIDTH_COST`` where the larger was not slower.
 
@@ -376,14 +377,13 @@ def _fit(kind: str, group: Any, n: int, payloads: tuple[int, int], device: torch
     it, back to back in a window on every rank (:func:`~fxtp.local_ranks.per_call`), as
     collectives follow a block's compute in a step: ranks sharing a host's cores reach it at
     different times, and that wait is part of what a collective costs there (NOTE: [contended
-    window] in fxtp/local_ranks.py)."""
+    window] in fxtp/local_ranks.py); ``base``: ``between``'s own seconds there (0 on a GPU)."""
     steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
     element = torch.finfo(dtype).bits // 8
     small, large = (max(element * n, p // (n * element) * n * element) for p in payloads)
     gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # torch 2.13 renames them
     scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
     cpu = device.type != "cuda"
-    base = per_call(between, repeats) if cpu else 0.0
     times = []
     for payload in (small, large):
         full = torch.ones(payload // element, device=device, dtype=dtype)
@@ -405,25 +405,25 @@ def _fit(kind: str, group: Any, n: int, payloads: tuple[int, int], device: torch
 
 
 def _wait(group: Any, n: int, payload: int, dtype: torch.dtype, repeats: int,
-          between: Callable[[int], Any]) -> tuple[float, float]:
-    """``(after_s, per_s)`` of ``Hardware.collective_wait`` for groups of ``n`` on CPU ranks (NOTE:
-    [collective wait] in fxtp/planner/comm.py): the seconds of ``between``'s half block of work,
-    which every collective of :func:`_fit` follows, and the seconds a ``payload``-byte
-    all_reduce adds per second of work more before it (timed after 1 and after
-    ``_WAIT_HALVES`` half blocks, each the slowest rank's median in a window); 0 where more
-    work did not make it slower."""
+          between: Callable[[int], Any], base: float) -> float:
+    """``per_s`` of ``Hardware.collective_wait`` for groups of ``n`` on CPU ranks (NOTE:
+    [collective wait] in fxtp/planner/comm.py): the seconds a ``payload``-byte all_reduce adds
+    per second of work more before it, timed after 1 and after ``_WAIT_HALVES`` half blocks
+    (each the slowest rank's median in a window; ``base``: one half block's own seconds, which
+    every collective of :func:`_fit` follows); 0 where more work did not make it slower."""
     element = torch.finfo(dtype).bits // 8
     full = torch.ones(max(n, payload // element), dtype=dtype)
-    works, adds = [], []
+    works, adds = [base], []
     for halves in (1, _WAIT_HALVES):
         def once(halves: int = halves) -> None:
             between(halves)
             dist.all_reduce(full, group=group)
 
-        works.append(per_call(lambda halves=halves: between(halves), repeats))
+        if halves > 1:
+            works.append(per_call(lambda halves=halves: between(halves), repeats))
         adds.append(max(0.0, per_call(once, repeats) - works[-1]))
     more = works[1] - works[0]
-    return works[0], max(0.0, (adds[1] - adds[0]) / more) if more > 0 else 0.0
+    return max(0.0, (adds[1] - adds[0]) / more) if more > 0 else 0.0
 
 
 def _usable_memory(device: torch.device, ranks: int) -> int:

@@ -276,9 +276,8 @@ def pooled(found: list[Hardware]) -> Hardware:
                          statistics.median(h.collective(kind, n)[1] for h in found)) for kind, n, _, _ in found[0].collectives)
     widest = [c for c in collectives if c[0] == "all_reduce"][-1:]
     links = dict(intra_node_bw=widest[0][3], inter_node_bw=widest[0][3], collective_latency=widest[0][2]) if widest else {}
-    waits = tuple((n, statistics.median({r: a for r, a, _ in h.collective_wait}[n] for h in found),
-                   statistics.median({r: w for r, _, w in h.collective_wait}[n] for h in found))
-                  for n, _, _ in found[0].collective_wait)
+    by_size = [{n: (after, per) for n, after, per in h.collective_wait} for h in found]
+    waits = tuple((n, *(statistics.median(w[n][i] for w in by_size) for i in (0, 1))) for n, _, _ in found[0].collective_wait)
     host = dataclasses.replace(found[0].host, **{f.name: statistics.median(getattr(h.host, f.name) for h in found)
                                                  for f in dataclasses.fields(found[0].host) if f.name != "asynchronous"})
     runs = [h.calibration for h in found if h.calibration is not None]
