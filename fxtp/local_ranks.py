@@ -1,4 +1,5 @@
-"""Local ranks for measuring: spawn them with a process group, and time work on all of them at once.
+"""Local ranks for measuring: spawn them with a process group, time work on all of them at once,
+and split a call's time by where its thread spent it (``torch.profiler``'s events, by name).
 
 ``fxtp.planner.calibrate`` and ``fxtp.planner.measure`` (and the benchmarks in ``tools/``) run
 here: NCCL with one GPU a rank where the host has the GPUs, else gloo with one CPU thread a rank.
@@ -25,13 +26,16 @@ share of a call is queued ahead of it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
 import socket
 import statistics
+import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -39,7 +43,8 @@ import torch.distributed as dist
 
 from fxtp.core.errors import FxtpConfigError
 
-__all__ = ["WINDOW_S", "per_call", "slowest", "spawn_ranks", "sync"]
+__all__ = ["FSDP_RANGES", "FXTP_COLLECTIVES", "WINDOW_S", "Profiled", "per_call", "profiled", "slowest", "spawn_ranks",
+           "sync", "union"]
 
 WINDOW_S = 0.1  # seconds a CPU measurement runs: many scheduler time slices (a few ms each)
 
@@ -139,3 +144,85 @@ def sync(device: torch.device) -> None:
     """Wait for ``device``'s queued work (a GPU's; nothing on a CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# fxtp issues its collectives as torch's functional collectives (fxtp/core/collectives.py): each op and
+# its wait_tensor; FSDP2 brackets its own work in record_function ranges (its hooks, copy-in and
+# copy-out and its collectives: torch/distributed/fsdp/_fully_shard/)
+FXTP_COLLECTIVES = "_c10d_functional::"
+FSDP_RANGES = "FSDP::"
+
+
+@dataclass(frozen=True)
+class Profiled:
+    """One profiled call on every rank.
+
+    Attributes:
+        seconds: the call's wall seconds on this rank.
+        shares: per name prefix, the share of ``seconds`` inside the union of the events whose
+            names start with it (nested and overlapping events counted once), the ranks' mean.
+        issued: per name prefix, the outermost events that start with it other than waits
+            (``wait_tensor``): the collectives issued, for fxtp's; this rank's count.
+    """
+
+    seconds: float
+    shares: dict[str, float]
+    issued: dict[str, int]
+
+
+def profiled(call: Callable[[], Any], prefixes: tuple[str, ...]) -> Profiled:
+    """Run ``call()`` once under ``torch.profiler`` (CPU activities) on every rank of the default
+    group (every rank calls this), after a barrier."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    with _stderr_muted(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        call()
+        seconds = time.perf_counter() - start
+    spans: dict[str, list[tuple[float, float, bool]]] = {p: [] for p in prefixes}
+    for event in prof.events():
+        for prefix in prefixes:
+            if event.name.startswith(prefix):
+                spans[prefix].append((event.time_range.start, event.time_range.end, "wait" not in event.name))
+    issued = {p: _outermost(s) for p, s in spans.items()}
+    ranks = dist.get_world_size()
+    shares = {p: slowest(union([(a, b) for a, b, _ in s]) / 1e6 / seconds, dist.ReduceOp.SUM) / ranks for p, s in spans.items()}
+    return Profiled(seconds, shares, issued)
+
+
+def _outermost(spans: list[tuple[float, float, bool]]) -> int:
+    """The events flagged ``True`` that no earlier event of the list encloses or overlaps: an
+    op dispatched again inside itself (a functional collective under a mode that re-dispatches
+    it: twice per call in the tests' rank pool, once in a spawned rank) is counted once."""
+    count, end = 0, float("-inf")
+    for a, b, flagged in sorted(spans, key=lambda s: (s[0], -s[1])):
+        if a >= end:
+            count += flagged
+        end = max(end, b)
+    return count
+
+
+def union(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of intervals (nested and overlapping events counted once)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+@contextlib.contextmanager
+def _stderr_muted() -> Any:
+    """File descriptor 2 to /dev/null while inside: the profiler's kineto writes a line there at
+    each start and stop, on every rank, past Python's ``sys.stderr``."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

@@ -47,6 +47,26 @@ def test_a_collective_waits_for_the_compute_since_its_groups_last_one():
     assert collective_wait(Group.tp(4, 8), 0.050, 10, H100) == 0.0  # the table: GPUs wait on their devices
 
 
+def test_tp_collectives_timed_in_the_model_price_its_activation_all_reduce_and_wait_for_no_one():
+    # NOTE: [collectives in the model]: each kind's fitted figure scaled by one factor, so that the
+    # model's activation all_reduce costs what one collective took inside the model
+    from fxtp.planner.comm import ring_time
+    from fxtp.planner.calibration import with_tp_collectives
+
+    fitted = [("all_reduce", 4, 1e-3, 1e9), ("all_gather", 4, 2e-3, 2e9), ("reduce_scatter", 4, 4e-3, 4e9),
+              ("all_reduce", 2, 7e-3, 1e9)]
+    tp = with_tp_collectives(fitted, 4, 5e-3, 10**6)  # 5 ms each; fitted: 1 ms + 1 MB x 6 / 4 / 1 GB/s = 2.5 ms
+    assert tp == [("tp:all_reduce", 4, pytest.approx(2e-3), pytest.approx(5e8)),
+                  ("tp:all_gather", 4, pytest.approx(4e-3), pytest.approx(1e9)),
+                  ("tp:reduce_scatter", 4, pytest.approx(8e-3), pytest.approx(2e9))]
+    assert with_tp_collectives(fitted, 4, 0.0, 10**6) == []  # the model issued none
+    cpu = dataclasses.replace(H100, collectives=tuple(fitted + tp), collective_wait=((4, 1e-3, 0.5),))
+    assert ring_time("all_reduce", 10**6, Group.tp(4, 8), cpu) == pytest.approx(5e-3)
+    assert ring_time("all_reduce", 10**6, Group(4, 4, "dp"), cpu) == pytest.approx(2.5e-3)  # FSDP2's keep the fit
+    assert collective_wait(Group.tp(4, 8), 0.050, 10, cpu) == 0.0  # its waits are in the figure
+    assert collective_wait(Group(4, 4, "dp"), 0.050, 10, cpu) == pytest.approx(0.5 * (0.050 - 10 * 1e-3))
+
+
 def test_fsdp_exposes_what_the_previous_unit_does_not_hide():
     # forward: AG_0, then max(0, AG_i - F_{i-1}); backward: AG_last, then
     # max(0, AG_{j-1} + RS_{j+1} - B_j) while unit j runs its backward, then RS_0.

@@ -39,14 +39,15 @@ def _model():
 
 
 def _calibrate_and_measure() -> dict:
-    """On each rank: the measurement (1 round: one calibration, a timed step per layout; 3 where
-    the timing bounds are asserted; the rounds' pooling is tested without ranks) and the measured
-    Hardware's prediction of each row (the re-plan's figures, as the plan prices them)."""
+    """On each rank: the measurement (one calibration, a timed step per layout; the defaults, 3
+    calibrations and 9 steps, where the timing bounds are asserted; the rounds' pooling is
+    tested without ranks) and the measured Hardware's prediction of each row (the re-plan's
+    figures, as the plan prices them)."""
     from fxtp.planner.measurement import measure_on_ranks
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        m = measure_on_ranks(_model(), batch=BATCH, seq=SEQ, steps=3 if TIMING_BOUNDS else 1)
+        m = measure_on_ranks(_model(), batch=BATCH, seq=SEQ, **({} if TIMING_BOUNDS else {"steps": 1, "calibrations": 1}))
     return {"measurement": m, "warned": [str(w.message) for w in seen]}
 
 
@@ -79,15 +80,19 @@ def measured(rank_pools):
 
 def test_calibration_measures_every_degree_and_group(measured):
     """A rate for each tp degree of 4 ranks, a latency and bandwidth for each collective kind
-    over groups of 2 and 4, the host's memory shared by the ranks; each calibration within a
-    minute."""
+    over groups of 2 and 4 (fitted, and in tp groups inside the model), the host's memory
+    shared by the ranks; each calibration within a minute."""
     m = measured["measurement"]
     hw = m.hardware
     assert [tp for tp, _ in hw.achieved_flops] == [1, 2, 4], hw
     assert all(1e8 < rate < 1e13 for _, rate in hw.achieved_flops), hw  # FLOP/s of one CPU thread
+    # each kind fitted, and the tp groups' timed inside the model (NOTE: [collectives in the model])
     assert sorted((kind, n) for kind, n, _, _ in hw.collectives) == sorted(
-        (kind, n) for kind in ("all_reduce", "all_gather", "reduce_scatter") for n in (2, 4)), hw
+        (role + kind, n) for role in ("", "tp:") for kind in ("all_reduce", "all_gather", "reduce_scatter") for n in (2, 4)), hw
     assert all(0 <= lat < 1.0 and bw > 1e6 for _, _, lat, bw in hw.collectives), hw
+    for n in (2, 4):  # one activation all_reduce of a dp 4 / n rank's micro-batch: a few ms here
+        lat, bw = hw.collective("all_reduce", n, "tp")
+        assert 1e-5 < lat + BATCH * n // 4 * SEQ * 128 * 4 * 2 * (n - 1) / n / bw < 0.1, hw
     # NOTE: [collective wait]: after half a block of work, and the wait a second of work more adds
     assert [n for n, _, _ in hw.collective_wait] == [2, 4] and all(0 < after < 0.1 and 0 <= per < 10
                                                                    for _, after, per in hw.collective_wait), hw
@@ -99,7 +104,7 @@ def test_calibration_measures_every_degree_and_group(measured):
     assert not host.asynchronous and 1e-7 < host.op < 1e-2 and 1e-7 < host.op_backward < 1e-2, host
     assert 0 < host.optimizer_tensor < host.optimizer_dtensor < 1.0 and host.optimizer_element < 1e-6, host
     assert host.optimizer_tensor < host.optimizer_sharded < 1.0, host  # fxtp's ShardedParameter: through __torch_function__
-    assert m.calibrate_s / m.steps < 60, m.calibrate_s  # a calibration a round
+    assert m.calibrate_s / m.calibrations < 60, m.calibrate_s  # a calibration a round
 
 
 def test_measure_runs_each_mesh_and_prices_it_again(measured):
@@ -145,11 +150,14 @@ def test_predicted_step_time_within_15_percent_and_the_order_kept(measured):
     assert m.order(measured=True) == m.order(measured=False)
 
 
-def test_the_measured_hardware_prices_each_row_as_measured():
+@pytest.mark.parametrize("in_model", [False, True], ids=["fitted", "tp-in-model"])
+def test_the_measured_hardware_prices_each_row_as_measured(in_model):
     """No ranks: rows of dp 4, dp 2 x tp 2 and tp 4, the last two with sequence parallelism
     (their tp collectives are all_gathers and reduce_scatters, as FSDP2's; dp 2 x tp 2's two
     groups both have 2 ranks), each term measured at its own factor of the prediction: priced
-    again with the measured Hardware, every term is the measured one."""
+    again with the measured Hardware, every term is the measured one. With the tp groups'
+    collectives timed inside the model (NOTE: [collectives in the model]) the tp groups wait
+    for no one beyond them, and the measured Hardware replaces those entries."""
     import torch
 
     from fxtp.planner import Hardware
@@ -165,8 +173,8 @@ def test_the_measured_hardware_prices_each_row_as_measured():
     params = parameter_shapes(model, (1, 2, 4), (torch.zeros(1, SEQ, dtype=torch.long),), {})
     hw = Hardware("calibrated", 1e10, 2**30, 1e9, 1e9, devices_per_node=4, mfu=1.0, overlap_fsdp=False, compute_bytes=4,
                   achieved_flops=((1, 1e10), (2, 9e9), (4, 8e9)),
-                  collectives=tuple((kind, n, 1e-4, 1e9) for kind in ("all_reduce", "all_gather", "reduce_scatter")
-                                    for n in (2, 4)),
+                  collectives=tuple((role + kind, n, lat, 1e9) for role, lat in ((("", 1e-4),) + ((("tp:", 3e-4),) if in_model else ()))
+                                    for kind in ("all_reduce", "all_gather", "reduce_scatter") for n in (2, 4)),
                   host=HostCosts(op=2e-5, op_backward=2e-5, optimizer_tensor=1e-4, fsdp_unit=1e-4,
                                  asynchronous=False),  # kept as priced
                   collective_wait=((2, 1e-4, 0.3), (4, 1e-4, 0.4)))  # in the measured collectives' figures
@@ -179,8 +187,11 @@ def test_the_measured_hardware_prices_each_row_as_measured():
     again = measured_hardware(hw, tuple(rows))
     assert all(e.step["gemm"] < e.step["compute"] for e, _ in rows)  # the host's seconds are in the compute
     assert [e.step["fsdp_host"] > 0 for e, _ in rows] == [True, True, False]  # and FSDP2's in its term, at dp > 1
-    assert [(e.step["tp_wait"] > 0, e.step["fsdp_wait"] > 0) for e, _ in rows] == [(False, True), (True, True), (True, False)]
+    tp_waits = not in_model
+    assert [(e.step["tp_wait"] > 0, e.step["fsdp_wait"] > 0) for e, _ in rows] == [(False, True), (tp_waits, True), (tp_waits, False)]
     assert again.collective_wait == ()
+    named = [(kind, n) for kind, n, _, _ in again.collectives]
+    assert len(named) == len(set(named)) == len(hw.collectives) + (12 if not in_model else 6), named  # tp's replaced, dp's added
     for e, m in rows:
         priced = estimate(e.choice, shape, params[e.choice.tp], again, work)
         for term in ("compute", "tp_comm", "fsdp_exposed"):
@@ -193,6 +204,18 @@ def test_the_measured_hardware_prices_each_row_as_measured():
     assert estimate(e.choice, shape, params[1], kept, work).step["compute"] == pytest.approx(e.step["compute"], rel=1e-9)
     assert [line.split(" is under")[0] for line in unreproduced(((e, low),))] == [
         f"tp 1 x dp 4: measured compute {fmt_time(low['compute'])}"]
+
+
+def test_a_collective_dispatched_inside_itself_is_issued_once():
+    """No ranks: ``profiled`` counts the outermost events (NOTE: [collectives in the model]): a
+    functional collective a mode dispatches again inside itself, as in the tests' rank pool, is
+    one collective; its wait is none; two apart are two."""
+    from fxtp.local_ranks import _outermost
+
+    op, again, wait, later = (0.0, 5.0, True), (1.0, 4.0, True), (6.0, 9.0, False), (10.0, 11.0, True)
+    assert _outermost([op, again, wait, later]) == 2
+    assert _outermost([later, wait, again, op]) == 2  # in any order
+    assert _outermost([op, (2.0, 7.0, True)]) == 1  # one overlapping another is not issued apart
 
 
 def test_a_calibration_says_which_of_its_figures_it_doubts():

@@ -29,15 +29,20 @@ they will in the run; NOTE: [contended window] in fxtp/local_ranks.py), each fig
   the world, an all_reduce over the other mesh dim's group, as FSDP2's traffic runs beside
   tp's in a step (NOTE: [contended window] in fxtp/local_ranks.py). Then, per group size,
   the activation all_reduce again after 4 half blocks: the seconds of wait a second of work
-  adds (``Hardware.collective_wait``, NOTE: [collective wait] in fxtp/planner/comm.py).
+  adds (``Hardware.collective_wait``, NOTE: [collective wait] in fxtp/planner/comm.py). Where
+  the model has weights, each tp group size's collectives are also timed inside the model's own
+  tp program, and those figures price the tp groups' (NOTE: [collectives in the model] in
+  fxtp/planner/calibration.py).
 - host (CPU ranks): the seconds a dispatched op costs the host, forward and backward, fixed and
   per byte it writes; an optimizer step per parameter tensor (plain, and FSDP2's DTensor shards)
   and per element; FSDP2's own work per collective, per unit and per parameter tensor
-  (:func:`host_costs`; NOTE: [host time] in fxtp/planner/host.py). The op figures come from a
+  (:func:`~fxtp.planner.host.host_costs`; NOTE: [host time] in fxtp/planner/host.py). The op figures come from a
   chain of ``aten.mul`` and are then scaled by one factor so that, with the tp 1 GEMM rate,
-  they price the model's own tp 1 forward and backward as measured (``_on_the_model``: a
-  model's ops cost 1.9-2.3x a ``mul`` chain's here); a model without weights (a config.json's,
-  on ``meta``) keeps the chain's. On GPUs they are not priced.
+  they price the model's own tp 1 forward and backward as measured (a model's ops cost
+  1.9-2.3x a ``mul`` chain's here), and the optimizer figures by another so that they price
+  what its AdamW step adds to them (1.6x the figures timed alone, 2026-12-07;
+  :func:`~fxtp.planner.host.host_on_the_model`); a model without weights (a
+  config.json's, on ``meta``) keeps the chain's. On GPUs they are not priced.
 - memory: per rank, a GPU's free memory (``torch.cuda.mem_get_info``), or on a CPU the host's
   ``MemAvailable`` (``/proc/meminfo``) shared by the local ranks: ``Hardware.memory_bytes``.
 - doubts (:func:`~fxtp.planner.hardware.doubts`): what the figures themselves say about a
@@ -53,6 +58,33 @@ collectives are priced as exposed (``overlap_fsdp = False``): with no CUDA strea
 and waits them on the thread that computes (torch ``fsdp/_fully_shard/_fsdp_param_group.py``:
 the streams it overlaps on are CUDA's). On GPUs (NCCL) they are bf16 and overlapped as
 NOTE: [fsdp overlap] prices it.
+
+NOTE: [collectives in the model]
+On CPU ranks that share a host's cores, a collective's cost in a step depends on what runs
+around it: its peers reach it after their own share of the cores, and the scheduler decides
+which ran last (NOTE: [contended window] in fxtp/local_ranks.py, NOTE: [collective wait] in
+fxtp/planner/comm.py). A collective fitted after synthetic work (half a block's GEMM and
+elementwise ops, NOTE: [calibration]) priced a hidden-128
+Llama's tensor-parallel communication at 4 ranks 0.75-0.85x what the step measured, and at 2
+ranks, two tp groups beside two dp groups, 1.2-1.5x (2026-12-07: tp 4 58.7 ms against 74.4
+measured, dp 2 x tp 2 47.2 ms against 30.7; the order of the three layouts flipped with it).
+So where the model has weights, a CPU calibration also times, for each tensor-parallel degree
+``n``, the model's own tp ``n`` training forward and backward (``fxtp.compile`` over the tp
+groups of a ``(ranks / n, n)`` mesh, every group at once, one rank's micro-batch of a dp ``ranks
+/ n`` layout): its seconds in a window (:func:`~fxtp.local_ranks.per_call`), the share of them
+inside fxtp's collectives from one more call under ``torch.profiler`` (:func:`~fxtp.local_ranks.profiled`,
+the instrument ``fxtp.planner.measure`` splits a step with), over the collectives it issued.
+That is one collective's seconds in the model; each kind's fitted figure over ``n`` ranks is
+scaled so that the model's activation all_reduce costs it, as a tp group's entry
+(``"tp:all_reduce"``, ``"tp:all_gather"``, ``"tp:reduce_scatter"``: ``Hardware.collective(...,
+role="tp")``; sequence parallelism's are priced with it). Each already holds the waits for
+peers at the model's own spacing of collectives, so tp groups with it add no
+``collective_wait`` (FSDP2's dp groups keep theirs). On the same host the in-model figures were
+34.7 ms (tp 2, against 30.7 measured in dp 2 x tp 2) and 79.8 ms (tp 4, against 74.4).
+
+This is the model's own program at one micro-batch, not a candidate's step: no FSDP2, no
+optimizer, no accumulation, and one forward and backward per degree (2-6 s here); the layouts
+that ``fxtp.planner.measure`` runs are built the same way but add all three.
 """
 
 from __future__ import annotations
@@ -61,6 +93,7 @@ import copy
 import dataclasses
 import math
 import os
+import statistics
 import time
 from typing import Any, Callable
 
@@ -69,8 +102,9 @@ import torch.distributed as dist
 from torch import nn
 
 from fxtp.core.errors import FxtpConfigError
-from fxtp.local_ranks import per_call, slowest, spawn_ranks
+from fxtp.local_ranks import FXTP_COLLECTIVES, per_call, profiled, slowest, spawn_ranks
 from fxtp.planner.hardware import CalibrationRun, Hardware, HostCosts, doubts
+from fxtp.planner.host import host_costs, host_on_the_model
 from fxtp.planner.model import TransformerShape
 from fxtp.planner.params import repeated_blocks
 
@@ -84,6 +118,7 @@ _LARGE_CPU = 8 << 20  # bytes: on CPU ranks, a payload whose bandwidth term show
 _BETWEEN_OPS = 200
 _WAIT_HALVES = 4  # the all_reduce timed again after this many times ``between``'s work (NOTE: [collective wait])
 _NO_BANDWIDTH_COST = 1e12  # bytes/s where a larger payload took no longer: the latency is all of it
+_PROFILED = 3  # profiled calls of the model's tp program, their median share kept (NOTE: [collectives in the model])
 
 
 def calibrate(model: nn.Module, devices: int, *, batch: int, seq: int, repeats: int = 5, timeout_s: int = 300) -> Hardware:
@@ -128,9 +163,9 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
         rates.append((tp, sum(6 * m * k * n * count for m, k, n, count in shapes) / seconds))
     element = torch.finfo(dtype).bits // 8
     large = max(batch // ranks * seq * shape.hidden, shape.block_params) * element
-    collectives, waits = [], []
+    collectives, waits, groups = [], [], {}
     for n in tps[1:]:
-        group = _groups_of(n, ranks)
+        group = groups[n] = _groups_of(n, ranks)
         tokens = max(1, batch // (ranks // n)) * seq
         # on CPU ranks the model's own activation payload, whose time is then measured, not fitted
         act_bytes = tokens * shape.hidden * element
@@ -158,7 +193,13 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
     memory = slowest(_usable_memory(device, ranks), op=dist.ReduceOp.MIN)
     host = HostCosts() if cuda else host_costs(dict(((k, n), lat) for k, n, lat, _ in collectives), repeats)
     if not cuda and all(p.device.type != "meta" for p in model.parameters()):  # a model with weights runs
-        host = _on_the_model(host, model, shape, (max(1, batch // ranks), seq), rates[0][1], repeats)
+        tokens = (max(1, batch // ranks), seq)
+        gemm_s = shape.flops_per_token(seq) * math.prod(tokens) / rates[0][1]  # the tp 1 GEMMs' seconds
+        host = host_on_the_model(host, model, shape.hidden, tokens, gemm_s, repeats)
+        for n, group in groups.items():  # NOTE: [collectives in the model]
+            tokens = (max(1, batch // (ranks // n)), seq)
+            seconds = tp_collective_on_the_model(model, group, n, tokens, repeats)
+            collectives += with_tp_collectives(collectives, n, seconds, math.prod(tokens) * shape.hidden * element)
     widest = [c for c in collectives if c[0] == "all_reduce"][-1:] or [("", 1, 0.0, 1e9)]
     hw = Hardware(
         name=f"calibrated {ranks} x {torch.cuda.get_device_name(device) if cuda else 'CPU'} ({dist.get_backend()})",
@@ -171,146 +212,6 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
     run = CalibrationRun(slowest(time.perf_counter() - start), os.getloadavg()[0], os.cpu_count() or 1, 0 if cuda else ranks)
     hw = dataclasses.replace(hw, calibration=run)
     return dataclasses.replace(hw, doubts=doubts(hw))
-
-
-def host_costs(latency: dict[tuple[str, int], float], repeats: int = 5) -> HostCosts:
-    """The host's figures on CPU ranks (NOTE: [host time] in fxtp/planner/host.py), each the
-    slowest rank's median of ``repeats``, all ranks measuring at once:
-
-    - ops: a chain of ``aten.mul`` on a tensor that needs grad (each op dispatched and recorded
-      by autograd as a graph's op is), forward and backward, at 64 and 65536 elements: the
-      small one gives the seconds per op, the difference the seconds per byte written;
-    - optimizer: ``torch.optim.AdamW`` (its per-tensor loop on CPU) with ``zero_grad``, on 64
-      tensors of 16 elements (per tensor) and on one of 2**18 (per element); on 64 DTensor
-      shards over all the ranks, as FSDP2's parameters are, and on 64 of fxtp's
-      ``ShardedParameter`` s, as a tensor-parallel rank's at dp 1 (per tensor);
-    - FSDP2: ``fully_shard`` on 4 units of ``nn.Linear(8, 8)`` layers and a root, forward and
-      backward, against the same module unsharded; the difference, less the collectives'
-      calibrated latencies (``latency``: ``(kind, ranks) -> s``), over its collectives (an
-      all_gather in forward and in backward and a reduce_scatter per unit, 2 for the root), at
-      1 and 8 layers a unit: per collective and per parameter tensor.
-    """
-    per_op, per_op_back = {}, {}
-    for numel in (64, 1 << 16):
-        per_op[numel], per_op_back[numel] = _op_seconds(numel, 200, repeats)
-    small, large = 64 * 4, (1 << 16) * 4  # bytes an op writes
-    op_byte = max(0.0, (per_op[1 << 16] - per_op[64]) / (large - small))
-    op_back_byte = max(0.0, (per_op_back[1 << 16] - per_op_back[64]) / (large - small))
-    tensor = _optimizer_seconds([16] * 64, repeats) / 64
-    element = max(0.0, (_optimizer_seconds([1 << 18], repeats) - tensor) / (1 << 18))
-    dtensor = _optimizer_seconds([16 * dist.get_world_size()] * 64, repeats, kind="dtensor") / 64
-    sharded = _optimizer_seconds([16] * 64, repeats, kind="sharded") / 64
-    ranks = dist.get_world_size()
-    gather, scatter = latency.get(("all_gather", ranks), 0.0), latency.get(("reduce_scatter", ranks), 0.0)
-    waits = 4 * (2 * gather + scatter) + gather + scatter  # 4 units' 3 collectives, the root's 2
-    per_collective = {layers: max(0.0, (_fsdp_seconds(layers, repeats) - waits) / 14) for layers in (1, 8)}
-    fsdp_tensor = max(0.0, (per_collective[8] - per_collective[1]) / 7)
-    return HostCosts(op=max(0.0, per_op[64] - small * op_byte), op_backward=max(0.0, per_op_back[64] - small * op_back_byte),
-                     op_byte=op_byte, op_backward_byte=op_back_byte, optimizer_tensor=tensor, optimizer_dtensor=dtensor,
-                     optimizer_element=element, optimizer_sharded=sharded,
-                     fsdp_unit=max(0.0, per_collective[1] - fsdp_tensor), fsdp_tensor=fsdp_tensor, asynchronous=False)
-
-
-def _on_the_model(host: HostCosts, model: nn.Module, shape: TransformerShape, tokens: tuple[int, int], rate: float,
-                  repeats: int) -> HostCosts:
-    """``host`` with its per-op figures scaled by one factor, so that with the tp 1 GEMM ``rate``
-    they price what the model's own training forward and backward (``fxtp.compile``'s tp 1
-    program, ``tokens = (batch, seq)`` of one rank's micro-batch, its ops counted as
-    :func:`~fxtp.planner.host.count_ops` counts them) takes with every rank running it at once:
-    a chain of ``aten.mul`` misses what a model's ops add (autograd nodes of several inputs,
-    views, the Python between them; NOTE: [contended window] in fxtp/local_ranks.py)."""
-    import fxtp
-    from fxtp.planner.host import _Counter
-
-    ids = torch.randint(0, model.config.vocab_size, tokens, generator=torch.Generator().manual_seed(0))
-    pm = fxtp.compile(copy.deepcopy(model).train(), 1, (ids,), example_kwargs={"labels": ids}, dynamic=False)
-
-    def step() -> None:
-        pm(ids, labels=ids).loss.backward()
-        pm.zero_grad(set_to_none=True)
-
-    seconds, counter = per_call(step, repeats), _Counter(shape.hidden)
-    with counter:
-        loss = pm(ids, labels=ids).loss
-        (forward_ops, forward_bytes), counter.into = counter.into, [0, 0.0]
-        loss.backward()
-    pm.zero_grad(set_to_none=True)
-    priced = (forward_ops * host.op + forward_bytes * host.op_byte + counter.into[0] * host.op_backward
-              + counter.into[1] * host.op_backward_byte)
-    scale = max(0.0, seconds - shape.flops_per_token(tokens[1]) * math.prod(tokens) / rate) / priced if priced else 1.0
-    return dataclasses.replace(host, op=host.op * scale, op_backward=host.op_backward * scale,
-                               op_byte=host.op_byte * scale, op_backward_byte=host.op_backward_byte * scale)
-
-
-def _op_seconds(numel: int, n: int, repeats: int) -> tuple[float, float]:
-    """Seconds of one ``aten.mul`` in a chain of ``n`` on ``numel`` floats, forward and backward
-    (the chain's forward and backward less its forward)."""
-    x = torch.randn(numel, requires_grad=True)
-
-    def forward() -> torch.Tensor:
-        y = x
-        for _ in range(n):
-            y = torch.ops.aten.mul.Tensor(y, 1.0001)
-        return y
-
-    def both() -> None:
-        y = forward()
-        y.backward(torch.ones_like(y))
-        x.grad = None
-
-    once, twice = per_call(forward, repeats), per_call(both, repeats)
-    return once / n, max(0.0, twice - once) / n
-
-
-def _optimizer_seconds(sizes: list[int], repeats: int, kind: str = "plain") -> float:
-    """Seconds of one AdamW step over parameters of ``sizes`` elements, their gradients kept:
-    plain ``nn.Parameter`` s, DTensor shards over all the ranks (``"dtensor"``, as FSDP2's), or
-    fxtp's ``ShardedParameter`` s of a tensor-parallel shard over all the ranks (``"sharded"``,
-    as a tp rank's at dp 1)."""
-    params = [nn.Parameter(torch.randn(n)) for n in sizes]
-    if kind == "dtensor":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Shard, distribute_tensor
-
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        params = [nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])) for p in params]
-    elif kind == "sharded":
-        from fxtp.core.placement import Shard
-        from fxtp.runtime.sharded import ShardedParameter, ShardLayout
-
-        ranks = dist.get_world_size()
-        params = [ShardedParameter(p.detach(), True, ShardLayout(f"calibration.{i}", Shard(0, (p.numel() * ranks,)),
-                                                                 dist.group.WORLD.group_name, ranks))
-                  for i, p in enumerate(params)]
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    for p in params:
-        p.grad = torch.ones_like(p)
-    return per_call(opt.step, repeats)  # the gradients kept: zero_grad sets each to None, no op
-
-
-def _fsdp_seconds(layers: int, repeats: int) -> float:
-    """Seconds FSDP2 adds to a forward and backward of 4 units of ``layers`` ``nn.Linear(8, 8)``
-    and a root ``nn.Linear(8, 8)``, against the same module without it."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(*[nn.Linear(8, 8, bias=False) for _ in range(layers)]) for _ in range(4)],
-                          nn.Linear(8, 8, bias=False))
-    plain = copy.deepcopy(model)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for unit in list(model)[:4]:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
-    x = torch.randn(4, 8)
-
-    def step(m: nn.Module) -> Callable[[], None]:
-        def once() -> None:
-            m(x).sum().backward()
-            m.zero_grad(set_to_none=True)
-        return once
-
-    return per_call(step(model), repeats) - per_call(step(plain), repeats)
 
 
 def gemm_shapes(shape: TransformerShape, tokens: int, tp: int) -> list[tuple[int, int, int, int]]:
@@ -437,3 +338,39 @@ def _usable_memory(device: torch.device, ranks: int) -> int:
     except (OSError, KeyError, ValueError):
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return available // ranks
+
+
+def tp_collective_on_the_model(model: nn.Module, group: Any, n: int, tokens: tuple[int, int], repeats: int) -> float:
+    """Seconds of one of fxtp's collectives inside the model's tp ``n`` training forward and
+    backward over ``group`` (this rank's tp group; every rank calls this), ``tokens = (batch,
+    seq)`` a rank's micro-batch: the call's seconds in a window times the share of them in
+    fxtp's collectives, over the collectives issued (NOTE: [collectives in the model]); 0 where
+    it issued none."""
+    import fxtp
+
+    ids = torch.randint(0, model.config.vocab_size, tokens, generator=torch.Generator().manual_seed(0))
+    pm = fxtp.compile(copy.deepcopy(model).train(), n, (ids,), example_kwargs={"labels": ids}, group=group, dynamic=False)
+
+    def step() -> None:
+        pm(ids, labels=ids).loss.backward()
+        pm.zero_grad(set_to_none=True)
+
+    seconds = per_call(step, repeats)
+    runs = [profiled(step, (FXTP_COLLECTIVES,)) for _ in range(_PROFILED)]
+    issued = runs[0].issued[FXTP_COLLECTIVES]
+    share = statistics.median(r.shares[FXTP_COLLECTIVES] for r in runs)
+    return seconds * share / issued if issued else 0.0
+
+
+def with_tp_collectives(collectives: list[tuple[str, int, float, float]], n: int, seconds: float,
+                        payload: int) -> list[tuple[str, int, float, float]]:
+    """The tp role's entries over ``n`` ranks (``"tp:all_reduce"`` ...): each kind's fitted
+    ``(latency_s, bus_bytes_per_s)`` in ``collectives`` scaled by one factor, so that an
+    all_reduce of ``payload`` bytes (the model's activation) costs ``seconds`` (NOTE:
+    [collectives in the model]); none where ``seconds`` is 0."""
+    fitted = {kind: (lat, bw) for kind, ranks, lat, bw in collectives if ranks == n}
+    if not seconds or "all_reduce" not in fitted:
+        return []
+    lat, bw = fitted["all_reduce"]
+    factor = seconds / (lat + payload * 2 * (n - 1) / n / bw)
+    return [(f"tp:{kind}", n, fitted[kind][0] * factor, fitted[kind][1] / factor) for kind in KINDS if kind in fitted]

@@ -67,7 +67,9 @@ adds, ``per_s`` (``Hardware.collective_wait``). A step's collectives over a grou
 ranks, ``count`` of them a micro-batch, with ``compute`` seconds of it between them, add
 ``per_s x max(0, compute - count x after_s)``: each waits for the compute since its group's
 last collective (on average ``compute / count``) beyond the ``after_s`` already in its
-figures. ``count`` is what the cost model prices (``TpComm.block_count`` and
+figures (a calibration with the model's weights times the tp groups' collectives inside the
+model instead, NOTE: [collectives in the model] in fxtp/planner/calibration.py: those hold
+their waits, and add none). ``count`` is what the cost model prices (``TpComm.block_count`` and
 ``outside_count``, FSDP2's 3 a block and the root's 2 as ``_fsdp_serial`` prices them); a
 tp run issues as many (tests/test_plan_run.py counts them). A GPU rank waits on its own device, not on a shared
 core: no such term.
@@ -160,7 +162,11 @@ def ring_latency(kind: str, group: Group, hw: Hardware) -> float:
 def collective_wait(group: Group, compute: float, count: int, hw: Hardware) -> float:
     """Seconds ``count`` collectives over ``group`` wait for its peers, beyond their
     :func:`ring_time`, with ``compute`` seconds of a rank's compute between them (NOTE:
-    [collective wait]); 0 where ``hw`` measured no wait for the group's size (GPUs, the table)."""
+    [collective wait]); 0 where ``hw`` measured no wait for the group's size (GPUs, the table),
+    and for a group whose role's collectives were timed inside the model, waits and all (NOTE:
+    [collectives in the model] in fxtp/planner/calibration.py)."""
+    if group.role and any(kind.startswith(f"{group.role}:") and n == group.ranks for kind, n, _, _ in hw.collectives):
+        return 0.0
     for ranks, after_s, per_s in hw.collective_wait:
         if ranks == group.ranks and count > 0:
             return per_s * max(0.0, compute - count * after_s)

@@ -388,7 +388,7 @@ def _fsdp_serial(choice: Choice, params: ParamShapes, hw: Hardware, work: Worklo
 
 def _memory(choice: Choice, shape: TransformerShape, params: ParamShapes, work: Workload) -> dict[str, int]:
     tp, dp, b, e = choice.tp, choice.dp, choice.micro_batch, work.activation_bytes
-    sp, ac = choice.sequence_parallel, choice.activation_checkpointing
+    sp = choice.sequence_parallel
     if not work.training:
         kv = shape.kv_cache(b, work.seq, tp, e=e)
         acts = shape.block_activations(b, work.seq, tp, sp=sp, ac=None, e=e) + 4 * b * work.seq * shape.vocab // tp

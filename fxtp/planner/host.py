@@ -43,22 +43,28 @@ GPU the host queues kernels ahead of the device and its time shows only where it
 device's (``asynchronous=True``: compute is the larger of the two). The tables' GPUs do not
 price it (every figure 0): PyTorch's CPU-side launch of a CUDA kernel takes 5-20 us (Holistic
 Trace Analysis documentation, "CUDA Kernel Launch Statistics"), hidden behind a large model's
-kernels. A calibration on CPU ranks measures every figure (``host_costs`` in
-fxtp/planner/calibration.py), on all the local ranks at once: ranks sharing a host's cores
-contend as they will in the run.
+kernels. A calibration on CPU ranks (NOTE: [calibration] in fxtp/planner/calibration.py)
+measures every figure (:func:`host_costs`), on all the local ranks at once: ranks sharing a
+host's cores contend as they will in the run; with the model's weights it scales the op and
+the optimizer figures to the model's own step (:func:`host_on_the_model`).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fxtp.local_ranks import per_call
 from fxtp.planner.hardware import HostCosts
 
-__all__ = ["HostCosts", "OpCounts", "count_ops", "host_seconds", "with_host"]
+__all__ = ["HostCosts", "OpCounts", "count_ops", "host_costs", "host_on_the_model", "host_seconds", "with_host"]
 
 # priced by FLOPs at the calibrated GEMM rate, which includes their dispatch (NOTE: [host time])
 _GEMMS = frozenset({"aten.mm.default", "aten.addmm.default", "aten.bmm.default"})
@@ -197,3 +203,162 @@ def with_host(costs: HostCosts, gemms: float, host: dict[str, float]) -> tuple[f
     if costs.asynchronous:
         return max(gemms, busy), 0.0
     return gemms + busy, host["recompute"]
+
+
+def host_costs(latency: dict[tuple[str, int], float], repeats: int = 5) -> HostCosts:
+    """The host's figures on CPU ranks (NOTE: [host time] in fxtp/planner/host.py), each the
+    slowest rank's median of ``repeats``, all ranks measuring at once:
+
+    - ops: a chain of ``aten.mul`` on a tensor that needs grad (each op dispatched and recorded
+      by autograd as a graph's op is), forward and backward, at 64 and 65536 elements: the
+      small one gives the seconds per op, the difference the seconds per byte written;
+    - optimizer: ``torch.optim.AdamW`` (its per-tensor loop on CPU) with ``zero_grad``, on 64
+      tensors of 16 elements (per tensor) and on one of 2**18 (per element); on 64 DTensor
+      shards over all the ranks, as FSDP2's parameters are, and on 64 of fxtp's
+      ``ShardedParameter`` s, as a tensor-parallel rank's at dp 1 (per tensor);
+    - FSDP2: ``fully_shard`` on 4 units of ``nn.Linear(8, 8)`` layers and a root, forward and
+      backward, against the same module unsharded; the difference, less the collectives'
+      calibrated latencies (``latency``: ``(kind, ranks) -> s``), over its collectives (an
+      all_gather in forward and in backward and a reduce_scatter per unit, 2 for the root), at
+      1 and 8 layers a unit: per collective and per parameter tensor.
+    """
+    per_op, per_op_back = {}, {}
+    for numel in (64, 1 << 16):
+        per_op[numel], per_op_back[numel] = _op_seconds(numel, 200, repeats)
+    small, large = 64 * 4, (1 << 16) * 4  # bytes an op writes
+    op_byte = max(0.0, (per_op[1 << 16] - per_op[64]) / (large - small))
+    op_back_byte = max(0.0, (per_op_back[1 << 16] - per_op_back[64]) / (large - small))
+    tensor = _optimizer_seconds([16] * 64, repeats) / 64
+    element = max(0.0, (_optimizer_seconds([1 << 18], repeats) - tensor) / (1 << 18))
+    dtensor = _optimizer_seconds([16 * dist.get_world_size()] * 64, repeats, kind="dtensor") / 64
+    sharded = _optimizer_seconds([16] * 64, repeats, kind="sharded") / 64
+    ranks = dist.get_world_size()
+    gather, scatter = latency.get(("all_gather", ranks), 0.0), latency.get(("reduce_scatter", ranks), 0.0)
+    waits = 4 * (2 * gather + scatter) + gather + scatter  # 4 units' 3 collectives, the root's 2
+    per_collective = {layers: max(0.0, (_fsdp_seconds(layers, repeats) - waits) / 14) for layers in (1, 8)}
+    fsdp_tensor = max(0.0, (per_collective[8] - per_collective[1]) / 7)
+    return HostCosts(op=max(0.0, per_op[64] - small * op_byte), op_backward=max(0.0, per_op_back[64] - small * op_back_byte),
+                     op_byte=op_byte, op_backward_byte=op_back_byte, optimizer_tensor=tensor, optimizer_dtensor=dtensor,
+                     optimizer_element=element, optimizer_sharded=sharded,
+                     fsdp_unit=max(0.0, per_collective[1] - fsdp_tensor), fsdp_tensor=fsdp_tensor, asynchronous=False)
+
+
+def _op_seconds(numel: int, n: int, repeats: int) -> tuple[float, float]:
+    """Seconds of one ``aten.mul`` in a chain of ``n`` on ``numel`` floats, forward and backward
+    (the chain's forward and backward less its forward)."""
+    x = torch.randn(numel, requires_grad=True)
+
+    def forward() -> torch.Tensor:
+        y = x
+        for _ in range(n):
+            y = torch.ops.aten.mul.Tensor(y, 1.0001)
+        return y
+
+    def both() -> None:
+        y = forward()
+        y.backward(torch.ones_like(y))
+        x.grad = None
+
+    once, twice = per_call(forward, repeats), per_call(both, repeats)
+    return once / n, max(0.0, twice - once) / n
+
+
+def _optimizer_seconds(sizes: list[int], repeats: int, kind: str = "plain") -> float:
+    """Seconds of one AdamW step over parameters of ``sizes`` elements, their gradients kept:
+    plain ``nn.Parameter`` s, DTensor shards over all the ranks (``"dtensor"``, as FSDP2's), or
+    fxtp's ``ShardedParameter`` s of a tensor-parallel shard over all the ranks (``"sharded"``,
+    as a tp rank's at dp 1)."""
+    params = [nn.Parameter(torch.randn(n)) for n in sizes]
+    if kind == "dtensor":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        params = [nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])) for p in params]
+    elif kind == "sharded":
+        from fxtp.core.placement import Shard
+        from fxtp.runtime.sharded import ShardedParameter, ShardLayout
+
+        ranks = dist.get_world_size()
+        params = [ShardedParameter(p.detach(), True, ShardLayout(f"calibration.{i}", Shard(0, (p.numel() * ranks,)),
+                                                                 dist.group.WORLD.group_name, ranks))
+                  for i, p in enumerate(params)]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    return per_call(opt.step, repeats)  # the gradients kept: zero_grad sets each to None, no op
+
+
+def _fsdp_seconds(layers: int, repeats: int) -> float:
+    """Seconds FSDP2 adds to a forward and backward of 4 units of ``layers`` ``nn.Linear(8, 8)``
+    and a root ``nn.Linear(8, 8)``, against the same module without it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(*[nn.Linear(8, 8, bias=False) for _ in range(layers)]) for _ in range(4)],
+                          nn.Linear(8, 8, bias=False))
+    plain = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for unit in list(model)[:4]:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    x = torch.randn(4, 8)
+
+    def step(m: nn.Module) -> Callable[[], None]:
+        def once() -> None:
+            m(x).sum().backward()
+            m.zero_grad(set_to_none=True)
+        return once
+
+    return per_call(step(model), repeats) - per_call(step(plain), repeats)
+
+
+def host_on_the_model(host: HostCosts, model: nn.Module, hidden: int, tokens: tuple[int, int], gemm_s: float,
+                      repeats: int) -> HostCosts:
+    """``host`` with its per-op figures scaled by one factor and its optimizer figures by another,
+    so that beside its GEMMs' ``gemm_s`` seconds (at the calibrated tp 1 rate) they price what
+    the model's own training step takes (``fxtp.compile``'s tp 1 program, ``tokens = (batch,
+    seq)`` of one rank's micro-batch, its ops counted as :func:`count_ops` counts them, those
+    writing tensors whose last dim is not ``hidden`` as tensor parallelism's) with every rank
+    running it at once:
+
+    - ops: its forward and backward. A chain of ``aten.mul`` misses what a model's ops add
+      (autograd nodes of several inputs, views, the Python between them; NOTE: [contended
+      window] in fxtp/local_ranks.py).
+    - optimizer: what AdamW's step over the model's parameters adds to that forward and
+      backward, the parameters' tensors and elements priced with ``optimizer_tensor`` and
+      ``optimizer_element``. Timed alone on small tensors, a step costs less than after a
+      backward, whose activations and gradients have left the caches: a hidden-128 Llama's
+      AdamW took 8.9-17 ms in a step on 4 ranks, priced 4.8-7 (2026-12-07). The one factor
+      scales the DTensor and ``ShardedParameter`` figures too.
+    """
+    import fxtp
+
+    ids = torch.randint(0, model.config.vocab_size, tokens, generator=torch.Generator().manual_seed(0))
+    pm = fxtp.compile(copy.deepcopy(model).train(), 1, (ids,), example_kwargs={"labels": ids}, dynamic=False)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-6)
+
+    def step(with_optimizer: bool = False) -> None:
+        pm(ids, labels=ids).loss.backward()
+        if with_optimizer:
+            opt.step()
+        pm.zero_grad(set_to_none=True)
+
+    seconds, counter = per_call(step, repeats), _Counter(hidden)
+    optimizer_s = max(0.0, per_call(lambda: step(True), repeats) - seconds)
+    with counter:
+        loss = pm(ids, labels=ids).loss
+        (forward_ops, forward_bytes), counter.into = counter.into, [0, 0.0]
+        loss.backward()
+    pm.zero_grad(set_to_none=True)
+    priced = (forward_ops * host.op + forward_bytes * host.op_byte + counter.into[0] * host.op_backward
+              + counter.into[1] * host.op_backward_byte)
+    scale = max(0.0, seconds - gemm_s) / priced if priced else 1.0
+    params = [p for p in pm.parameters() if p.requires_grad]
+    priced_opt = len(params) * host.optimizer_tensor + sum(p.numel() for p in params) * host.optimizer_element
+    opt_scale = optimizer_s / priced_opt if priced_opt and optimizer_s else 1.0
+    return dataclasses.replace(host, op=host.op * scale, op_backward=host.op_backward * scale,
+                               op_byte=host.op_byte * scale, op_backward_byte=host.op_backward_byte * scale,
+                               **{f: getattr(host, f) * opt_scale for f in
+                                  ("optimizer_tensor", "optimizer_dtensor", "optimizer_sharded", "optimizer_element")})

@@ -13,11 +13,12 @@ fxtp/planner/calibration.py) unless one is given:
    them (NOTE: [FSDP2 units inside a ParallelModule] in fxtp/runtime/fsdp.py); the row's
    micro-batches of random token ids, the model's own loss (``labels=``: fxtp's vocab-parallel cross
    entropy, as the plan prices it), ``backward`` and the optimizer's step.
-2. The calibration runs ``steps`` times first, the figures' medians make one Hardware
+2. The calibration runs ``calibrations`` times first, the figures' medians make one Hardware
    (:func:`pooled`), and the plan made with it is the one printed: its rows are the ones run,
    priced as they are compared (until 2026-12-06 the calibrations were interleaved with the
    rounds and the plan printed was made after them, with other rows than the ones run).
-   Step time: the median over ``steps`` steps of the slowest rank's seconds, each step started
+   Step time: the median over ``steps`` steps of the slowest rank's seconds (9 by default: a
+   median of 3 moved by up to 12% between groups of 3 steps of one run here, 2026-12-07), each step started
    after a barrier. The layouts take turns, a step each a round (against the host's drift), and
    each timed step follows an untimed step of its own layout, as a training loop's steps follow
    each other: the first step after another layout's found the caches and the heap holding that
@@ -29,9 +30,12 @@ fxtp/planner/calibration.py) unless one is given:
    fxtp's collectives' intervals
    (``_c10d_functional::*`` ops, ``wait_tensor`` included: fxtp issues its collectives through
    them, fxtp/core/collectives.py); FSDP communication is the union of FSDP2's own
-   ``record_function`` ranges around its collectives (``FSDP::all_gather``,
-   ``FSDP::all_gather_copy_out``, ``FSDP::post_backward_reduce``, ``FSDP::post_backward_rs_wait``);
-   both are time the computing thread spends in them, so exposed time, and each includes
+   ``record_function`` ranges (``FSDP::*``: its hooks, copy-in and copy-out and its
+   collectives, ``FSDP::pre_forward`` and ``FSDP::post_backward`` around the collectives and
+   the work between them), what the plan prices as FSDP2's (its collectives and its host work,
+   NOTE: [host time] in fxtp/planner/host.py); until 2026-12-07 only the ranges around the
+   collectives counted, and the hooks' work was measured as compute and priced as FSDP's.
+   Both are time the computing thread spends in them, so exposed time, and each includes
    waiting for a slower peer. Compute is the rest. Each share is the mean over the ranks.
 4. Peak memory, from one more step: what the step starts from plus glibc's heap in use
    (``mallinfo2``: arena and mmap'd blocks, which hold torch's CPU tensors), sampled every 0.2
@@ -58,13 +62,10 @@ Hardware prices it as exposed; on GPUs the overlap term is the one priced.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import gc
-import os
 import statistics
-import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -75,7 +76,14 @@ import torch.distributed as dist
 from tabulate import tabulate
 from torch import nn
 
-from fxtp.local_ranks import slowest, spawn_ranks, sync
+from fxtp.local_ranks import (
+    FSDP_RANGES,
+    FXTP_COLLECTIVES,
+    profiled,
+    slowest,
+    spawn_ranks,
+    sync,
+)
 from fxtp.planner.calibration import calibrate_on_ranks
 from fxtp.planner.costs import Choice, Estimate
 from fxtp.planner.hardware import CalibrationRun, Hardware, doubts
@@ -87,7 +95,6 @@ __all__ = ["measure", "measure_on_ranks", "Measurement", "TERMS", "unreproduced"
 
 # the step's terms, as Estimate.step names them, and the measured ones' names
 TERMS = ("total", "compute", "tp_comm", "fsdp_exposed")
-_FSDP_RANGES = ("FSDP::all_gather", "FSDP::post_backward_reduce", "FSDP::post_backward_rs_wait")
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,7 @@ class Measurement:
         rows: per tensor-parallel degree, ``(estimate, measured)``: the predicted
             :class:`~fxtp.planner.costs.Estimate` and ``{"total", "compute", "tp_comm",
             "fsdp_exposed"}`` seconds per step and ``"peak"`` bytes per rank, measured.
-        calibrate_s: seconds the calibration took (0 when a Hardware was given); ``run_s``: the runs';
+        calibrate_s: seconds the ``calibrations`` took (0 when a Hardware was given); ``run_s``: the runs';
             ``wall_s``: :func:`measure`'s, all told (the ranks' start, the plans and the builds too).
     """
 
@@ -112,6 +119,7 @@ class Measurement:
     calibrate_s: float
     run_s: float
     wall_s: float = 0.0
+    calibrations: int = 1
 
     choice_changed = property(lambda self: self.plan.chosen.choice != self.replan.chosen.choice)
 
@@ -127,7 +135,7 @@ class Measurement:
                           "measured": dict(m)} for e, m in self.rows],
                 "predicted_order": self.order(False), "measured_order": self.order(True), "chosen": dataclasses.asdict(self.plan.chosen.choice),
                 "replanned": dataclasses.asdict(self.replan.chosen.choice), "choice_changed": self.choice_changed,
-                "steps": self.steps, "calibrate_s": self.calibrate_s, "run_s": self.run_s, "wall_s": self.wall_s}
+                "steps": self.steps, "calibrate_s": self.calibrate_s, "calibrations": self.calibrations, "run_s": self.run_s, "wall_s": self.wall_s}
 
     def __str__(self) -> str:
         slowest = max(max(e.step["total"], m["total"]) for e, m in self.rows)
@@ -144,7 +152,7 @@ class Measurement:
         lines = [
             f"fxtp plan --measure: {self.plan.model} on {self.plan.devices} local ranks ({self.hardware.name}), "
             f"{self.plan.batch} x {self.plan.seq} tokens a step, median of {self.steps} steps "
-            f"({self.wall_s:.1f} s in all: calibrated in {self.calibrate_s:.1f} s, ran in {self.run_s:.1f} s, the rest "
+            f"({self.wall_s:.1f} s in all: calibrated {_times(self.calibrations)} in {self.calibrate_s:.1f} s, ran in {self.run_s:.1f} s, the rest "
             "starting the ranks, planning and building the layouts)" if self.wall_s else
             f"(calibrated in {self.calibrate_s:.1f} s, ran in {self.run_s:.1f} s)",
             tabulate(table, headers=["layout", "", "step", "compute", "tp comm", "fsdp exposed", "peak memory"],
@@ -157,6 +165,10 @@ class Measurement:
             *unreproduced(self.rows),
         ]
         return "\n".join(lines)
+
+
+def _times(n: int) -> str:
+    return {1: "once", 2: "twice"}.get(n, f"{n} times")
 
 
 def _waits(rows: tuple[tuple[Estimate, dict[str, float]], ...]) -> list[str]:
@@ -196,7 +208,8 @@ def _layout(c: Choice) -> str:
 
 
 def measure(model: nn.Module, devices: int, *, batch: int, seq: int, device_memory: Optional[int] = None,
-            hardware: Optional[Hardware] = None, optimizer: str = "adamw", steps: int = 3, timeout_s: int = 600) -> Measurement:
+            hardware: Optional[Hardware] = None, optimizer: str = "adamw", steps: int = 9, calibrations: int = 3,
+            timeout_s: int = 600) -> Measurement:
     """Plan ``model`` for ``devices`` local ranks, run each degree's best row on them, and compare
     (NOTE: [predicted against measured]).
 
@@ -209,6 +222,8 @@ def measure(model: nn.Module, devices: int, *, batch: int, seq: int, device_memo
         optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"``, priced and run.
         steps: timed steps per layout, each after an untimed one (after one warm-up; two more run for
             the profile and the memory).
+        calibrations: calibrations pooled into the Hardware (:func:`pooled`; none when ``hardware``
+            is given), about 25 s each on 4 CPU ranks here.
         timeout_s: the process groups' timeout, seconds.
 
     Returns:
@@ -219,12 +234,13 @@ def measure(model: nn.Module, devices: int, *, batch: int, seq: int, device_memo
     """
     start = time.perf_counter()
     result = spawn_ranks(measure_on_ranks, devices, timeout_s, model, batch=batch, seq=seq, device_memory=device_memory,
-                         hardware=hardware, optimizer=optimizer, steps=steps)
+                         hardware=hardware, optimizer=optimizer, steps=steps, calibrations=calibrations)
     return dataclasses.replace(result, wall_s=time.perf_counter() - start)
 
 
 def measure_on_ranks(model: nn.Module, *, batch: int, seq: int, device_memory: Optional[int] = None,
-                     hardware: Optional[Hardware] = None, optimizer: str = "adamw", steps: int = 3) -> Measurement:
+                     hardware: Optional[Hardware] = None, optimizer: str = "adamw", steps: int = 9,
+                     calibrations: int = 3) -> Measurement:
     """:func:`measure` on the initialized default process group (every rank calls it; each gets
     the result)."""
     from fxtp.runtime.clipping import FsdpClippingWarning
@@ -232,15 +248,15 @@ def measure_on_ranks(model: nn.Module, *, batch: int, seq: int, device_memory: O
     with warnings.catch_warnings():  # on every rank, about what the layouts never do: clip their gradients
         warnings.filterwarnings("ignore", category=FsdpClippingWarning)
         return _measured(model, batch=batch, seq=seq, device_memory=device_memory, hardware=hardware, optimizer=optimizer,
-                         steps=steps)
+                         steps=steps, calibrations=calibrations)
 
 
 def _measured(model: nn.Module, *, batch: int, seq: int, device_memory: Optional[int], hardware: Optional[Hardware],
-              optimizer: str, steps: int) -> Measurement:
+              optimizer: str, steps: int, calibrations: int) -> Measurement:
     start = time.perf_counter()
     # NOTE: [predicted against measured], 2: the calibrations first, so that the plan printed is
     # the one whose rows run, priced as they are compared
-    found = [hardware] if hardware is not None else [calibrate_on_ranks(model, batch=batch, seq=seq) for _ in range(steps)]
+    found = [hardware] if hardware is not None else [calibrate_on_ranks(model, batch=batch, seq=seq) for _ in range(calibrations)]
     calibrate_s = time.perf_counter() - start if hardware is None else 0.0
     hw = pooled(found)
     memory = device_memory or hw.memory_bytes
@@ -262,7 +278,7 @@ def _measured(model: nn.Module, *, batch: int, seq: int, device_memory: Optional
     rows = tuple(zip(_rows(plan), figures))
     again = measured_hardware(hw, rows)
     return Measurement(plan, _plan_on_rank0(model, memory, batch, seq, again, optimizer), hw, again, rows, steps,
-                       calibrate_s, time.perf_counter() - start)
+                       calibrate_s, time.perf_counter() - start, calibrations=len(found) if hardware is None else 0)
 
 
 def pooled(found: list[Hardware]) -> Hardware:
@@ -304,10 +320,13 @@ def measured_hardware(hw: Hardware, rows: tuple[tuple[Estimate, dict[str, float]
         wire = e.step["fsdp_exposed"] - e.step.get("fsdp_host", 0.0) - e.step.get("fsdp_wait", 0.0)  # host work kept as priced
         if wire > 0 and m["fsdp_exposed"] > e.step.get("fsdp_host", 0.0):
             fsdp_factor[c.dp] = (m["fsdp_exposed"] - e.step.get("fsdp_host", 0.0)) / wire
-    collectives = list(hw.collectives) + [  # per role: dp 2 x tp 2's two groups both have 2 ranks
-        (f"{role}:{kind}", n, found[0] * f, found[1] / f) for role, factors in (("tp", tp_factor), ("dp", fsdp_factor))
-        for n, f in sorted(factors.items()) for kind in ("all_reduce", "all_gather", "reduce_scatter")
-        for found in [hw.collective(kind, n)] if found is not None]
+    # per role: dp 2 x tp 2's two groups both have 2 ranks; each the role's figure as priced (a
+    # calibration's in-model tp entries, NOTE: [collectives in the model]), which it replaces
+    rescaled = [(f"{role}:{kind}", n, found[0] * f, found[1] / f) for role, factors in (("tp", tp_factor), ("dp", fsdp_factor))
+                for n, f in sorted(factors.items()) for kind in ("all_reduce", "all_gather", "reduce_scatter")
+                for found in [hw.collective(kind, n, role)] if found is not None]
+    replaced = {(kind, n) for kind, n, _, _ in rescaled}
+    collectives = [c for c in hw.collectives if (c[0], c[1]) not in replaced] + rescaled
     return dataclasses.replace(hw, name=f"{hw.name}, measured", achieved_flops=tuple(sorted(rates.items())),
                                collectives=tuple(collectives), collective_wait=())
 
@@ -335,9 +354,10 @@ class _Layout:
     step, timed, profiled and its memory."""
 
     def __init__(self, model: nn.Module, choice: Choice, seq: int, optimizer: str) -> None:
-        import fxtp
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        import fxtp
 
         c, cuda = choice, dist.get_backend() == "nccl"
         self.choice, self.device = c, torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -387,22 +407,8 @@ class _Layout:
     def profiled(self) -> tuple[float, float]:
         """The shares of one step's seconds spent in fxtp's collectives and in FSDP2's, the
         ranks' mean (NOTE: [predicted against measured], 3)."""
-        from torch.profiler import ProfilerActivity, profile
-
-        dist.barrier()
-        with _stderr_muted(), profile(activities=[ProfilerActivity.CPU]) as prof:
-            start = time.perf_counter()
-            self.step()
-            sync(self.device)
-            seconds = time.perf_counter() - start
-        tp, fsdp = [], []
-        for event in prof.events():
-            span = (event.time_range.start, event.time_range.end)
-            if event.name.startswith("_c10d_functional::"):
-                tp.append(span)
-            elif event.name.startswith(_FSDP_RANGES):
-                fsdp.append(span)
-        return _mean(_union(tp) / 1e6 / seconds), _mean(_union(fsdp) / 1e6 / seconds)
+        shares = profiled(lambda: (self.step(), sync(self.device)), (FXTP_COLLECTIVES, FSDP_RANGES)).shares
+        return shares[FXTP_COLLECTIVES], shares[FSDP_RANGES]
 
     def peak(self) -> int:
         """Peak bytes of a step, the largest rank's: what it starts from (``held``) plus the most in
@@ -416,32 +422,3 @@ class _Layout:
     def close(self) -> None:
         del self.pm, self.opt
         gc.collect()
-
-
-@contextlib.contextmanager
-def _stderr_muted() -> Any:
-    """File descriptor 2 to /dev/null while inside: the profiler's kineto writes a line there at
-    each start and stop, on every rank, past Python's ``sys.stderr``."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def _union(spans: list[tuple[float, float]]) -> float:
-    """The length of the union of intervals (nested and overlapping events counted once)."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
-
-
-def _mean(value: float) -> float:
-    return slowest(value, dist.ReduceOp.SUM) / dist.get_world_size()

@@ -269,7 +269,7 @@ class ParallelPlan:
         }
 
     def __str__(self) -> str:
-        c, m, s = self.chosen.choice, self.chosen.memory, self.chosen.step
+        c, m = self.chosen.choice, self.chosen.memory
         sp = ", sequence parallel" if c.sequence_parallel else ""
         micro = f"micro-batch {c.micro_batch}" + (f" x {c.accumulation} accumulation steps" if c.accumulation > 1 and c.pp == 1 else
                                                   f" x {c.accumulation} pipeline micro-batches" if c.pp > 1 else "")
