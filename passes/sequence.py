@@ -24,7 +24,21 @@ on 1/world_size of the tokens instead:
   consumer (it replaces that consumer's ``f``: same bytes), or keeps this rank's slice of the
   gradient of a replicated consumer;
 * a layer that saves its all_gathered input for backward saves the shard instead and gathers
-  it again in backward (NOTE: [regathered activations] in fxtp/core/activations.py).
+  it again in backward (NOTE: [regathered activations] in fxtp/core/activations.py);
+* a size query of a token shard reads the global size without a gather
+  (NOTE: [size of a token shard]).
+
+NOTE: [size of a token shard]
+Under dynamic shapes the capture reads sizes with ``sym_size`` nodes, and one may read a value
+the region shards (``sym_size(q, 1)`` for a rotary embedding's ``reshape``). Gathering the value
+for its size alone (as at any op the region ends at) planned an all_gather the run never
+issues: the consumers in the region take local shape literals instead (``local_args``), so the
+rewrite's dead-code elimination dropped the size query and its gather, while the report,
+counting from the plan, still counted it (tests/test_fuzz_regressions.py
+"sp-dynamic-report-counts-a-gather-not-run"). A size query never gathers: the size of another
+dim is the shard's own, and the token dim's is this rank's block times world_size
+(``fxtp.core.local_ops.token_count``; the blocks are equal), so any consumer outside the region
+still reads the global size, at any token count.
 
 NOTE: [a reduce site fed by the region]
 A reduce_scatter site can itself take a token-sharded value: a SwiGLU's ``act(w1(x)) * w3(x)``
@@ -53,12 +67,13 @@ from typing import Any, Mapping, Optional
 import torch
 from torch.fx import Graph, Node
 
+from fxtp.core import local_ops
 from fxtp.core.errors import FxtpPlanError
 from fxtp.core.placement import REPLICATE, Partial, Replicate, Shard, is_sharded
 from passes.plan import ShardingPlan
 from passes.propagate import EdgeAction, param_root
 from passes.registry import Conflict, Decision, LayerState, RuleContext, is_tensor_node, module_of, shape_of
-from passes.rules._common import tensor_inputs
+from passes.rules._common import ndim, norm_dim, tensor_inputs
 from passes.rules.matmul import layer_weight
 from passes.rules.variants import rule_for
 
@@ -127,6 +142,11 @@ def sequence_parallel(graph: Graph, plan: ShardingPlan, param_names: frozenset[s
         ins = [a for a in node.all_input_nodes if a in region]
         if not ins:
             continue
+        if node.target is aten.sym_size.int and isinstance(region[node.args[0]], Shard):
+            x, dim = node.args  # NOTE: [size of a token shard]: read without a gather
+            if norm_dim(dim, ndim(x)) == region[x].dim:
+                local_args[node.name], local_targets[node.name] = (x, dim, ws), local_ops.token_count
+            continue
         dec = _joins(node, plan, placement, is_param, region, ws, with_edges)
         if dec is None:  # the region ends here: gather what reaches the node
             for a in ins:
@@ -188,7 +208,7 @@ def _joins(node: Node, plan: ShardingPlan, placement, is_param, region: dict[Nod
     if layer_weight(node, is_param) is not None or node.name in with_edges:
         return None
     if not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)):
-        return None  # a size query (sym_size) of a shard reads its global size: keep it whole
+        return None  # a metadata read other than sym_size (NOTE: [size of a token shard]): it takes the value whole
     rule = rule_for(node.target)
     if rule is None:
         return None

@@ -146,7 +146,7 @@ REGRESSIONS: dict[str, tuple[Spec, dict[int, str]]] = {
         Spec(hidden=32, blocks=(Einsum(form="einsum_ff", ffn=16, heads=1),
                                 Attn(heads=2, kv_heads=2, rotary="complex", shared_head_linear=True, bias=True)),
              embed=None, vocab=16, final_norm="none", head="none", sequence_parallel=True, dynamic=True),
-        {2: "report 5 forward all_gathers, ran 4", 4: "report 5 forward all_gathers, ran 4"},
+        {},  # fixed: a size query of a token shard reads the global size, no gather (NOTE: [size of a token shard])
     ),
 }
 

@@ -22,6 +22,7 @@ __all__ = [
     "kv_head_range",
     "repeat_interleave",
     "repeat_kv_heads",
+    "token_count",
 ]
 
 
@@ -314,3 +315,12 @@ def add_bias_share(x: torch.Tensor, bias: torch.Tensor, world_size: int) -> torc
         the value with replicated operands).
     """
     return _BiasShare.apply(x, bias, world_size)
+
+
+def token_count(x: torch.Tensor, dim: int, world_size: int) -> int:
+    """The global size of dim ``dim`` of ``x``, this rank's token shard: a size query
+    (``sym_size``) of a token-sharded value reads it without gathering the value
+    (NOTE: [size of a token shard] in ``passes/sequence.py``). The token blocks are equal (the
+    gathers and ``fxtp.core.collectives._check_tokens`` require it), so the global size is the
+    local one times ``world_size``; under dynamic shapes it stays a ``SymInt``."""
+    return x.size(dim) * world_size
