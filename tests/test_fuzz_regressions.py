@@ -148,6 +148,15 @@ REGRESSIONS: dict[str, tuple[Spec, dict[int, str]]] = {
              embed=None, vocab=16, final_norm="none", head="none", sequence_parallel=True, dynamic=True),
         {},  # fixed: a size query of a token shard reads the global size, no gather (NOTE: [size of a token shard])
     ),
+    "mha-bias-head-output-not-contiguous": (
+        # FXTP_FUZZ_SEED=49 with the stock spec strategy, at about example 79 (2026-12-07, a helper's hunt; at
+        # f12c031's parent too): one multi-head attention block (nn.MultiheadAttention's form, no bias, no norm, no
+        # residual) straight into a Linear head with a bias, static shapes, no sequence parallelism: the layout
+        # clause of fuzz_check says the output is not contiguous, or is a view, where the single device's is not
+        Spec(hidden=16, blocks=(Mha(heads=2, bias=False, norm="none", residual=False, weights="none"),), embed=None,
+             vocab=16, final_norm="none", head="linear_bias", batch=2, seq=8, seed=0),
+        {2: "layout: outputs [0] are not contiguous, or are views, where the single device's are not"},
+    ),
 }
 
 
