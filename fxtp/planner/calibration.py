@@ -31,8 +31,8 @@ they will in the run; NOTE: [contended window] in fxtp/local_ranks.py), each fig
   the activation all_reduce again after 4 half blocks: the seconds of wait a second of work
   adds (``Hardware.collective_wait``, NOTE: [collective wait] in fxtp/planner/comm.py). Where
   the model has weights, each tp group size's collectives are also timed inside the model's own
-  tp program, and those figures price the tp groups' (NOTE: [collectives in the model] in
-  fxtp/planner/calibration.py).
+  tp program, and those figures price the tp groups' (NOTE: [collectives in the model],
+  below).
 - host (CPU ranks): the seconds a dispatched op costs the host, forward and backward, fixed and
   per byte it writes; an optimizer step per parameter tensor (plain, and FSDP2's DTensor shards)
   and per element; FSDP2's own work per collective, per unit and per parameter tensor

@@ -152,7 +152,7 @@ class Measurement:
         lines = [
             f"fxtp plan --measure: {self.plan.model} on {self.plan.devices} local ranks ({self.hardware.name}), "
             f"{self.plan.batch} x {self.plan.seq} tokens a step, median of {self.steps} steps "
-            f"({self.wall_s:.1f} s in all: calibrated {_times(self.calibrations)} in {self.calibrate_s:.1f} s, ran in {self.run_s:.1f} s, the rest "
+            f"({self.wall_s:.1f} s in all: {_calibrated(self.calibrations, self.calibrate_s)}, ran in {self.run_s:.1f} s, the rest "
             "starting the ranks, planning and building the layouts)" if self.wall_s else
             f"(calibrated in {self.calibrate_s:.1f} s, ran in {self.run_s:.1f} s)",
             tabulate(table, headers=["layout", "", "step", "compute", "tp comm", "fsdp exposed", "peak memory"],
@@ -167,8 +167,9 @@ class Measurement:
         return "\n".join(lines)
 
 
-def _times(n: int) -> str:
-    return {1: "once", 2: "twice"}.get(n, f"{n} times")
+def _calibrated(n: int, seconds: float) -> str:
+    """How many calibrations ran and their seconds, in words (none where a Hardware was given)."""
+    return f"calibrated {({1: 'once', 2: 'twice'}.get(n, f'{n} times'))} in {seconds:.1f} s" if n else "a Hardware given"
 
 
 def _waits(rows: tuple[tuple[Estimate, dict[str, float]], ...]) -> list[str]:
@@ -223,7 +224,7 @@ def measure(model: nn.Module, devices: int, *, batch: int, seq: int, device_memo
         steps: timed steps per layout, each after an untimed one (after one warm-up; two more run for
             the profile and the memory).
         calibrations: calibrations pooled into the Hardware (:func:`pooled`; none when ``hardware``
-            is given), about 25 s each on 4 CPU ranks here.
+            is given), 28-30 s each on 4 CPU ranks here (2026-12-07).
         timeout_s: the process groups' timeout, seconds.
 
     Returns:
