@@ -206,7 +206,7 @@ def with_host(costs: HostCosts, gemms: float, host: dict[str, float]) -> tuple[f
 
 
 def host_costs(latency: dict[tuple[str, int], float], repeats: int = 5) -> HostCosts:
-    """The host's figures on CPU ranks (NOTE: [host time] in fxtp/planner/host.py), each the
+    """The host's figures on CPU ranks (NOTE: [host time]), each the
     slowest rank's median of ``repeats``, all ranks measuring at once:
 
     - ops: a chain of ``aten.mul`` on a tensor that needs grad (each op dispatched and recorded
