@@ -254,6 +254,11 @@ def test_a_calibration_says_which_of_its_figures_it_doubts():
                          hardware=dataclasses.replace(busy, doubts=said)))
     assert (f"calibration doubts its figures: {'; '.join(said)}. fix: calibrate again on an idler host (a load average "
             "under 6: its 2 cores and the 4 ranks' own), or compare two calibrations") in text
+    # calibrated without the model's weights (a config.json on meta): its tp collectives are the fit, and it says so
+    without = "calibrated without the model's weights: its tensor-parallel collectives are the fit after synthetic work"
+    assert without in text
+    in_model = dataclasses.replace(quiet, collectives=quiet.collectives + (("tp:all_reduce", 4, 6e-3, 1e9),))
+    assert without not in str(fxtp.plan(_model(), 4, device_memory=2**30, batch=BATCH, seq=SEQ, hardware=in_model))
 
 
 def test_rounds_pool_their_calibrations():
@@ -264,9 +269,10 @@ def test_rounds_pool_their_calibrations():
     from fxtp.planner.hardware import CalibrationRun, HostCosts
     from fxtp.planner.measurement import pooled
 
-    def calibrated(f: float, memory: int, load: float, rate2: float = 8e9) -> Hardware:
+    def calibrated(f: float, memory: int, load: float, rate2: float = 8e9, in_model: bool = False) -> Hardware:
         return Hardware("calibrated", 1e10, memory, 1e9, 1e9, mfu=1.0, achieved_flops=((1, 1e10 * f), (2, rate2 * f)),
-                        collectives=(("all_reduce", 2, 1e-4 * f, 1e9 / f), ("all_gather", 2, 2e-4 * f, 2e9 / f)),
+                        collectives=(("all_reduce", 2, 1e-4 * f, 1e9 / f), ("all_gather", 2, 2e-4 * f, 2e9 / f))
+                        + ((("tp:all_reduce", 2, 3e-4 * f, 1e9 / f),) if in_model else ()),
                         host=HostCosts(op=1e-5 * f, op_backward=1e-5, fsdp_unit=1e-3, asynchronous=False), calibration=CalibrationRun(20.0 * f, load, 2, 4),
                         collective_wait=((2, 2e-3 * f, 0.1 * f),),
                         doubts=("a round's own doubt",))
@@ -279,6 +285,11 @@ def test_rounds_pool_their_calibrations():
     assert hw.collectives == (("all_reduce", 2, 2e-4, 5e8), ("all_gather", 2, 4e-4, 1e9))
     assert (hw.intra_node_bw, hw.collective_latency) == (5e8, 2e-4)  # the widest all_reduce's
     assert hw.collective_wait == ((2, 4e-3, 0.2),)
+    # the tp groups' in-model entries (NOTE: [collectives in the model]) pool where every calibration has them
+    both = pooled([calibrated(1.0, 2**30, 1.0, in_model=True), calibrated(3.0, 2**30, 1.0, in_model=True)])
+    assert both.collective("all_reduce", 2, "tp") == (pytest.approx(6e-4), pytest.approx((1e9 + 1e9 / 3) / 2))  # medians of 2
+    one = pooled([calibrated(1.0, 2**30, 1.0, in_model=True), calibrated(3.0, 2**30, 1.0)])
+    assert [kind for kind, _, _, _ in one.collectives] == ["all_reduce", "all_gather"]
 
 
 def test_calibrate_and_measure_usage(capsys):

@@ -72,7 +72,7 @@ So where the model has weights, a CPU calibration also times, for each tensor-pa
 ``n``, the model's own tp ``n`` training forward and backward (``fxtp.compile`` over the tp
 groups of a ``(ranks / n, n)`` mesh, every group at once, one rank's micro-batch of a dp ``ranks
 / n`` layout): its seconds in a window (:func:`~fxtp.local_ranks.per_call`), the share of them
-inside fxtp's collectives from one more call under ``torch.profiler`` (:func:`~fxtp.local_ranks.profiled`,
+inside fxtp's collectives from 3 more calls under ``torch.profiler`` (their median) (:func:`~fxtp.local_ranks.profiled`,
 the instrument ``fxtp.planner.measure`` splits a step with), over the collectives it issued.
 That is one collective's seconds in the model; each kind's fitted figure over ``n`` ranks is
 scaled so that the model's activation all_reduce costs it, as a tp group's entry
@@ -209,7 +209,8 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
         collectives=tuple(collectives), overlap_fsdp=cuda, compute_bytes=element, host=host,
         collective_wait=tuple(waits),
     )
-    run = CalibrationRun(slowest(time.perf_counter() - start), os.getloadavg()[0], os.cpu_count() or 1, 0 if cuda else ranks)
+    # the slowest rank's seconds and the highest load any rank read: every rank's Hardware is the same
+    run = CalibrationRun(slowest(time.perf_counter() - start), slowest(os.getloadavg()[0]), os.cpu_count() or 1, 0 if cuda else ranks)
     hw = dataclasses.replace(hw, calibration=run)
     return dataclasses.replace(hw, doubts=doubts(hw))
 

@@ -163,8 +163,9 @@ def collective_wait(group: Group, compute: float, count: int, hw: Hardware) -> f
     """Seconds ``count`` collectives over ``group`` wait for its peers, beyond their
     :func:`ring_time`, with ``compute`` seconds of a rank's compute between them (NOTE:
     [collective wait]); 0 where ``hw`` measured no wait for the group's size (GPUs, the table),
-    and for a group whose role's collectives were timed inside the model, waits and all (NOTE:
-    [collectives in the model] in fxtp/planner/calibration.py)."""
+    and for a group whose role has its own entries: measured in context, waits and all (a
+    calibration's tp groups timed inside the model, NOTE: [collectives in the model] in
+    fxtp/planner/calibration.py; a measured Hardware's, which keeps no waits anyway)."""
     if group.role and any(kind.startswith(f"{group.role}:") and n == group.ranks for kind, n, _, _ in hw.collectives):
         return 0.0
     for ranks, after_s, per_s in hw.collective_wait:

@@ -71,7 +71,8 @@ from typing import Optional, Union
 
 from fxtp.core.errors import FxtpConfigError
 
-__all__ = ["Hardware", "HostCosts", "HARDWARE", "DEFAULT_RESERVE", "doubts", "gemm_efficiency", "resolve_hardware", "reserve_bytes"]
+__all__ = ["Hardware", "HostCosts", "HARDWARE", "DEFAULT_RESERVE", "doubts", "gemm_efficiency", "resolve_hardware", "reserve_bytes",
+           "tp_fitted_on_cpu"]
 
 GiB = 1 << 30
 DEFAULT_RESERVE = 0.10  # of device_memory, kept for the runtime (NOTE: [runtime reserve])
@@ -277,6 +278,15 @@ def reserve_bytes(reserve: Union[int, float, None], device_memory: int) -> int:
 
 
 _SUSPECT_RATE = 3  # a degree's GEMM rate this many times under the other degrees' median (NOTE: [calibration] in fxtp/planner/calibration.py)
+
+
+def tp_fitted_on_cpu(hw: Hardware) -> bool:
+    """Did a calibration on CPU ranks price the tensor-parallel groups' collectives with its fit
+    after synthetic work alone, not timed inside the model (NOTE: [collectives in the model] in
+    fxtp/planner/calibration.py: a model without weights, a config.json's on ``meta``)?"""
+    run = hw.calibration
+    return (run is not None and run.ranks > 0 and any(n > 1 for _, n, _, _ in hw.collectives)
+            and not any(kind.startswith("tp:") for kind, _, _, _ in hw.collectives))
 
 
 def doubts(hw: Hardware) -> tuple[str, ...]:

@@ -224,7 +224,7 @@ def measure(model: nn.Module, devices: int, *, batch: int, seq: int, device_memo
         steps: timed steps per layout, each after an untimed one (after one warm-up; two more run for
             the profile and the memory).
         calibrations: calibrations pooled into the Hardware (:func:`pooled`; none when ``hardware``
-            is given), 28-30 s each on 4 CPU ranks here (2026-12-07).
+            is given), 28-30 s each on 4 CPU ranks here at loads of 3 to 4.6, 40 s at 9 (2026-12-07).
         timeout_s: the process groups' timeout, seconds.
 
     Returns:
@@ -289,8 +289,10 @@ def pooled(found: list[Hardware]) -> Hardware:
     if len(found) == 1:
         return found[0]
     rates = {tp: statistics.median(dict(h.achieved_flops)[tp] for h in found) for tp, _ in found[0].achieved_flops}
+    # the entries every calibration has (one whose model issued no tp collective has no "tp:" ones)
+    every = [(kind, n) for kind, n, _, _ in found[0].collectives if all(h.collective(kind, n) is not None for h in found)]
     collectives = tuple((kind, n, statistics.median(h.collective(kind, n)[0] for h in found),
-                         statistics.median(h.collective(kind, n)[1] for h in found)) for kind, n, _, _ in found[0].collectives)
+                         statistics.median(h.collective(kind, n)[1] for h in found)) for kind, n in every)
     widest = [c for c in collectives if c[0] == "all_reduce"][-1:]
     links = dict(intra_node_bw=widest[0][3], inter_node_bw=widest[0][3], collective_latency=widest[0][2]) if widest else {}
     by_size = [{n: (after, per) for n, after, per in h.collective_wait} for h in found]
