@@ -83,11 +83,21 @@ def release() -> None:
 
 
 def all_reduce(t: torch.Tensor, group_name: str, op: str = "sum") -> torch.Tensor:
-    """``op`` (``"sum"``, ``"max"``) of ``t`` over the group's ranks (a new tensor, no autograd)."""
-    t = t.contiguous()
-    out = _c10d.wait_tensor(_c10d.all_reduce(t, op, group_name))
-    _handed(t, out)
-    return out
+    """``op`` (``"sum"``, ``"max"``) of ``t`` over the group's ranks (a new tensor, no autograd),
+    laid out as ``t`` (NOTE: [sum in the partial's layout])."""
+    # NOTE: [sum in the partial's layout] A rank's partial sum is laid out as the single device's
+    # whole value (nn.MultiheadAttention's batch_first output is a transpose), and a consumer can
+    # take another path on another layout: F.linear with a bias flattens a contiguous 3-d input and
+    # returns a view of addmm's output, but a new tensor for the transposed one. So the sum keeps
+    # ``t``'s layout: the collective runs on ``t``'s dims in memory order (contiguous, as the
+    # collectives need, with no copy where ``t`` is dense: the collective's own copy is the only
+    # one) and its output is permuted back. ``detach`` makes that permutation a tensor of its own,
+    # not a view (an in-place op on a custom Function's output is then allowed; see reduce_scatter).
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))  # outermost in memory first
+    moved = t.permute(order).contiguous()
+    out = _c10d.wait_tensor(_c10d.all_reduce(moved, op, group_name))
+    _handed(moved, out)
+    return out.permute([order.index(d) for d in range(t.dim())]).detach()
 
 
 def all_gather(
