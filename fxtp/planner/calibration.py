@@ -103,6 +103,7 @@ from torch import nn
 
 from fxtp.core.errors import FxtpConfigError
 from fxtp.local_ranks import FXTP_COLLECTIVES, per_call, profiled, slowest, spawn_ranks
+from fxtp.planner.comm import fitted_time
 from fxtp.planner.hardware import CalibrationRun, Hardware, HostCosts, doubts
 from fxtp.planner.host import host_costs, host_on_the_model
 from fxtp.planner.model import TransformerShape
@@ -372,6 +373,5 @@ def with_tp_collectives(collectives: list[tuple[str, int, float, float]], n: int
     fitted = {kind: (lat, bw) for kind, ranks, lat, bw in collectives if ranks == n}
     if not seconds or "all_reduce" not in fitted:
         return []
-    lat, bw = fitted["all_reduce"]
-    factor = seconds / (lat + payload * 2 * (n - 1) / n / bw)
+    factor = seconds / fitted_time("all_reduce", payload, n, *fitted["all_reduce"])
     return [(f"tp:{kind}", n, fitted[kind][0] * factor, fitted[kind][1] / factor) for kind in KINDS if kind in fitted]

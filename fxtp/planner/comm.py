@@ -81,7 +81,7 @@ from dataclasses import dataclass
 
 from fxtp.planner.hardware import Hardware
 
-__all__ = ["Group", "Unit", "collective_wait", "ring_time", "ring_latency", "fsdp_exposed", "p2p_time"]
+__all__ = ["Group", "Unit", "collective_wait", "fitted_time", "ring_time", "ring_latency", "fsdp_exposed", "p2p_time"]
 
 
 @dataclass(frozen=True)
@@ -140,10 +140,9 @@ def ring_time(kind: str, payload: float, group: Group, hw: Hardware) -> float:
     n = group.ranks
     if n <= 1:
         return 0.0
-    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
     measured = hw.collective(kind, n, group.role)  # NOTE: [calibration] in fxtp/planner/calibration.py
     if measured is not None:
-        return measured[0] + payload * steps / n / measured[1]
+        return fitted_time(kind, payload, n, *measured)
     nodes = group.nodes
     if kind == "all_reduce":
         steps, inter = 2 * (n - 1), (2 * nodes if nodes > 1 else 0)
@@ -152,6 +151,13 @@ def ring_time(kind: str, payload: float, group: Group, hw: Hardware) -> float:
     inter = min(inter, steps)
     latency = hw.collective_latency + (steps - inter) * hw.nvlink_step_latency + inter * hw.network_step_latency
     return latency + payload * steps / n / _bus_bandwidth(group, hw)
+
+
+def fitted_time(kind: str, payload: float, n: int, latency_s: float, bus_bytes_per_s: float) -> float:
+    """Seconds of ``kind`` over ``n`` ranks at ``payload`` bytes from a measured ``(latency_s,
+    bus_bytes_per_s)`` (NOTE: [collective time]: ``latency + payload x steps / n / bus_bw``)."""
+    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    return latency_s + payload * steps / n / bus_bytes_per_s
 
 
 def ring_latency(kind: str, group: Group, hw: Hardware) -> float:
@@ -166,7 +172,7 @@ def collective_wait(group: Group, compute: float, count: int, hw: Hardware) -> f
     and for a group whose role has its own entries: measured in context, waits and all (a
     calibration's tp groups timed inside the model, NOTE: [collectives in the model] in
     fxtp/planner/calibration.py; a measured Hardware's, which keeps no waits anyway)."""
-    if group.role and any(kind.startswith(f"{group.role}:") and n == group.ranks for kind, n, _, _ in hw.collectives):
+    if group.role and hw.has_role(group.role, group.ranks):
         return 0.0
     for ranks, after_s, per_s in hw.collective_wait:
         if ranks == group.ranks and count > 0:

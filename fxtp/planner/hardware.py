@@ -214,6 +214,12 @@ class Hardware:
                 return found[0]
         return None
 
+    def has_role(self, role: str, ranks: Optional[int] = None) -> bool:
+        """Are there entries for ``role``'s groups (``"tp:all_reduce"``...), of ``ranks`` ranks
+        (any size where None): figures measured in context (NOTE: [collectives in the model] in
+        fxtp/planner/calibration.py; a measured Hardware's)?"""
+        return any(kind.startswith(f"{role}:") and ranks in (None, n) for kind, n, _, _ in self.collectives)
+
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
 
@@ -285,8 +291,7 @@ def tp_fitted_on_cpu(hw: Hardware) -> bool:
     after synthetic work alone, not timed inside the model (NOTE: [collectives in the model] in
     fxtp/planner/calibration.py: a model without weights, a config.json's on ``meta``)?"""
     run = hw.calibration
-    return (run is not None and run.ranks > 0 and any(n > 1 for _, n, _, _ in hw.collectives)
-            and not any(kind.startswith("tp:") for kind, _, _, _ in hw.collectives))
+    return run is not None and run.ranks > 0 and any(n > 1 for _, n, _, _ in hw.collectives) and not hw.has_role("tp")
 
 
 def doubts(hw: Hardware) -> tuple[str, ...]:
