@@ -166,10 +166,11 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
     large = max(batch // ranks * seq * shape.hidden, shape.block_params) * element
     collectives, waits, groups = [], [], {}
     for n in tps[1:]:
-        group = groups[n] = _groups_of(n, ranks)
+        group = _groups_of(n, ranks)
         tokens = max(1, batch // (ranks // n)) * seq
         # on CPU ranks the model's own activation payload, whose time is then measured, not fitted
         act_bytes = tokens * shape.hidden * element
+        groups[n] = group, act_bytes
         payloads = (_SMALL, max(large, 16 * _SMALL)) if cuda else (act_bytes, max(16 * act_bytes, _LARGE_CPU))
         m, k, f, _ = max(gemm_shapes(shape, tokens, n), key=lambda g: g[0] * g[1] * g[2])
         x, w = torch.randn(m, k, device=device, dtype=dtype), torch.randn(f, k, device=device, dtype=dtype)
@@ -197,10 +198,9 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
         tokens = (max(1, batch // ranks), seq)
         gemm_s = shape.flops_per_token(seq) * math.prod(tokens) / rates[0][1]  # the tp 1 GEMMs' seconds
         host = host_on_the_model(host, model, shape.hidden, tokens, gemm_s, repeats)
-        for n, group in groups.items():  # NOTE: [collectives in the model]
-            tokens = (max(1, batch // (ranks // n)), seq)
-            seconds = tp_collective_on_the_model(model, group, n, tokens, repeats)
-            collectives += with_tp_collectives(collectives, n, seconds, math.prod(tokens) * shape.hidden * element)
+        for n, (group, act_bytes) in groups.items():  # NOTE: [collectives in the model]
+            seconds = tp_collective_on_the_model(model, group, n, (max(1, batch // (ranks // n)), seq), repeats)
+            collectives += with_tp_collectives(collectives, n, seconds, act_bytes)
     widest = [c for c in collectives if c[0] == "all_reduce"][-1:] or [("", 1, 0.0, 1e9)]
     hw = Hardware(
         name=f"calibrated {ranks} x {torch.cuda.get_device_name(device) if cuda else 'CPU'} ({dist.get_backend()})",

@@ -130,8 +130,7 @@ class Measurement:
     def to_dict(self) -> dict[str, Any]:
         return {"hardware": self.hardware.to_dict(), "measured_hardware": self.measured_hardware.to_dict(),
                 "rows": [{"mesh": {"tp": e.choice.tp, "dp": e.choice.dp}, "choice": dataclasses.asdict(e.choice),
-                          "predicted": {**{k: e.step[k] for k in TERMS}, "peak": e.peak,
-                                                            "waits": e.step.get("tp_wait", 0.0) + e.step.get("fsdp_wait", 0.0)},
+                          "predicted": {**{k: e.step[k] for k in TERMS}, "peak": e.peak, "waits": _priced_waits(e)},
                           "measured": dict(m)} for e, m in self.rows],
                 "predicted_order": self.order(False), "measured_order": self.order(True), "chosen": dataclasses.asdict(self.plan.chosen.choice),
                 "replanned": dataclasses.asdict(self.replan.chosen.choice), "choice_changed": self.choice_changed,
@@ -172,10 +171,15 @@ def _calibrated(n: int, seconds: float) -> str:
     return f"calibrated {({1: 'once', 2: 'twice'}.get(n, f'{n} times'))} in {seconds:.1f} s" if n else "a Hardware given"
 
 
+def _priced_waits(e: Estimate) -> float:
+    """Seconds of ``e``'s communication priced as waiting for peers (NOTE: [collective wait])."""
+    return e.step.get("tp_wait", 0.0) + e.step.get("fsdp_wait", 0.0)
+
+
 def _waits(rows: tuple[tuple[Estimate, dict[str, float]], ...]) -> list[str]:
     """The line saying what of each row's predicted communication is waiting for peers on shared
     cores (NOTE: [collective wait] in fxtp/planner/comm.py); none where nothing waits (GPUs)."""
-    waits = [(e, e.step.get("tp_wait", 0.0) + e.step.get("fsdp_wait", 0.0)) for e, _ in rows]
+    waits = [(e, _priced_waits(e)) for e, _ in rows]
     if not any(w for _, w in waits):
         return []
     return ["of the predicted tp comm and fsdp exposed, waiting for peers on shared cores: "
