@@ -50,8 +50,7 @@ def test_a_collective_waits_for_the_compute_since_its_groups_last_one():
 def test_tp_collectives_timed_in_the_model_price_its_activation_all_reduce_and_wait_for_no_one():
     # NOTE: [collectives in the model]: each kind's fitted figure scaled by one factor, so that the
     # model's activation all_reduce costs what one collective took inside the model
-    from fxtp.planner.comm import ring_time
-    from fxtp.planner.calibration import with_tp_collectives
+    from fxtp.planner.comm import ring_time, with_tp_collectives
 
     fitted = [("all_reduce", 4, 1e-3, 1e9), ("all_gather", 4, 2e-3, 2e9), ("reduce_scatter", 4, 4e-3, 4e9),
               ("all_reduce", 2, 7e-3, 1e9)]
@@ -65,6 +64,39 @@ def test_tp_collectives_timed_in_the_model_price_its_activation_all_reduce_and_w
     assert ring_time("all_reduce", 10**6, Group(4, 4, "dp"), cpu) == pytest.approx(2.5e-3)  # FSDP2's keep the fit
     assert collective_wait(Group.tp(4, 8), 0.050, 10, cpu) == 0.0  # its waits are in the figure
     assert collective_wait(Group(4, 4, "dp"), 0.050, 10, cpu) == pytest.approx(0.5 * (0.050 - 10 * 1e-3))
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_fsdp_timed_in_the_model_is_what_the_planner_prices_for_that_program(dp):
+    # NOTE: [collectives in the model]: the dp entries price FSDP2 on the timed units (3 blocks of 2
+    # tensors, the root's 3) at the seconds timed, with its host work, through the planner's own pricing
+    from fxtp.planner.comm import with_dp_collectives
+    from fxtp.planner.costs import Choice, Workload, estimate
+    from fxtp.planner.hardware import HostCosts
+    from fxtp.planner.host import host_seconds
+    from fxtp.planner.model import TransformerShape
+    from fxtp.planner.params import ParamShapes
+
+    embed, norm, head, block = ((1000, 64), 2), ((64,), 2), ((1000, 64), 2), ((64, 64), 2)
+    params = ParamShapes(1, (embed, norm, head), (block, block), 3, 2, before=1)
+    shape = TransformerShape(hidden=64, layers=3, heads=4, kv_heads=4, intermediate=128, vocab=1000, gated_mlp=False,
+                             flash=True, matmul_params=3 * 2 * 64 * 64 + 64 * 1000, block_params=2 * 64 * 64)
+    units = [(2 * 64 * 64, 2)] * 3 + [(2 * 1000 * 64 + 64, 3)]  # (elements, tensors)
+    fitted = [(kind, n, 1e-3 * n, 1e9) for n in (2, 4) for kind in ("all_reduce", "all_gather", "reduce_scatter")]
+    host = HostCosts(fsdp_unit=1e-4, fsdp_tensor=1e-5, asynchronous=False)
+    host_s = host_seconds(host, None, layers=3, tokens=0, tp=1, dp=dp, checkpointing=None, micro_batches=1, tensors=0,
+                          elements=0, units=tuple(t for _, t in units))["fsdp"]
+    dp_entries = with_dp_collectives(fitted, dp, 0.2 - host_s, [e for e, _ in units])
+    assert [(kind, n) for kind, n, _, _ in dp_entries] == [("dp:all_reduce", dp), ("dp:all_gather", dp),
+                                                           ("dp:reduce_scatter", dp)]
+    factor = dp_entries[0][2] / (1e-3 * dp)
+    assert factor > 1 and all(lat / bw == pytest.approx(factor ** 2 * 1e-3 * dp / 1e9) for _, _, lat, bw in dp_entries)
+    cpu = dataclasses.replace(H100, collectives=tuple(fitted + dp_entries), collective_wait=((dp, 1e-3, 0.5),), host=host,
+                              overlap_fsdp=False, compute_bytes=4)
+    e = estimate(Choice(1, dp, False, None, 1, 1), shape, params, cpu, Workload(dp, 16, True, "sgd", 4, 4, gather_bytes=4))
+    assert e.step["fsdp_host"] == pytest.approx(host_s) and e.step["fsdp_wait"] == 0.0  # its waits are in the figure
+    assert e.step["fsdp_comm"] == pytest.approx(0.2)
+    assert with_dp_collectives(fitted, dp, 0.0, [e for e, _ in units]) == []  # FSDP2's host work took it all
 
 
 def test_fsdp_exposes_what_the_previous_unit_does_not_hide():

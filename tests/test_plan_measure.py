@@ -40,6 +40,9 @@ def _model():
     return transformers.LlamaForCausalLM(config)
 
 
+_BLOCK = 4 * 128 * 128 + 3 * 128 * 344 + 2 * 128  # a block's parameters: attention, MLP, norms
+
+
 def _calibrate_and_measure() -> dict:
     """On each rank: the measurement (one calibration, a timed step per layout; the defaults, 3
     calibrations and 9 steps, where the timing bounds are asserted; the rounds' pooling is
@@ -85,19 +88,22 @@ def measured(rank_pools):
 
 def test_calibration_measures_every_degree_and_group(measured):
     """A rate for each tp degree of 4 ranks, a latency and bandwidth for each collective kind
-    over groups of 2 and 4 (fitted, and in tp groups inside the model), the host's memory
+    over groups of 2 and 4 (fitted, and in tp and dp groups inside the model), the host's memory
     shared by the ranks; each calibration within a minute."""
     m = measured["measurement"]
     hw = m.hardware
     assert [tp for tp, _ in hw.achieved_flops] == [1, 2, 4], hw
     assert all(1e8 < rate < 1e13 for _, rate in hw.achieved_flops), hw  # FLOP/s of one CPU thread
-    # each kind fitted, and the tp groups' timed inside the model (NOTE: [collectives in the model])
+    # each kind fitted, and the tp and dp groups' timed inside the model (NOTE: [collectives in the model])
     assert sorted((kind, n) for kind, n, _, _ in hw.collectives) == sorted(
-        (role + kind, n) for role in ("", "tp:") for kind in ("all_reduce", "all_gather", "reduce_scatter") for n in (2, 4)), hw
+        (role + kind, n) for role in ("", "tp:", "dp:") for kind in ("all_reduce", "all_gather", "reduce_scatter")
+        for n in (2, 4)), hw
     assert all(0 <= lat < 1.0 and bw > 1e6 for _, _, lat, bw in hw.collectives), hw
     for n in (2, 4):  # one activation all_reduce of a dp 4 / n rank's micro-batch: a few ms here
         lat, bw = hw.collective("all_reduce", n, "tp")
         assert 1e-5 < lat + BATCH * n // 4 * SEQ * 128 * 4 * 2 * (n - 1) / n / bw < 0.1, hw
+        lat, bw = hw.collective("all_gather", n, "dp")  # FSDP2's gather of a block (fp32), with its host work
+        assert hw.collective("all_gather", n) != (lat, bw) and 1e-5 < lat + 4 * _BLOCK * (n - 1) / n / bw < 0.2, hw
     # NOTE: [collective wait]: after half a block of work, and the wait a second of work more adds
     assert [n for n, _, _ in hw.collective_wait] == [2, 4] and all(0 < after < 0.1 and 0 <= per < 10
                                                                    for _, after, per in hw.collective_wait), hw

@@ -31,8 +31,8 @@ they will in the run; NOTE: [contended window] in fxtp/local_ranks.py), each fig
   the activation all_reduce again after 4 half blocks: the seconds of wait a second of work
   adds (``Hardware.collective_wait``, NOTE: [collective wait] in fxtp/planner/comm.py). Where
   the model has weights, each tp group size's collectives are also timed inside the model's own
-  tp program, and those figures price the tp groups' (NOTE: [collectives in the model],
-  below).
+  tp program, and FSDP2's in the same program sharded over the mesh's dp groups; those figures
+  price the tp and dp groups' (NOTE: [collectives in the model], below).
 - host (CPU ranks): the seconds a dispatched op costs the host, forward and backward, fixed and
   per byte it writes; an optimizer step per parameter tensor (plain, and FSDP2's DTensor shards)
   and per element; FSDP2's own work per collective, per unit and per parameter tensor
@@ -69,22 +69,43 @@ Llama's tensor-parallel communication at 4 ranks 0.75-0.85x what the step measur
 ranks, two tp groups beside two dp groups, 1.2-1.5x (2026-12-07: tp 4 58.7 ms against 74.4
 measured, dp 2 x tp 2 47.2 ms against 30.7; the order of the three layouts flipped with it).
 So where the model has weights, a CPU calibration also times, for each tensor-parallel degree
-``n``, the model's own tp ``n`` training forward and backward (``fxtp.compile`` over the tp
-groups of a ``(ranks / n, n)`` mesh, every group at once, one rank's micro-batch of a dp ``ranks
-/ n`` layout): its seconds in a window (:func:`~fxtp.local_ranks.per_call`), the share of them
-inside fxtp's collectives from 3 more calls under ``torch.profiler`` (their median) (:func:`~fxtp.local_ranks.profiled`,
-the instrument ``fxtp.planner.measure`` splits a step with), over the collectives it issued.
-That is one collective's seconds in the model; each kind's fitted figure over ``n`` ranks is
-scaled so that the model's activation all_reduce costs it, as a tp group's entry
-(``"tp:all_reduce"``, ``"tp:all_gather"``, ``"tp:reduce_scatter"``: ``Hardware.collective(...,
-role="tp")``; sequence parallelism's are priced with it). Each already holds the waits for
-peers at the model's own spacing of collectives, so tp groups with it add no
-``collective_wait`` (FSDP2's dp groups keep theirs). On the same host the in-model figures were
-34.7 ms (tp 2, against 30.7 measured in dp 2 x tp 2) and 79.8 ms (tp 4, against 74.4).
+``n`` (1 included), the model's own tp ``n`` training forward and backward on a ``(ranks / n,
+n)`` mesh (``fxtp.compile`` over its tp groups, one rank's micro-batch of the dp ``ranks / n``
+layout), with torchtitan's FSDP2 wrapping over its dp groups where ``ranks / n > 1``
+(``fully_shard`` on each block, then the root), every group at once (:func:`on_the_model`):
+its seconds in a window (:func:`~fxtp.local_ranks.per_call`), and the shares of them inside
+fxtp's collectives and inside FSDP2's own ranges from 3 more calls under ``torch.profiler``
+(their medians; :func:`~fxtp.local_ranks.profiled`, the instrument ``fxtp.planner.measure``
+splits a step with).
 
-This is the model's own program at one micro-batch, not a candidate's step: no FSDP2, no
-optimizer, no accumulation, and one forward and backward per degree (2-6 s here); the layouts
-that ``fxtp.planner.measure`` runs are built the same way but add all three.
+- tp groups (``n > 1``): the collectives' seconds over the collectives issued are one
+  collective's seconds in the model. Each kind's fitted figure over ``n`` ranks is scaled so
+  that the model's activation all_reduce costs it, as a tp group's entry (``"tp:all_reduce"``,
+  ``"tp:all_gather"``, ``"tp:reduce_scatter"``: ``Hardware.collective(..., role="tp")``;
+  sequence parallelism's are priced with it). Timed without FSDP2 beside them, the in-model
+  figures were 34.7 ms (tp 2, against 30.7 measured in dp 2 x tp 2) and 79.8 ms (tp 4, against
+  74.4); with it, a hidden-128 Llama's dp 2 x tp 2 runs measured 0.97-1.24x the figure, tp 4's
+  0.76-1.08x (2026-12-07, docs/plan_command.md).
+- dp groups (``ranks / n > 1``): FSDP2's seconds (its hooks, copy-in and copy-out, its
+  collectives and their waits) less its host work as the planner prices it (``fsdp_unit`` and
+  ``fsdp_tensor``, NOTE: [host time] in fxtp/planner/host.py). Each kind's fitted figure over
+  ``ranks / n`` ranks is scaled by one factor so that FSDP2's collectives on the units' shards
+  on a rank, as ``fxtp.planner.costs`` prices them (each block's all_gather in forward and
+  again in backward and its reduce_scatter, the root's all_gather and reduce_scatter), cost
+  that, as a dp group's entry (``"dp:all_gather"`` ...; ``fxtp.planner.comm.with_dp_collectives``).
+  The bare collectives and the host's ``Linear(8, 8)`` units had priced FSDP2 at a hidden-256
+  Llama 0.70-0.76x what the run measured at dp 4 and 0.6x at dp 2 x tp 2 (2026-12-07: 70.4 ms
+  against 94.6, 36.7 against 61.7): FSDP2's copy-in and copy-out grow with the bytes a unit
+  gathers, and its collectives wait for peers at the model's spacing, beside the tp groups'.
+
+Each entry holds the waits for peers at the model's own spacing of collectives, so groups with
+one add no ``collective_wait``. This is the model's own program at one micro-batch, not a
+candidate's step: no optimizer, no accumulation, no checkpointing or sequence parallelism (2-6
+s a degree here). Another micro-batch, checkpointing, accumulation or another mesh is priced
+from these figures by the cost model; on this host's full meshes (tp x dp = the ranks) the
+programs timed are the ones ``fxtp.planner.measure`` runs, less their optimizer, so its
+check there is of the pricing around them (the compute, the optimizer, the fits) and of the
+host's drift between the calibration and the run, more than of the collectives' model.
 """
 
 from __future__ import annotations
@@ -95,6 +116,7 @@ import math
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -102,16 +124,15 @@ import torch.distributed as dist
 from torch import nn
 
 from fxtp.core.errors import FxtpConfigError
-from fxtp.local_ranks import FXTP_COLLECTIVES, per_call, profiled, slowest, spawn_ranks
-from fxtp.planner.comm import fitted_time
+from fxtp.local_ranks import FSDP_RANGES, FXTP_COLLECTIVES, per_call, profiled, slowest, spawn_ranks
+from fxtp.planner.comm import KINDS, with_dp_collectives, with_tp_collectives
 from fxtp.planner.hardware import CalibrationRun, Hardware, HostCosts, doubts
-from fxtp.planner.host import host_costs, host_on_the_model
+from fxtp.planner.host import host_costs, host_on_the_model, host_seconds
 from fxtp.planner.model import TransformerShape
 from fxtp.planner.params import repeated_blocks
 
 __all__ = ["calibrate", "calibrate_on_ranks", "gemm_shapes", "host_costs", "spawn_ranks"]
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 _SMALL = 16 << 10  # bytes: a payload whose time is mostly latency
 _LARGE_CPU = 8 << 20  # bytes: on CPU ranks, a payload whose bandwidth term shows above the latency's noise
 # on CPU ranks, the elementwise ops before each timed collective: about half a block's forward, the
@@ -164,14 +185,13 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
         rates.append((tp, sum(6 * m * k * n * count for m, k, n, count in shapes) / seconds))
     element = torch.finfo(dtype).bits // 8
     large = max(batch // ranks * seq * shape.hidden, shape.block_params) * element
-    collectives, waits, groups = [], [], {}
+    collectives, waits, act_bytes = [], [], {}
     for n in tps[1:]:
         group = _groups_of(n, ranks)
         tokens = max(1, batch // (ranks // n)) * seq
         # on CPU ranks the model's own activation payload, whose time is then measured, not fitted
-        act_bytes = tokens * shape.hidden * element
-        groups[n] = group, act_bytes
-        payloads = (_SMALL, max(large, 16 * _SMALL)) if cuda else (act_bytes, max(16 * act_bytes, _LARGE_CPU))
+        act_bytes[n] = tokens * shape.hidden * element
+        payloads = (_SMALL, max(large, 16 * _SMALL)) if cuda else (act_bytes[n], max(16 * act_bytes[n], _LARGE_CPU))
         m, k, f, _ = max(gemm_shapes(shape, tokens, n), key=lambda g: g[0] * g[1] * g[2])
         x, w = torch.randn(m, k, device=device, dtype=dtype), torch.randn(f, k, device=device, dtype=dtype)
         act = torch.randn(tokens * shape.hidden // n, device=device, dtype=dtype)
@@ -198,9 +218,13 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
         tokens = (max(1, batch // ranks), seq)
         gemm_s = shape.flops_per_token(seq) * math.prod(tokens) / rates[0][1]  # the tp 1 GEMMs' seconds
         host = host_on_the_model(host, model, shape.hidden, tokens, gemm_s, repeats)
-        for n, (group, act_bytes) in groups.items():  # NOTE: [collectives in the model]
-            seconds = tp_collective_on_the_model(model, group, n, (max(1, batch // (ranks // n)), seq), repeats)
-            collectives += with_tp_collectives(collectives, n, seconds, act_bytes)
+        for tp in tps:  # NOTE: [collectives in the model]
+            timed, dp = on_the_model(model, tp, (max(1, batch // (ranks // tp)), seq), repeats), ranks // tp
+            fsdp_host = host_seconds(host, None, layers=0, tokens=0, tp=tp, dp=dp, checkpointing=None, micro_batches=1,
+                                     tensors=0, elements=0, units=tuple(t for _, t in timed.units))["fsdp"]
+            if tp > 1:
+                collectives += with_tp_collectives(collectives, tp, timed.tp_collective_s, act_bytes[tp])
+            collectives += with_dp_collectives(collectives, dp, timed.fsdp_s - fsdp_host, [e for e, _ in timed.units])
     widest = [c for c in collectives if c[0] == "all_reduce"][-1:] or [("", 1, 0.0, 1e9)]
     hw = Hardware(
         name=f"calibrated {ranks} x {torch.cuda.get_device_name(device) if cuda else 'CPU'} ({dist.get_backend()})",
@@ -342,36 +366,50 @@ def _usable_memory(device: torch.device, ranks: int) -> int:
     return available // ranks
 
 
-def tp_collective_on_the_model(model: nn.Module, group: Any, n: int, tokens: tuple[int, int], repeats: int) -> float:
-    """Seconds of one of fxtp's collectives inside the model's tp ``n`` training forward and
-    backward over ``group`` (this rank's tp group; every rank calls this), ``tokens = (batch,
-    seq)`` a rank's micro-batch: the call's seconds in a window times the share of them in
-    fxtp's collectives, over the collectives issued (NOTE: [collectives in the model]); 0 where
-    it issued none."""
+@dataclass(frozen=True)
+class InModel:
+    """What :func:`on_the_model` timed: one of fxtp's collectives' seconds (0: none issued), FSDP2's
+    seconds (0 at dp 1), and its units' ``(elements, tensors)`` on a rank, the blocks' then the root's."""
+
+    tp_collective_s: float
+    fsdp_s: float
+    units: tuple[tuple[int, int], ...]
+
+
+def on_the_model(model: nn.Module, tp: int, tokens: tuple[int, int], repeats: int) -> InModel:
+    """The model's own tp ``tp`` training forward and backward on a ``(ranks / tp, tp)`` mesh,
+    every group at once, ``tokens = (batch, seq)`` a rank's micro-batch (every rank calls this;
+    NOTE: [collectives in the model]): its seconds in a window times the share of them inside
+    fxtp's collectives (``_c10d_functional::*``), over the collectives issued, and the share
+    inside FSDP2's own ranges (``FSDP::*``), with torchtitan's wrapping over the dp groups
+    (``fully_shard`` on each block, then the root, as ``fxtp.planner.measure``'s layouts): the
+    instruments ``measure`` splits a step with."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     import fxtp
 
+    dp = dist.get_world_size() // tp
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     ids = torch.randint(0, model.config.vocab_size, tokens, generator=torch.Generator().manual_seed(0))
-    pm = fxtp.compile(copy.deepcopy(model).train(), n, (ids,), example_kwargs={"labels": ids}, group=group, dynamic=False)
+    pm = fxtp.compile(copy.deepcopy(model).train(), tp, (ids,), example_kwargs={"labels": ids},
+                      group=mesh["tp"] if tp > 1 else None, dynamic=False)
 
     def step() -> None:
         pm(ids, labels=ids).loss.backward()
         pm.zero_grad(set_to_none=True)
 
+    found = repeated_blocks(model)
+    blocks = [pm.get_submodule(f"{found.fqn}.{i}" if found.fqn else str(i)) for i in range(found.count)] if found else []
+    params = [p for p in pm.parameters() if p.requires_grad]
+    units = [(sum(p.numel() for p in b.parameters()), len(list(b.parameters()))) for b in blocks]
+    units.append((sum(p.numel() for p in params) - sum(e for e, _ in units), len(params) - sum(t for _, t in units)))
+    if dp > 1:
+        for block in blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(pm, mesh=mesh["dp"])
     seconds = per_call(step, repeats)
-    runs = [profiled(step, (FXTP_COLLECTIVES,)) for _ in range(_PROFILED)]
+    runs = [profiled(step, (FXTP_COLLECTIVES, FSDP_RANGES)) for _ in range(_PROFILED)]
+    tp_s, fsdp_s = (seconds * statistics.median(r.shares[prefix] for r in runs) for prefix in (FXTP_COLLECTIVES, FSDP_RANGES))
     issued = runs[0].issued[FXTP_COLLECTIVES]
-    share = statistics.median(r.shares[FXTP_COLLECTIVES] for r in runs)
-    return seconds * share / issued if issued else 0.0
-
-
-def with_tp_collectives(collectives: list[tuple[str, int, float, float]], n: int, seconds: float,
-                        payload: int) -> list[tuple[str, int, float, float]]:
-    """The tp role's entries over ``n`` ranks (``"tp:all_reduce"`` ...): each kind's fitted
-    ``(latency_s, bus_bytes_per_s)`` in ``collectives`` scaled by one factor, so that an
-    all_reduce of ``payload`` bytes (the model's activation) costs ``seconds`` (NOTE:
-    [collectives in the model]); none where ``seconds`` is 0."""
-    fitted = {kind: (lat, bw) for kind, ranks, lat, bw in collectives if ranks == n}
-    if not seconds or "all_reduce" not in fitted:
-        return []
-    factor = seconds / fitted_time("all_reduce", payload, n, *fitted["all_reduce"])
-    return [(f"tp:{kind}", n, fitted[kind][0] * factor, fitted[kind][1] / factor) for kind in KINDS if kind in fitted]
+    return InModel(tp_s / issued if issued else 0.0, fsdp_s, tuple(units))

@@ -81,7 +81,10 @@ from dataclasses import dataclass
 
 from fxtp.planner.hardware import Hardware
 
-__all__ = ["Group", "Unit", "collective_wait", "fitted_time", "ring_time", "ring_latency", "fsdp_exposed", "p2p_time"]
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")  # the collectives a calibration fits
+
+__all__ = ["KINDS", "Group", "Unit", "collective_wait", "fitted_time", "fsdp_exposed", "p2p_time", "ring_latency", "ring_time",
+           "with_dp_collectives", "with_tp_collectives"]
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,42 @@ def fitted_time(kind: str, payload: float, n: int, latency_s: float, bus_bytes_p
     bus_bytes_per_s)`` (NOTE: [collective time]: ``latency + payload x steps / n / bus_bw``)."""
     steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
     return latency_s + payload * steps / n / bus_bytes_per_s
+
+
+def with_tp_collectives(collectives: list[tuple[str, int, float, float]], n: int, seconds: float,
+                        payload: int) -> list[tuple[str, int, float, float]]:
+    """The tp role's entries over ``n`` ranks (``"tp:all_reduce"`` ...): each kind's fitted
+    ``(latency_s, bus_bytes_per_s)`` in ``collectives`` scaled by one factor, so that an
+    all_reduce of ``payload`` bytes (the model's activation) costs ``seconds`` (NOTE:
+    [collectives in the model]); none where ``seconds`` is 0."""
+    fitted = {kind: (lat, bw) for kind, ranks, lat, bw in collectives if ranks == n}
+    if not seconds or "all_reduce" not in fitted:
+        return []
+    factor = seconds / fitted_time("all_reduce", payload, n, *fitted["all_reduce"])
+    return [(f"tp:{kind}", n, fitted[kind][0] * factor, fitted[kind][1] / factor) for kind in KINDS if kind in fitted]
+
+
+def with_dp_collectives(collectives: list[tuple[str, int, float, float]], n: int, seconds: float,
+                        units: list[int]) -> list[tuple[str, int, float, float]]:
+    """The dp role's entries over ``n`` ranks (``"dp:all_gather"`` ...): each kind's fitted
+    ``(latency_s, bus_bytes_per_s)`` in ``collectives`` scaled by one factor, so that FSDP2's
+    collectives on units of ``units`` elements (fp32; the blocks', then the root's) cost
+    ``seconds`` (FSDP2's time in the model less its host work; NOTE: [collectives in the model]
+    in fxtp/planner/calibration.py): each block's all_gather in forward and again in backward
+    and its reduce_scatter, the root's one all_gather and one reduce_scatter, as
+    ``fxtp.planner.costs`` prices them; none where ``seconds`` is not positive."""
+    fitted = {kind: (lat, bw) for kind, ranks, lat, bw in collectives if ranks == n}
+    if seconds <= 0 or not units or any(kind not in fitted for kind in KINDS):
+        return []
+    *blocks, root = units
+
+    def wire(kind: str, elements: int) -> float:
+        return fitted_time(kind, 4 * elements, n, *fitted[kind])
+
+    priced = sum(2 * wire("all_gather", e) + wire("reduce_scatter", e) for e in blocks) + wire("all_gather", root) \
+        + wire("reduce_scatter", root)
+    factor = seconds / priced
+    return [(f"dp:{kind}", n, fitted[kind][0] * factor, fitted[kind][1] / factor) for kind in KINDS]
 
 
 def ring_latency(kind: str, group: Group, hw: Hardware) -> float:

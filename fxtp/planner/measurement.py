@@ -228,7 +228,7 @@ def measure(model: nn.Module, devices: int, *, batch: int, seq: int, device_memo
         steps: timed steps per layout, each after an untimed one (after one warm-up; two more run for
             the profile and the memory).
         calibrations: calibrations pooled into the Hardware (:func:`pooled`; none when ``hardware``
-            is given), 28-30 s each on 4 CPU ranks here at loads of 3 to 4.6, 40 s at 9 (2026-12-07).
+            is given), 31-37 s each on 4 CPU ranks here at loads of 3.5 to 5.2 (2026-12-07).
         timeout_s: the process groups' timeout, seconds.
 
     Returns:
