@@ -99,6 +99,20 @@ def test_fsdp_timed_in_the_model_is_what_the_planner_prices_for_that_program(dp)
     assert with_dp_collectives(fitted, dp, 0.0, [e for e, _ in units]) == []  # FSDP2's host work took it all
 
 
+
+def test_a_calibration_with_weights_but_no_fsdp_timed_in_the_model_says_so():
+    # NOTE: [collectives in the model]: FSDP2 in the model no slower than its priced host work
+    # leaves its dp groups on the fit after synthetic work; the calibration's doubts name it
+    from fxtp.planner.hardware import doubts
+
+    fitted = tuple((kind, n, 1e-3, 1e9) for n in (2, 4) for kind in ("all_reduce", "all_gather", "reduce_scatter"))
+    tp = tuple((f"tp:{kind}", n, 2e-3, 1e9) for n in (2, 4) for kind in ("all_reduce", "all_gather", "reduce_scatter"))
+    cpu = dataclasses.replace(H100, collectives=fitted + tp + (("dp:all_gather", 4, 2e-3, 1e9),))
+    assert doubts(cpu) == ("FSDP2 inside the model came out no slower than its priced host work over [2] ranks: "
+                           "those dp groups are priced from the fit after synthetic work",)
+    assert doubts(dataclasses.replace(cpu, collectives=cpu.collectives + (("dp:all_gather", 2, 2e-3, 1e9),))) == ()
+    assert doubts(dataclasses.replace(cpu, collectives=fitted)) == ()  # no weights: the plan's own line says so
+
 def test_fsdp_exposes_what_the_previous_unit_does_not_hide():
     # forward: AG_0, then max(0, AG_i - F_{i-1}); backward: AG_last, then
     # max(0, AG_{j-1} + RS_{j+1} - B_j) while unit j runs its backward, then RS_0.
@@ -136,3 +150,14 @@ def test_fsdp_units_split_the_compute_and_gather_each_units_shard():
         assert units[1].reduce_scatter == pytest.approx(ring_time("reduce_scatter", 4 * 2 * 64 * 64, group, H100))  # fp32
         assert units[-1].all_gather == pytest.approx(ring_time("all_gather", 2 * (64 + 64 * 1000), group, H100))
     assert units[1].backward == pytest.approx(3 * units[1].forward)  # "blocks": backward and the recomputed forward
+
+
+def test_calibrating_a_model_without_blocks_raises_fxtp_error_before_any_rank_starts():
+    # a rank's error would come back as torch's ProcessRaisedException, one traceback a rank
+    import torch
+
+    from fxtp.core.errors import FxtpConfigError
+    from fxtp.planner import calibrate
+
+    with pytest.raises(FxtpConfigError, match="found no stack of blocks in Sequential"):
+        calibrate(torch.nn.Sequential(torch.nn.Linear(4, 4)), 2, batch=2, seq=4)

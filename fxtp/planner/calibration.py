@@ -116,6 +116,7 @@ import math
 import os
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -165,6 +166,7 @@ def calibrate(model: nn.Module, devices: int, *, batch: int, seq: int, repeats: 
         FxtpConfigError: not a decoder with repeated blocks; ``devices`` GPUs asked on a host
             with fewer (CPU ranks are used when it has none).
     """
+    _shape(model)  # raises FxtpConfigError here for a model it cannot price, not inside every rank
     return spawn_ranks(calibrate_on_ranks, devices, timeout_s, model, batch=batch, seq=seq, repeats=repeats)
 
 
@@ -388,6 +390,7 @@ def on_the_model(model: nn.Module, tp: int, tokens: tuple[int, int], repeats: in
     from torch.distributed.fsdp import fully_shard
 
     import fxtp
+    from fxtp.runtime.clipping import FsdpClippingWarning
 
     dp = dist.get_world_size() // tp
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
@@ -404,12 +407,16 @@ def on_the_model(model: nn.Module, tp: int, tokens: tuple[int, int], repeats: in
     params = [p for p in pm.parameters() if p.requires_grad]
     units = [(sum(p.numel() for p in b.parameters()), len(list(b.parameters()))) for b in blocks]
     units.append((sum(p.numel() for p in params) - sum(e for e, _ in units), len(params) - sum(t for _, t in units)))
-    if dp > 1:
-        for block in blocks:
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(pm, mesh=mesh["dp"])
-    seconds = per_call(step, repeats)
-    runs = [profiled(step, (FXTP_COLLECTIVES, FSDP_RANGES)) for _ in range(_PROFILED)]
+    # the largest rank's shard (FSDP2 pads to it; uneven tp shards differ): every rank's Hardware is the same
+    units = [(int(slowest(e)), t) for e, t in units]
+    with warnings.catch_warnings():  # FSDP2 over fxtp's parameters warns about clipping, which this never does
+        warnings.filterwarnings("ignore", category=FsdpClippingWarning)
+        if dp > 1:
+            for block in blocks:
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(pm, mesh=mesh["dp"])
+        seconds = per_call(step, repeats)
+        runs = [profiled(step, (FXTP_COLLECTIVES, FSDP_RANGES)) for _ in range(_PROFILED)]
     tp_s, fsdp_s = (seconds * statistics.median(r.shares[prefix] for r in runs) for prefix in (FXTP_COLLECTIVES, FSDP_RANGES))
-    issued = runs[0].issued[FXTP_COLLECTIVES]
+    issued = int(slowest(runs[0].issued[FXTP_COLLECTIVES]))
     return InModel(tp_s / issued if issued else 0.0, fsdp_s, tuple(units))

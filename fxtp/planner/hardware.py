@@ -312,9 +312,14 @@ def doubts(hw: Hardware) -> tuple[str, ...]:
         out.append("FSDP2's own host work came out as none (its run no slower than the unsharded one)")
     if not host.asynchronous and hw.achieved_flops and (host.op == 0 or host.op_backward == 0):
         out.append("a dispatched op came out as free")
+    sizes = {n for _, n, _, _ in hw.collectives}
+    unpriced = sorted(n for n in sizes if hw.has_role("tp") and not hw.has_role("dp", n))
+    if unpriced:  # NOTE: [collectives in the model]: FSDP2's time in the model no more than its priced host work
+        out.append(f"FSDP2 inside the model came out no slower than its priced host work over {unpriced} ranks: those "
+                   f"dp groups are priced from the fit after synthetic work")
     run = hw.calibration
     if run is not None and run.load - run.ranks > run.cores:  # other jobs' share of the cores: the load less the ranks'
         out.append(f"the load average was {run.load:.1f} on {run.cores} cores ({run.ranks} of it the ranks' own at most)")
     if run is not None and run.seconds > 60:
-        out.append(f"it took {run.seconds:.0f} s (30-33 s on 2 idle cores for a hidden-128 Llama)")
+        out.append(f"it took {run.seconds:.0f} s (31-37 s at the ranks' own load on 2 cores for hidden-128 and -256 Llamas)")
     return tuple(out)

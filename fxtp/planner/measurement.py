@@ -382,7 +382,7 @@ class _Layout:
         if c.dp > 1:  # torchtitan's wrapping: each block, then the root
             blocks = repeated_blocks(model)
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
-            for i in range(blocks.count):
+            for i in range(blocks.count if blocks else 0):  # none: the root is the one unit, as the plan prices it
                 fully_shard(self.pm.get_submodule(f"{blocks.fqn}.{i}" if blocks.fqn else str(i)), mesh=mesh["dp"], mp_policy=policy)
             fully_shard(self.pm, mesh=mesh["dp"], mp_policy=policy)
         self.opt = {"sgd": torch.optim.SGD}.get(optimizer, torch.optim.AdamW)(self.pm.parameters(), lr=1e-4)

@@ -285,9 +285,9 @@ class ParallelPlan:
             self._verdict(),
             *([f"calibration doubts its figures: {'; '.join(self.hardware.doubts)}. fix: calibrate again on an idler host"
                f"{_idle(self.hardware.calibration)}, or compare two calibrations"] if self.hardware.doubts else []),
-            *(["calibrated without the model's weights: its tensor-parallel collectives are the fit after synthetic work, "
-               "which priced a hidden-128 Llama's tp 4 communication at 0.75-0.85 of its step's here (NOTE: [collectives in the "
-               "model]). fix: --measure (it builds a config.json's model with random weights), or fxtp.planner.calibrate on the "
+            *(["calibrated without the model's weights: its tensor-parallel collectives and FSDP2's are the fit after synthetic "
+               "work, which priced a hidden-128 Llama's tp 4 communication at 0.75-0.85 of its step's here and a hidden-256 "
+               "Llama's FSDP2 at 0.6-0.76 (NOTE: [collectives in the model]). fix: --measure (it builds a config.json's model with random weights), or fxtp.planner.calibrate on the "
                "model with weights"] if tp_fitted_on_cpu(self.hardware) else []),
             *self._pipeline_lines(),
             *(f"close call: {line}" for line in self.close_calls),
