@@ -119,11 +119,10 @@ def test_calibration_measures_every_degree_and_group(measured):
 
 
 def test_measure_runs_each_mesh_and_prices_it_again(measured):
-    """The three meshes ran (each term measured, the peak by glibc's heap), the plan printed is
-    the one whose rows ran; re-planned with the measured figures, the cost model reproduces each
-    mesh's measured compute, tensor-parallel and exposed FSDP seconds: the measured Hardware is
-    the run's. Where a loaded host's run measured a term under the host seconds priced in it
-    (kept as priced), the prediction stays, and the output says so."""
+    """The three meshes ran (each term measured, the peak by glibc's heap), the plan printed is the
+    one whose rows ran; re-planned with the measured figures, the cost model reproduces each mesh's
+    measured compute, tp and exposed FSDP seconds. A term measured under the host seconds priced in
+    it (a loaded host) keeps the prediction, and the output says so, as it says each swapped pair."""
     from fxtp.planner.measurement import _rows
 
     m = measured["measurement"]
@@ -143,6 +142,7 @@ def test_measure_runs_each_mesh_and_prices_it_again(measured):
     assert m.replan.fits and m.replan.chosen.step["total"] <= min(a.step["total"] for a in measured["again"]) * (1 + 1e-9)
     text = str(m)
     assert "measured / predicted" in text and ("the choice changes" in text or "the choice does not change" in text)
+    assert all(line in text for line in m.swapped()) and (not m.swapped()) == (m.order(False) == m.order(True)), text
     waits = [e.step["tp_wait"] + e.step["fsdp_wait"] for e, _ in m.rows]  # NOTE: [collective wait], said as priced
     assert [row["predicted"]["waits"] for row in m.to_dict()["rows"]] == waits
     assert ("waiting for peers on shared cores" in text) == any(waits), text

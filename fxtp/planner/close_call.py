@@ -22,17 +22,24 @@ The flip point is found by bisection on the assumption, each step re-pricing the
 degrees (their best sequence parallelism, checkpointing and micro-batch again, under the
 moved figure; memory does not depend on it), to 1% of the value. The plan says it as "tp 1
 wins while achieved efficiency (mfu) is above 0.41; below, tp 8".
+
+The same threshold reads a run (``fxtp plan --measure``, NOTE: [predicted against measured] in
+fxtp/planner/measurement.py): two layouts the run measured in the other order than the
+prediction's were either priced within the model's measured error of each other (a close call:
+the prediction did not separate them) or farther apart (a miss of the model). :func:`swapped`
+says which, for each such pair.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any, Callable, Optional
 
 from fxtp.planner.hardware import Hardware
 
-__all__ = ["MEASURED_ERROR", "ASSUMPTIONS", "close_calls"]
+__all__ = ["MEASURED_ERROR", "ASSUMPTIONS", "close_calls", "swapped"]
 
 # median |log(predicted / measured)| over the published runs (docs/bench_plan.json "published")
 MEASURED_ERROR = 0.161
@@ -117,4 +124,24 @@ def close_calls(hw: Hardware, price: Price, best: Any, best_s: float, others: di
             side, other_side = ("below", "above") if above else ("above", "below")
             lines.append(f"{_name(best)} wins while {name} is {side} {_fmt(field, value)}; {other_side}, {_name(flipped)} "
                          f"(the hardware table's: {_fmt(field, here)})")
+    return tuple(lines)
+
+
+def swapped(predicted: dict[Any, float], measured: dict[Any, float]) -> tuple[str, ...]:
+    """Each pair of layouts measured in the other order than predicted, a sentence each: how far
+    apart they were priced and ran, and whether the prices were within the model's measured error
+    (a close call) or not (a miss); empty when the order is the predicted one (NOTE: [close calls]).
+
+    Args:
+        predicted, measured: step seconds per layout (its ``tp``, or ``(pp, tp)``), the same keys.
+    """
+    lines = []
+    for a, b in itertools.combinations(sorted(predicted, key=lambda k: (predicted[k], _order(k))), 2):
+        if measured[a] <= measured[b]:  # a priced faster (or as fast) and it ran no slower
+            continue
+        priced, ran = predicted[b] / predicted[a], measured[a] / measured[b]
+        within = math.log(priced) <= MEASURED_ERROR
+        lines.append(f"{_name(b)} was priced {priced - 1:.1%} slower than {_name(a)} and ran {ran - 1:.1%} faster: "
+                     + ("within" if within else "beyond") + f" the model's measured error ({math.exp(MEASURED_ERROR) - 1:.0%}), "
+                     + ("a close call" if within else "a miss"))
     return tuple(lines)

@@ -54,6 +54,9 @@ fxtp/planner/calibration.py) unless one is given:
    each less the waits priced in it (NOTE: [collective wait] in fxtp/planner/comm.py): the
    measured figures include them, and the measured Hardware has none;
    ``fxtp.plan`` runs again with it: the result says whether the choice changes.
+6. Each pair of degrees measured in the other order than predicted gets a sentence: a close
+   call where they were priced within the model's measured error of each other, the plan's
+   close-call threshold, else a miss (NOTE: [close calls] in fxtp/planner/close_call.py).
 
 On CPU ranks FSDP2 has no streams to overlap on (NOTE: [calibration]), so the run cannot show
 NOTE: [fsdp overlap]'s hiding of FSDP communication behind compute, and the calibrated
@@ -85,6 +88,7 @@ from fxtp.local_ranks import (
     sync,
 )
 from fxtp.planner.calibration import calibrate_on_ranks
+from fxtp.planner.close_call import swapped
 from fxtp.planner.costs import Choice, Estimate
 from fxtp.planner.hardware import CalibrationRun, Hardware, doubts
 from fxtp.planner.parallel_plan import ParallelPlan, fmt_size, fmt_time
@@ -127,12 +131,18 @@ class Measurement:
         """The degrees ``tp`` from fastest to slowest, predicted or measured."""
         return [e.choice.tp for e, m in sorted(self.rows, key=lambda r: r[1]["total"] if measured else r[0].step["total"])]
 
+    def swapped(self) -> tuple[str, ...]:
+        """Each pair of degrees measured in the other order than predicted, a close call or a miss
+        (:func:`~fxtp.planner.close_call.swapped`)."""
+        return swapped(*({e.choice.tp: (m["total"] if measured else e.step["total"]) for e, m in self.rows} for measured in (False, True)))
+
     def to_dict(self) -> dict[str, Any]:
         return {"hardware": self.hardware.to_dict(), "measured_hardware": self.measured_hardware.to_dict(),
                 "rows": [{"mesh": {"tp": e.choice.tp, "dp": e.choice.dp}, "choice": dataclasses.asdict(e.choice),
                           "predicted": {**{k: e.step[k] for k in TERMS}, "peak": e.peak, "waits": _priced_waits(e)},
                           "measured": dict(m)} for e, m in self.rows],
-                "predicted_order": self.order(False), "measured_order": self.order(True), "chosen": dataclasses.asdict(self.plan.chosen.choice),
+                "predicted_order": self.order(False), "measured_order": self.order(True), "swapped": list(self.swapped()),
+                "chosen": dataclasses.asdict(self.plan.chosen.choice),
                 "replanned": dataclasses.asdict(self.replan.chosen.choice), "choice_changed": self.choice_changed,
                 "steps": self.steps, "calibrate_s": self.calibrate_s, "calibrations": self.calibrations, "run_s": self.run_s, "wall_s": self.wall_s}
 
@@ -159,6 +169,7 @@ class Measurement:
             *_waits(self.rows),
             f"fastest first: predicted {names(self.order(False))}; measured {names(self.order(True))}"
             + (" (the same order)" if self.order(False) == self.order(True) else " (the order differs)"),
+            *self.swapped(),
             f"re-planned with the measured figures: {new}"
             + (" (the choice changes)" if self.choice_changed else " (the choice does not change)"),
             *unreproduced(self.rows),
