@@ -45,9 +45,9 @@ _BLOCK = 4 * 128 * 128 + 3 * 128 * 344 + 2 * 128  # a block's parameters: attent
 
 def _calibrate_and_measure() -> dict:
     """On each rank: the measurement (one calibration, a timed step per layout; the defaults, 3
-    calibrations and 9 steps, where the timing bounds are asserted; the rounds' pooling is
-    tested without ranks) and the measured Hardware's prediction of each row (the re-plan's
-    figures, as the plan prices them)."""
+    calibrations and 9 steps, where the timing bounds are asserted; their pooling is tested
+    without ranks, tests/test_plan_pool.py) and the measured Hardware's prediction of each row
+    (the re-plan's figures, as the plan prices them)."""
     from fxtp.planner.measurement import measure_on_ranks
 
     # timed as a user's loop runs: the pool's CollectiveLog, a dispatch mode, would run Python at
@@ -265,37 +265,6 @@ def test_a_calibration_says_which_of_its_figures_it_doubts():
     assert without in text
     in_model = dataclasses.replace(quiet, collectives=quiet.collectives + (("tp:all_reduce", 4, 6e-3, 1e9),))
     assert without not in str(fxtp.plan(_model(), 4, device_memory=2**30, batch=BATCH, seq=SEQ, hardware=in_model))
-
-
-def test_rounds_pool_their_calibrations():
-    """No ranks: the rounds' calibrations make one Hardware, each measured figure their median
-    (the host's too), the memory their least, the longest run and the highest load; its doubts
-    are the pooled figures' (NOTE: [predicted against measured], 2)."""
-    from fxtp.planner import Hardware
-    from fxtp.planner.hardware import CalibrationRun, HostCosts
-    from fxtp.planner.measurement import pooled
-
-    def calibrated(f: float, memory: int, load: float, rate2: float = 8e9, in_model: bool = False) -> Hardware:
-        return Hardware("calibrated", 1e10, memory, 1e9, 1e9, mfu=1.0, achieved_flops=((1, 1e10 * f), (2, rate2 * f)),
-                        collectives=(("all_reduce", 2, 1e-4 * f, 1e9 / f), ("all_gather", 2, 2e-4 * f, 2e9 / f))
-                        + ((("tp:all_reduce", 2, 3e-4 * f, 1e9 / f),) if in_model else ()),
-                        host=HostCosts(op=1e-5 * f, op_backward=1e-5, fsdp_unit=1e-3, asynchronous=False), calibration=CalibrationRun(20.0 * f, load, 2, 4),
-                        collective_wait=((2, 2e-3 * f, 0.1 * f),),
-                        doubts=("a round's own doubt",))
-
-    # the second round's tp 2 GEMMs at a tenth: a doubt of that round, not of the medians the plan uses
-    hw = pooled([calibrated(1.0, 3 * 2**30, 9.0), calibrated(3.0, 2**30, 5.0, rate2=8e8), calibrated(2.0, 2 * 2**30, 4.0)])
-    assert hw.host.op == 2e-5 and hw.calibration == CalibrationRun(60.0, 9.0, 2, 4)
-    assert hw.doubts == ("the load average was 9.0 on 2 cores (4 of it the ranks' own at most)",)  # once, the highest
-    assert hw.achieved_flops == ((1, 2e10), (2, 8e9)) and hw.memory_bytes == 2**30 and hw.peak_flops == 2e10
-    assert hw.collectives == (("all_reduce", 2, 2e-4, 5e8), ("all_gather", 2, 4e-4, 1e9))
-    assert (hw.intra_node_bw, hw.collective_latency) == (5e8, 2e-4)  # the widest all_reduce's
-    assert hw.collective_wait == ((2, 4e-3, 0.2),)
-    # the tp groups' in-model entries (NOTE: [collectives in the model]) pool where every calibration has them
-    both = pooled([calibrated(1.0, 2**30, 1.0, in_model=True), calibrated(3.0, 2**30, 1.0, in_model=True)])
-    assert both.collective("all_reduce", 2, "tp") == (pytest.approx(6e-4), pytest.approx((1e9 + 1e9 / 3) / 2))  # medians of 2
-    one = pooled([calibrated(1.0, 2**30, 1.0, in_model=True), calibrated(3.0, 2**30, 1.0)])
-    assert [kind for kind, _, _, _ in one.collectives] == ["all_reduce", "all_gather"]
 
 
 def test_calibrate_and_measure_usage(capsys):

@@ -216,12 +216,14 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
             waits.append((n, base, _wait(group, n, payloads[0], dtype, repeats, between, base)))
     memory = slowest(_usable_memory(device, ranks), op=dist.ReduceOp.MIN)
     host = HostCosts() if cuda else host_costs(dict(((k, n), lat) for k, n, lat, _ in collectives), repeats)
+    model_s = 0.0  # the model's own programs' seconds, summed over the tp degrees (CalibrationRun.model_s)
     if not cuda and all(p.device.type != "meta" for p in model.parameters()):  # a model with weights runs
         tokens = (max(1, batch // ranks), seq)
         gemm_s = shape.flops_per_token(seq) * math.prod(tokens) / rates[0][1]  # the tp 1 GEMMs' seconds
         host = host_on_the_model(host, model, shape.hidden, tokens, gemm_s, repeats)
         for tp in tps:  # NOTE: [collectives in the model]
             timed, dp = on_the_model(model, tp, (max(1, batch // (ranks // tp)), seq), repeats), ranks // tp
+            model_s += timed.seconds
             fsdp_host = host_seconds(host, None, layers=0, tokens=0, tp=tp, dp=dp, checkpointing=None, micro_batches=1,
                                      tensors=0, elements=0, units=tuple(t for _, t in timed.units))["fsdp"]
             if tp > 1:
@@ -237,7 +239,8 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
         collective_wait=tuple(waits),
     )
     # the slowest rank's seconds and the highest load any rank read: every rank's Hardware is the same
-    run = CalibrationRun(slowest(time.perf_counter() - start), slowest(os.getloadavg()[0]), os.cpu_count() or 1, 0 if cuda else ranks)
+    run = CalibrationRun(slowest(time.perf_counter() - start), slowest(os.getloadavg()[0]), os.cpu_count() or 1, 0 if cuda else ranks,
+                         model_s)
     hw = dataclasses.replace(hw, calibration=run)
     return dataclasses.replace(hw, doubts=doubts(hw))
 
@@ -370,9 +373,11 @@ def _usable_memory(device: torch.device, ranks: int) -> int:
 
 @dataclass(frozen=True)
 class InModel:
-    """What :func:`on_the_model` timed: one of fxtp's collectives' seconds (0: none issued), FSDP2's
-    seconds (0 at dp 1), and its units' ``(elements, tensors)`` on a rank, the blocks' then the root's."""
+    """What :func:`on_the_model` timed: the program's seconds (a forward and backward), one of
+    fxtp's collectives' seconds (0: none issued), FSDP2's seconds (0 at dp 1), and its units'
+    ``(elements, tensors)`` on a rank, the blocks' then the root's."""
 
+    seconds: float
     tp_collective_s: float
     fsdp_s: float
     units: tuple[tuple[int, int], ...]
@@ -419,4 +424,4 @@ def on_the_model(model: nn.Module, tp: int, tokens: tuple[int, int], repeats: in
         runs = [profiled(step, (FXTP_COLLECTIVES, FSDP_RANGES)) for _ in range(_PROFILED)]
     tp_s, fsdp_s = (seconds * statistics.median(r.shares[prefix] for r in runs) for prefix in (FXTP_COLLECTIVES, FSDP_RANGES))
     issued = int(slowest(runs[0].issued[FXTP_COLLECTIVES]))
-    return InModel(tp_s / issued if issued else 0.0, fsdp_s, tuple(units))
+    return InModel(seconds, tp_s / issued if issued else 0.0, fsdp_s, tuple(units))

@@ -117,12 +117,17 @@ class CalibrationRun:
         seconds: its wall time; ``load``: the host's 1-minute load average at its end
             (``os.getloadavg``); ``cores``: the host's; ``ranks``: the CPU ranks that calibrated
             (their own load; 0 for GPU ranks, which wait on their devices).
+        model_s: seconds of one training forward and backward of the model's own program at
+            each tp degree, summed, as the calibration timed them (0: none timed; NOTE:
+            [collectives in the model] in fxtp/planner/calibration.py); calibrations are pooled
+            by it (``fxtp.planner.measurement.pooled``).
     """
 
     seconds: float
     load: float
     cores: int
     ranks: int
+    model_s: float = 0.0
 
 
 @dataclass(frozen=True)

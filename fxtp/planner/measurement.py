@@ -13,10 +13,16 @@ fxtp/planner/calibration.py) unless one is given:
    them (NOTE: [FSDP2 units inside a ParallelModule] in fxtp/runtime/fsdp.py); the row's
    micro-batches of random token ids, the model's own loss (``labels=``: fxtp's vocab-parallel cross
    entropy, as the plan prices it), ``backward`` and the optimizer's step.
-2. The calibration runs ``calibrations`` times first, the figures' medians make one Hardware
-   (:func:`pooled`), and the plan made with it is the one printed: its rows are the ones run,
-   priced as they are compared (until 2026-12-06 the calibrations were interleaved with the
-   rounds and the plan printed was made after them, with other rows than the ones run).
+2. The calibration runs ``calibrations`` times first, and the one whose timing of the model's
+   own programs is the median (``CalibrationRun.model_s``) is kept whole (:func:`pooled`); the
+   plan made with it is the one printed: its rows are the ones run, priced as they are
+   compared (until 2026-12-06 the calibrations were interleaved with the rounds and the plan
+   printed was made after them, with other rows than the ones run). A calibration's figures
+   are coupled: FSDP2's dp entries are its in-model seconds less the host work its own host
+   figures price, its op figures are scaled to its own GEMM rate (NOTE: [collectives in the
+   model], NOTE: [calibration]). Until 2026-12-07 each figure was the calibrations' median,
+   which broke those sums: three calibrations that priced a hidden-256 Llama's dp 2 x tp 2
+   FSDP2 at 50.7, 44.2 and 51.9 ms made a Hardware that priced it at 41.1 (4 gloo ranks).
    Step time: the median over ``steps`` steps of the slowest rank's seconds (9 by default: a
    median of 3 moved by up to 12% between groups of 3 steps of one run here, 2026-12-07), each step started
    after a barrier. The layouts take turns, a step each a round (against the host's drift), and
@@ -239,7 +245,7 @@ def measure(model: nn.Module, devices: int, *, batch: int, seq: int, device_memo
         steps: timed steps per layout, each after an untimed one (after one warm-up; two more run for
             the profile and the memory).
         calibrations: calibrations pooled into the Hardware (:func:`pooled`; none when ``hardware``
-            is given), 31-37 s each on 4 CPU ranks here at loads of 3.5 to 5.2 (2026-12-07).
+            is given), 31-47 s each on 4 CPU ranks on two 2-core hosts here (2026-12-07).
         timeout_s: the process groups' timeout, seconds.
 
     Returns:
@@ -298,28 +304,19 @@ def _measured(model: nn.Module, *, batch: int, seq: int, device_memory: Optional
 
 
 def pooled(found: list[Hardware]) -> Hardware:
-    """One :class:`Hardware` from calibrations of the same ranks: each measured figure's median
-    (the host's too), the least memory, the longest run and the highest load; its doubts are
-    those of these figures (NOTE: [predicted against measured], 2)."""
+    """One :class:`Hardware` from calibrations of the same ranks: the one whose timing of the
+    model's own programs is the median (``CalibrationRun.model_s``, then its wall time; the
+    lower of two), its figures kept together; the least memory, the longest run and the
+    highest load of them all; its doubts are those of these figures (NOTE: [predicted against
+    measured], 2)."""
     if len(found) == 1:
         return found[0]
-    rates = {tp: statistics.median(dict(h.achieved_flops)[tp] for h in found) for tp, _ in found[0].achieved_flops}
-    # the entries every calibration has (one whose model issued no tp collective has no "tp:" ones)
-    every = [(kind, n) for kind, n, _, _ in found[0].collectives if all(h.collective(kind, n) is not None for h in found)]
-    collectives = tuple((kind, n, statistics.median(h.collective(kind, n)[0] for h in found),
-                         statistics.median(h.collective(kind, n)[1] for h in found)) for kind, n in every)
-    widest = [c for c in collectives if c[0] == "all_reduce"][-1:]
-    links = dict(intra_node_bw=widest[0][3], inter_node_bw=widest[0][3], collective_latency=widest[0][2]) if widest else {}
-    by_size = [{n: (after, per) for n, after, per in h.collective_wait} for h in found]
-    waits = tuple((n, *(statistics.median(w[n][i] for w in by_size) for i in (0, 1))) for n, _, _ in found[0].collective_wait)
-    host = dataclasses.replace(found[0].host, **{f.name: statistics.median(getattr(h.host, f.name) for h in found)
-                                                 for f in dataclasses.fields(found[0].host) if f.name != "asynchronous"})
+    middle = sorted(found, key=lambda h: (h.calibration.model_s, h.calibration.seconds) if h.calibration else (0.0, 0.0))
+    chosen = middle[(len(found) - 1) // 2]
     runs = [h.calibration for h in found if h.calibration is not None]
-    run = CalibrationRun(max(r.seconds for r in runs), max(r.load for r in runs), runs[0].cores, runs[0].ranks) if runs else None
-    out = dataclasses.replace(found[0], achieved_flops=tuple(sorted(rates.items())), collectives=collectives,
-                              peak_flops=max(rates.values()), memory_bytes=min(h.memory_bytes for h in found), host=host,
-                              collective_wait=waits,
-                              calibration=run, **links)
+    run = dataclasses.replace(chosen.calibration, seconds=max(r.seconds for r in runs),
+                              load=max(r.load for r in runs)) if chosen.calibration else None
+    out = dataclasses.replace(chosen, memory_bytes=min(h.memory_bytes for h in found), calibration=run)
     return dataclasses.replace(out, doubts=doubts(out))
 
 
