@@ -134,12 +134,21 @@ def swapped(predicted: dict[Any, float], measured: dict[Any, float]) -> tuple[st
 
     Args:
         predicted, measured: step seconds per layout (its ``tp``, or ``(pp, tp)``), the same keys.
+
+    Returns:
+        One sentence per pair ``(a, b)`` with ``a`` priced faster (ties: the smaller layout first)
+        and measured slower, in that order; a measured tie keeps the order.
+
+    Raises:
+        KeyError: a layout of ``predicted`` that ``measured`` lacks.
     """
     lines = []
     for a, b in itertools.combinations(sorted(predicted, key=lambda k: (predicted[k], _order(k))), 2):
         if measured[a] <= measured[b]:  # a priced faster (or as fast) and it ran no slower
             continue
-        priced, ran = predicted[b] / predicted[a], measured[a] / measured[b]
+        # measured[a] > measured[b] >= 0; a step priced at 0 s (none of its terms) is infinitely apart
+        priced = predicted[b] / predicted[a] if predicted[a] > 0 else math.inf
+        ran = measured[a] / measured[b] if measured[b] > 0 else math.inf
         within = math.log(priced) <= MEASURED_ERROR
         lines.append(f"{_name(b)} was priced {priced - 1:.1%} slower than {_name(a)} and ran {ran - 1:.1%} faster: "
                      + ("within" if within else "beyond") + f" the model's measured error ({math.exp(MEASURED_ERROR) - 1:.0%}), "

@@ -13,16 +13,13 @@ fxtp/planner/calibration.py) unless one is given:
    them (NOTE: [FSDP2 units inside a ParallelModule] in fxtp/runtime/fsdp.py); the row's
    micro-batches of random token ids, the model's own loss (``labels=``: fxtp's vocab-parallel cross
    entropy, as the plan prices it), ``backward`` and the optimizer's step.
-2. The calibration runs ``calibrations`` times first, and the one whose timing of the model's
-   own programs is the median (``CalibrationRun.model_s``) is kept whole (:func:`pooled`); the
+2. The calibration runs ``calibrations`` times first; the one whose timing of the model's own
+   programs is the median (``CalibrationRun.model_s``) is kept whole (:func:`pooled`), and the
    plan made with it is the one printed: its rows are the ones run, priced as they are
-   compared (until 2026-12-06 the calibrations were interleaved with the rounds and the plan
-   printed was made after them, with other rows than the ones run). A calibration's figures
-   are coupled: FSDP2's dp entries are its in-model seconds less the host work its own host
-   figures price, its op figures are scaled to its own GEMM rate (NOTE: [collectives in the
-   model], NOTE: [calibration]). Until 2026-12-07 each figure was the calibrations' median,
-   which broke those sums: three calibrations that priced a hidden-256 Llama's dp 2 x tp 2
-   FSDP2 at 50.7, 44.2 and 51.9 ms made a Hardware that priced it at 41.1 (4 gloo ranks).
+   compared. A calibration's figures are coupled (FSDP2's dp entries are its in-model seconds
+   less the host work its own host figures price; its op figures are scaled to its own GEMM
+   rate): a median per figure, until 2026-12-07, broke those sums (three calibrations pricing
+   a hidden-256 Llama's dp 2 x tp 2 FSDP2 at 50.7, 44.2 and 51.9 ms pooled to 41.1).
    Step time: the median over ``steps`` steps of the slowest rank's seconds (9 by default: a
    median of 3 moved by up to 12% between groups of 3 steps of one run here, 2026-12-07), each step started
    after a barrier. The layouts take turns, a step each a round (against the host's drift), and
@@ -85,18 +82,12 @@ import torch.distributed as dist
 from tabulate import tabulate
 from torch import nn
 
-from fxtp.local_ranks import (
-    FSDP_RANGES,
-    FXTP_COLLECTIVES,
-    profiled,
-    slowest,
-    spawn_ranks,
-    sync,
-)
+from fxtp.core.errors import FxtpConfigError
+from fxtp.local_ranks import FSDP_RANGES, FXTP_COLLECTIVES, profiled, slowest, spawn_ranks, sync
 from fxtp.planner.calibration import calibrate_on_ranks
 from fxtp.planner.close_call import swapped
 from fxtp.planner.costs import Choice, Estimate
-from fxtp.planner.hardware import CalibrationRun, Hardware, doubts
+from fxtp.planner.hardware import Hardware, doubts
 from fxtp.planner.parallel_plan import ParallelPlan, fmt_size, fmt_time
 from fxtp.planner.params import repeated_blocks
 from fxtp.runtime.memory import Peak, in_use, storage_bytes
@@ -174,7 +165,7 @@ class Measurement:
                      colalign=("left", "left", "right", "right", "right", "right", "right")),
             *_waits(self.rows),
             f"fastest first: predicted {names(self.order(False))}; measured {names(self.order(True))}"
-            + (" (the same order)" if self.order(False) == self.order(True) else " (the order differs)"),
+            + (" (the order differs)" if self.swapped() else " (the same order)"),
             *self.swapped(),
             f"re-planned with the measured figures: {new}"
             + (" (the choice changes)" if self.choice_changed else " (the choice does not change)"),
@@ -245,15 +236,17 @@ def measure(model: nn.Module, devices: int, *, batch: int, seq: int, device_memo
         steps: timed steps per layout, each after an untimed one (after one warm-up; two more run for
             the profile and the memory).
         calibrations: calibrations pooled into the Hardware (:func:`pooled`; none when ``hardware``
-            is given), 31-47 s each on 4 CPU ranks on two 2-core hosts here (2026-12-07).
+            is given), 31-49 s each on 4 CPU ranks on two 2-core hosts here (2026-12-07).
         timeout_s: the process groups' timeout, seconds.
 
     Returns:
         A :class:`Measurement`: ``str()`` prints predicted and measured side by side.
 
     Raises:
-        FxtpConfigError: as ``fxtp.plan`` and :func:`fxtp.planner.calibrate` raise.
+        FxtpConfigError: as ``fxtp.plan`` and :func:`fxtp.planner.calibrate` raise; ``calibrations``
+            under 1 without a ``hardware``.
     """
+    _check_calibrations(calibrations, hardware)
     start = time.perf_counter()
     result = spawn_ranks(measure_on_ranks, devices, timeout_s, model, batch=batch, seq=seq, device_memory=device_memory,
                          hardware=hardware, optimizer=optimizer, steps=steps, calibrations=calibrations)
@@ -267,6 +260,7 @@ def measure_on_ranks(model: nn.Module, *, batch: int, seq: int, device_memory: O
     the result)."""
     from fxtp.runtime.clipping import FsdpClippingWarning
 
+    _check_calibrations(calibrations, hardware)
     with warnings.catch_warnings():  # on every rank, about what the layouts never do: clip their gradients
         warnings.filterwarnings("ignore", category=FsdpClippingWarning)
         return _measured(model, batch=batch, seq=seq, device_memory=device_memory, hardware=hardware, optimizer=optimizer,
@@ -303,19 +297,31 @@ def _measured(model: nn.Module, *, batch: int, seq: int, device_memory: Optional
                        calibrate_s, time.perf_counter() - start, calibrations=len(found) if hardware is None else 0)
 
 
+def _check_calibrations(calibrations: int, hardware: Optional[Hardware]) -> None:
+    if hardware is None and (isinstance(calibrations, bool) or not isinstance(calibrations, int) or calibrations < 1):
+        raise FxtpConfigError(f"fxtp.planner.measure(calibrations={calibrations!r}): it prices the rows with a calibration "
+                              "of the ranks. fix: calibrations=1 or more (3 by default), or pass hardware=")
+
+
 def pooled(found: list[Hardware]) -> Hardware:
     """One :class:`Hardware` from calibrations of the same ranks: the one whose timing of the
     model's own programs is the median (``CalibrationRun.model_s``, then its wall time; the
-    lower of two), its figures kept together; the least memory, the longest run and the
-    highest load of them all; its doubts are those of these figures (NOTE: [predicted against
-    measured], 2)."""
+    lower of two; one without a ``calibration`` only where none has one), its figures kept
+    together; the least memory, the longest run and the highest load of them all; its doubts
+    are those of these figures (NOTE: [predicted against measured], 2).
+
+    Raises:
+        ValueError: ``found`` is empty.
+    """
+    if not found:
+        raise ValueError("pooled() needs at least one calibration")
     if len(found) == 1:
         return found[0]
-    middle = sorted(found, key=lambda h: (h.calibration.model_s, h.calibration.seconds) if h.calibration else (0.0, 0.0))
-    chosen = middle[(len(found) - 1) // 2]
     runs = [h.calibration for h in found if h.calibration is not None]
+    ranked = sorted(found, key=lambda h: (0, h.calibration.model_s, h.calibration.seconds) if h.calibration else (1,))
+    chosen = ranked[(len(runs or found) - 1) // 2]  # among those that ran, where any did
     run = dataclasses.replace(chosen.calibration, seconds=max(r.seconds for r in runs),
-                              load=max(r.load for r in runs)) if chosen.calibration else None
+                              load=max(r.load for r in runs)) if runs else None
     out = dataclasses.replace(chosen, memory_bytes=min(h.memory_bytes for h in found), calibration=run)
     return dataclasses.replace(out, doubts=doubts(out))
 

@@ -185,7 +185,9 @@ def plan(
         key = _key(e)
         if key != _key(best) and (e.choice.pp == 1 or all(k[0] != e.choice.pp for k in others if isinstance(k, tuple))):
             others.setdefault(key, e.step["total"])
-    if pin is None and pin_pp is None and others:
+    if pin_pp == 1:  # the tp x dp layouts are the choice (``--measure`` pins pp 1): their close calls
+        others = {key: s for key, s in others.items() if not isinstance(key, tuple)}
+    if pin is None and pin_pp in (None, 1) and others:
 
         def price(moved: Hardware, key: Any) -> Optional[float]:
             fit = [e.step["total"] for e in rows(*(key if isinstance(key, tuple) else (1, key)), moved) if e.peak <= budget]
