@@ -137,6 +137,13 @@ def plans():
     return out
 
 
+def test_a_plan_pinned_to_pp_1_names_its_close_calls(plans):
+    """``--measure`` pins pp 1 (it runs tp x FSDP2 layouts): its plan names the close call among
+    the tp degrees, as the unpinned plan does, that the run's swapped sentences then read."""
+    pinned = fxtp.plan(llama31("8b"), 8, device_memory=H100, batch=16, seq=8192, devices_per_node=8, hardware="h100", pp=1)
+    assert pinned.close_calls and pinned.close_calls[0].startswith("tp 2 is ") and pinned.close_calls == plans["8b"].close_calls
+    assert f"close call: {pinned.close_calls[0]}" in str(pinned)
+
 def test_llama31_8b_on_8_devices_uses_little_tensor_parallelism(plans):
     plan = plans["8b"]
     assert plan.fits and plan.tp <= 2 and plan.tp * plan.dp == 8

@@ -12,7 +12,6 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-import fxtp
 from fxtp.planner.close_call import MEASURED_ERROR, swapped
 
 _ERROR = f"the model's measured error ({math.exp(MEASURED_ERROR) - 1:.0%})"
@@ -53,20 +52,3 @@ def test_one_sentence_per_inverted_pair_and_none_for_the_same_order(rows):
         if abs(gap - MEASURED_ERROR) > 1e-3:  # beyond the sentence's rounding (0.1%)
             assert line.endswith("a close call") == (gap < MEASURED_ERROR), line
 
-
-def test_a_plan_pinned_to_pp_1_names_its_close_calls_as_the_unpinned_one():
-    """``--measure`` pins pp 1 (it runs tp x FSDP2 layouts): the plan it prints names the close
-    call among the tp degrees that the run's swapped sentences read (Llama-3.1-8B's shape on 8
-    H100s, on meta: tp 2 within the measured error of tp 1)."""
-    import torch
-    import transformers
-
-    config = transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                                      num_key_value_heads=8, intermediate_size=14336, max_position_embeddings=8192,
-                                      use_cache=False)
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
-    kw = dict(device_memory=80 * 2**30, batch=16, seq=8192, devices_per_node=8, hardware="h100")
-    free, pinned = fxtp.plan(model, 8, **kw), fxtp.plan(model, 8, pp=1, **kw)
-    assert pinned.close_calls and pinned.close_calls[0].startswith("tp 2 is ") and pinned.close_calls == free.close_calls
-    assert f"close call: {pinned.close_calls[0]}" in str(pinned)

@@ -131,7 +131,8 @@ class Measurement:
     def swapped(self) -> tuple[str, ...]:
         """Each pair of degrees measured in the other order than predicted, a close call or a miss
         (:func:`~fxtp.planner.close_call.swapped`)."""
-        return swapped(*({e.choice.tp: (m["total"] if measured else e.step["total"]) for e, m in self.rows} for measured in (False, True)))
+        predicted = {e.choice.tp: e.step["total"] for e, _ in self.rows}
+        return swapped(predicted, {e.choice.tp: m["total"] for e, m in self.rows})
 
     def to_dict(self) -> dict[str, Any]:
         return {"hardware": self.hardware.to_dict(), "measured_hardware": self.measured_hardware.to_dict(),
@@ -154,7 +155,7 @@ class Measurement:
             table.append([layout, "measured"] + [fmt_time(v, like=slowest) for v in measured[:-1]] + [fmt_size(measured[-1], like=largest)])
             table.append([layout, "measured / predicted"] + [f"{b / a:.2f}" if a else "-" for a, b in zip(predicted, measured)])
         names = lambda order: " < ".join(f"tp {tp}" for tp in order)  # noqa: E731
-        new = _layout(self.replan.chosen.choice)
+        new, swaps = _layout(self.replan.chosen.choice), self.swapped()
         lines = [
             f"fxtp plan --measure: {self.plan.model} on {self.plan.devices} local ranks ({self.hardware.name}), "
             f"{self.plan.batch} x {self.plan.seq} tokens a step, median of {self.steps} steps "
@@ -165,8 +166,8 @@ class Measurement:
                      colalign=("left", "left", "right", "right", "right", "right", "right")),
             *_waits(self.rows),
             f"fastest first: predicted {names(self.order(False))}; measured {names(self.order(True))}"
-            + (" (the order differs)" if self.swapped() else " (the same order)"),
-            *self.swapped(),
+            + (" (the order differs)" if swaps else " (the same order)"),
+            *swaps,
             f"re-planned with the measured figures: {new}"
             + (" (the choice changes)" if self.choice_changed else " (the choice does not change)"),
             *unreproduced(self.rows),
