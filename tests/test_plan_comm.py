@@ -48,16 +48,21 @@ def test_a_collective_waits_for_the_compute_since_its_groups_last_one():
 
 
 def test_tp_collectives_timed_in_the_model_price_its_activation_all_reduce_and_wait_for_no_one():
-    # NOTE: [collectives in the model]: each kind's fitted figure scaled by one factor, so that the
-    # model's activation all_reduce costs what one collective took inside the model
-    from fxtp.planner.comm import ring_time, with_tp_collectives
+    # NOTE: [collectives in the model]: each kind's fitted figure scaled by its own factor, so that
+    # one collective of the model's activation, of any kind (sequence parallelism's all_gathers and
+    # reduce_scatters too), costs what one collective took inside the model
+    from fxtp.planner.comm import fitted_time, ring_time, with_tp_collectives
 
     fitted = [("all_reduce", 4, 1e-3, 1e9), ("all_gather", 4, 2e-3, 2e9), ("reduce_scatter", 4, 4e-3, 4e9),
               ("all_reduce", 2, 7e-3, 1e9)]
     tp = with_tp_collectives(fitted, 4, 5e-3, 10**6)  # 5 ms each; fitted: 1 ms + 1 MB x 6 / 4 / 1 GB/s = 2.5 ms
-    assert tp == [("tp:all_reduce", 4, pytest.approx(2e-3), pytest.approx(5e8)),
-                  ("tp:all_gather", 4, pytest.approx(4e-3), pytest.approx(1e9)),
-                  ("tp:reduce_scatter", 4, pytest.approx(8e-3), pytest.approx(2e9))]
+    assert tp[0] == ("tp:all_reduce", 4, pytest.approx(2e-3), pytest.approx(5e8))
+    assert [kind for kind, *_ in tp] == ["tp:all_reduce", "tp:all_gather", "tp:reduce_scatter"]
+    for (kind, n, lat, bw), (_, _, fit_lat, fit_bw) in zip(tp, fitted):
+        assert n == 4 and fitted_time(kind[3:], 10**6, 4, lat, bw) == pytest.approx(5e-3), kind
+        assert lat / fit_lat == pytest.approx(fit_bw / bw) and lat > fit_lat, kind  # the fit's two terms, one factor
+    assert ring_time("all_gather", 10**6, Group.tp(4, 8), dataclasses.replace(H100, collectives=tuple(fitted + tp))) \
+        == pytest.approx(5e-3)  # sequence parallelism's, through the tp group
     assert with_tp_collectives(fitted, 4, 0.0, 10**6) == []  # the model issued none
     cpu = dataclasses.replace(H100, collectives=tuple(fitted + tp), collective_wait=((4, 1e-3, 0.5),))
     assert ring_time("all_reduce", 10**6, Group.tp(4, 8), cpu) == pytest.approx(5e-3)

@@ -1,6 +1,6 @@
-"""``fxtp.planner.measurement.pooled`` (issue 34, item 2): calibrations of the same ranks make one
-Hardware, the calibration whose timing of the model's own programs is the median, its figures
-kept together (NOTE: [predicted against measured], 2 in fxtp/planner/measurement.py): a
+"""``fxtp.planner.hardware.pooled`` (issue 34, item 2): calibrations of the same ranks make one
+Hardware, the calibration whose price of the same rows (else whose timing of the model's own
+programs) is the median, its figures kept together (NOTE: [predicted against measured], 2 in fxtp/planner/measurement.py): a
 calibration's figures are coupled (FSDP2's dp entries are its in-model seconds less the host
 work its own host figures price), and a median per figure broke those sums. No ranks: constructed
 calibrations, and random ones priced by the cost model.
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from fxtp.planner import Hardware
 from fxtp.planner.costs import Choice, Workload, estimate
 from fxtp.planner.hardware import CalibrationRun, HostCosts
-from fxtp.planner.measurement import pooled
+from fxtp.planner.hardware import pooled
 
 BATCH, SEQ = 8, 64
 
@@ -58,8 +58,16 @@ def test_calibrations_are_ranked_by_the_models_own_programs():
     given = dataclasses.replace(_calibrated(5.0), calibration=None)
     hw = pooled([given, _calibrated(1.0, load=9.0, model_s=2.0), given])
     assert hw.host.op == 1e-5 and hw.calibration.load == 9.0 and len(hw.doubts) == 1
-    with pytest.raises(ValueError, match="at least one calibration"):
+    with pytest.raises(ValueError, match="at least one calibration and a price for each"):
         pooled([])
+    with pytest.raises(ValueError, match="a price for each"):
+        pooled([hw, hw], [1.0])
+    # one that does not doubt its own figures before those that do (an op measured as free, 2026-12-07)
+    clean = dataclasses.replace(_calibrated(3.0, model_s=5.0), doubts=())
+    assert pooled([_calibrated(1.0, model_s=1.0), clean, _calibrated(2.0, model_s=2.0)]).host.op == pytest.approx(3e-5)
+    # ranked by their prices of the same work where given: the median price, whatever model_s says
+    rounds = [_calibrated(1.0, model_s=3.0), _calibrated(3.0, model_s=1.0), _calibrated(2.0, model_s=9.0)]
+    assert pooled(rounds, [5.0, 1.0, 3.0]).host.op == 2e-5 and pooled(rounds, [3.0, 3.0, 1.0]).host.op == 1e-5
 
 
 def test_measure_asks_for_a_calibration_before_any_rank_starts():
@@ -101,19 +109,27 @@ def _cpu_calibration(rates: float, op: float, fsdp_host: float, tp: float, dp: f
                     calibration=CalibrationRun(30.0, 1.0, 2, 4, model_s))
 
 
+_ROWS = (Choice(1, 4, False, None, 2, 1), Choice(2, 2, False, None, 4, 1), Choice(4, 1, False, None, 8, 1))
+
+
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(factor, factor, factor, factor, factor, factor), min_size=3, max_size=3))
-def test_each_row_is_priced_within_what_the_calibrations_priced_it(rounds):
+@given(st.lists(st.tuples(factor, factor, factor, factor, factor, factor), min_size=3, max_size=3), st.booleans())
+def test_each_row_is_priced_within_what_the_calibrations_priced_it(rounds, by_price):
     """Fuzzed: three calibrations whose figures moved independently (the GEMM rates, the op
     figures, FSDP2's host work, the tp and the dp groups' entries). Every row, priced with the
     pooled Hardware, costs what one of the calibrations priced it at, term by term, so no less
     than the least of them and no more than the most (a median per figure priced rows below
-    every calibration, 2026-12-07: dp 2 x tp 2's FSDP2 at 41.1 ms against 44.2 to 51.9)."""
+    every calibration, 2026-12-07: dp 2 x tp 2's FSDP2 at 41.1 ms against 44.2 to 51.9). Ranked
+    by their prices of the rows (as ``fxtp.planner.measure`` ranks them), the rows cost the
+    median of the three calibrations' sums."""
     shape, params = _priced_model()
     found = [_cpu_calibration(*r) for r in rounds]
-    hw = pooled(found)
     work = Workload(BATCH, SEQ, True, "adamw", 4, activation_bytes=4, gather_bytes=4)
-    for c in (Choice(1, 4, False, None, 2, 1), Choice(2, 2, False, None, 4, 1), Choice(4, 1, False, None, 8, 1)):
+    sums = [sum(estimate(c, shape, params[c.tp], h, work).step["total"] for c in _ROWS) for h in found]
+    hw = pooled(found, sums if by_price else None)
+    if by_price:
+        assert sum(estimate(c, shape, params[c.tp], hw, work).step["total"] for c in _ROWS) == sorted(sums)[1]
+    for c in _ROWS:
         own = [estimate(c, shape, params[c.tp], h, work).step for h in found]
         got = estimate(c, shape, params[c.tp], hw, work).step
         terms = ("total", "compute", "tp_comm", "fsdp_exposed")

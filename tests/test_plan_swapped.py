@@ -1,18 +1,22 @@
 """``fxtp.planner.close_call.swapped`` (issue 34, items 2 and 4): a run that measured two layouts in
 the other order than the prediction's says, for each pair, how far apart they were priced and
-whether that was within the model's measured error (a close call) or not (a miss). No ranks: the
-figures are three ``fxtp.planner.measure`` runs' (hidden-128 Llama, 8 x 64 tokens, 4 gloo ranks,
+whether that was within the model's measured error (a close call) or not (a miss); and where
+each row ran against the prices its calibrations gave it (the host's own spread). No ranks: the
+figures are ``fxtp.planner.measure`` runs' (hidden-128 Llama, 8 x 64 tokens, 4 gloo ranks,
 2026-12-07) and random ones.
 """
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from fxtp.planner.close_call import MEASURED_ERROR, swapped
+from fxtp.planner.costs import Choice
+from fxtp.planner.measurement import Measurement
 
 _ERROR = f"the model's measured error ({math.exp(MEASURED_ERROR) - 1:.0%})"
 
@@ -52,3 +56,16 @@ def test_one_sentence_per_inverted_pair_and_none_for_the_same_order(rows):
         if abs(gap - MEASURED_ERROR) > 1e-3:  # beyond the sentence's rounding (0.1%)
             assert line.endswith("a close call") == (gap < MEASURED_ERROR), line
 
+
+
+def test_each_row_is_said_against_its_calibrations_prices():
+    """Three calibrations' prices of each row (ms), and where its median step fell: inside their
+    range, or how far above the highest or under the lowest."""
+    rows = [(SimpleNamespace(choice=Choice(tp, 4 // tp, False, None, 2 * tp, 1), step={"total": p / 1e3}), {"total": ran / 1e3})
+            for tp, p, ran in ((1, 137.7, 157.8), (2, 148.7, 190.6), (4, 170.1, 150.0))]
+    prices = ((0.1302, 0.1377, 0.1601), (0.1400, 0.1487, 0.1588), (0.1654, 0.1701, 0.1710))
+    m = Measurement(None, None, None, None, tuple(rows), 9, 0.0, 0.0, calibrations=3, prices=prices)
+    assert m._spread() == ["the 3 calibrations priced a step at: tp 1 x dp 4 130.20 ms to 160.10 ms (ran 157.80 ms: inside); "
+                           "tp 2 x dp 2 140.00 ms to 158.80 ms (ran 190.60 ms: 20% above); "
+                           "tp 4 x dp 1 165.40 ms to 171.00 ms (ran 150.00 ms: 9% under)"]
+    assert Measurement(None, None, None, None, tuple(rows), 9, 0.0, 0.0)._spread() == []  # one calibration, or a Hardware given

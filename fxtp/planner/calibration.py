@@ -80,9 +80,15 @@ splits a step with).
 
 - tp groups (``n > 1``): the collectives' seconds over the collectives issued are one
   collective's seconds in the model. Each kind's fitted figure over ``n`` ranks is scaled so
-  that the model's activation all_reduce costs it, as a tp group's entry (``"tp:all_reduce"``,
-  ``"tp:all_gather"``, ``"tp:reduce_scatter"``: ``Hardware.collective(..., role="tp")``;
-  sequence parallelism's are priced with it). Timed without FSDP2 beside them, the in-model
+  that one collective of the model's activation costs it, as a tp group's entry
+  (``"tp:all_reduce"``, ``"tp:all_gather"``, ``"tp:reduce_scatter"``:
+  ``Hardware.collective(..., role="tp")``): on shared cores a collective's time is mostly its
+  wait for peers, once a collective, so sequence parallelism's all_gathers and reduce_scatters
+  cost what the all_reduces did. Scaled by the all_reduce's factor instead, their fitted
+  figures priced a hidden-128 Llama's sp rows' tp time at 62 and 128 ms (tp 2, tp 4) against
+  83 and 182 measured in one process, now 81 and 171; two calibrations a minute apart had
+  priced one sp row 154 and 275 ms, and the plan chose sp where a calibration under-priced it
+  (2026-12-07, docs/plan_command.md). Timed without FSDP2 beside them, the in-model
   figures were 34.7 ms (tp 2, against 30.7 measured in dp 2 x tp 2) and 79.8 ms (tp 4, against
   74.4); with it, a hidden-128 Llama's dp 2 x tp 2 runs measured 0.97-1.24x the figure, tp 4's
   0.76-1.08x (2026-12-07, docs/plan_command.md).

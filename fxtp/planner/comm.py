@@ -166,14 +166,18 @@ def fitted_time(kind: str, payload: float, n: int, latency_s: float, bus_bytes_p
 def with_tp_collectives(collectives: list[tuple[str, int, float, float]], n: int, seconds: float,
                         payload: int) -> list[tuple[str, int, float, float]]:
     """The tp role's entries over ``n`` ranks (``"tp:all_reduce"`` ...): each kind's fitted
-    ``(latency_s, bus_bytes_per_s)`` in ``collectives`` scaled by one factor, so that an
-    all_reduce of ``payload`` bytes (the model's activation) costs ``seconds`` (NOTE:
-    [collectives in the model]); none where ``seconds`` is 0."""
+    ``(latency_s, bus_bytes_per_s)`` in ``collectives`` scaled so that one collective of
+    ``payload`` bytes (the model's activation) costs ``seconds``, what one of the model's tp
+    collectives took in it (NOTE: [collectives in the model]); none where ``seconds`` is 0.
+    Sequence parallelism's all_gathers and reduce_scatters of that payload cost what its
+    all_reduces do: on ranks sharing cores a collective's time is mostly the wait for its
+    peers, once per collective, and an all_gather's factor taken from the all_reduce's fit made
+    it noisier than the step (NOTE: [collectives in the model], 2026-12-07)."""
     fitted = {kind: (lat, bw) for kind, ranks, lat, bw in collectives if ranks == n}
     if not seconds or "all_reduce" not in fitted:
         return []
-    factor = seconds / fitted_time("all_reduce", payload, n, *fitted["all_reduce"])
-    return [(f"tp:{kind}", n, fitted[kind][0] * factor, fitted[kind][1] / factor) for kind in KINDS if kind in fitted]
+    factors = {kind: seconds / fitted_time(kind, payload, n, *fitted[kind]) for kind in KINDS if kind in fitted}
+    return [(f"tp:{kind}", n, fitted[kind][0] * factors[kind], fitted[kind][1] / factors[kind]) for kind in factors]
 
 
 def with_dp_collectives(collectives: list[tuple[str, int, float, float]], n: int, seconds: float,

@@ -71,7 +71,7 @@ from typing import Optional, Union
 
 from fxtp.core.errors import FxtpConfigError
 
-__all__ = ["Hardware", "HostCosts", "HARDWARE", "DEFAULT_RESERVE", "doubts", "gemm_efficiency", "resolve_hardware", "reserve_bytes",
+__all__ = ["Hardware", "HostCosts", "HARDWARE", "DEFAULT_RESERVE", "doubts", "gemm_efficiency", "pooled", "resolve_hardware", "reserve_bytes",
            "tp_fitted_on_cpu"]
 
 GiB = 1 << 30
@@ -120,7 +120,7 @@ class CalibrationRun:
         model_s: seconds of one training forward and backward of the model's own program at
             each tp degree, summed, as the calibration timed them (0: none timed; NOTE:
             [collectives in the model] in fxtp/planner/calibration.py); calibrations are pooled
-            by it (``fxtp.planner.measurement.pooled``).
+            by it (:func:`pooled`).
     """
 
     seconds: float
@@ -328,3 +328,36 @@ def doubts(hw: Hardware) -> tuple[str, ...]:
     if run is not None and run.seconds > 60:
         out.append(f"it took {run.seconds:.0f} s (31-37 s at the ranks' own load on 2 cores for hidden-128 and -256 Llamas)")
     return tuple(out)
+
+
+def pooled(found: list[Hardware], prices: Optional[list[float]] = None) -> Hardware:
+    """One :class:`Hardware` from calibrations of the same ranks: of those that ran
+    (``calibration`` set) and do not doubt their own figures (``doubts``; all that ran where
+    each does), the one whose price of the same work (``prices``, one per calibration:
+    ``fxtp.planner.measure`` gives each plan's rows' seconds) is the median, else the one whose
+    timing of the model's own programs is (``CalibrationRun.model_s``); then its wall time; the
+    lower of two. Its figures are kept together; the least memory, the longest run and the
+    highest load of them all; its doubts are those of these figures (NOTE: [predicted against
+    measured] in fxtp/planner/measurement.py, 2).
+
+    Raises:
+        ValueError: ``found`` is empty, or ``prices`` is not one per calibration.
+    """
+    if not found or (prices is not None and len(prices) != len(found)):
+        raise ValueError(f"pooled() needs at least one calibration and a price for each: {len(found)}, {prices}")
+    if len(found) == 1:
+        return found[0]
+    ran = [i for i, h in enumerate(found) if h.calibration is not None]
+    # a calibration that measured an op or FSDP2's work as free prices every row under the others
+    trusted = [i for i in ran if not found[i].doubts] or ran or list(range(len(found)))
+
+    def rank(i: int) -> tuple[float, float]:
+        run = found[i].calibration
+        return (prices[i] if prices is not None else run.model_s if run else 0.0, run.seconds if run else 0.0)
+
+    chosen = found[sorted(trusted, key=rank)[(len(trusted) - 1) // 2]]
+    runs = [found[i].calibration for i in ran]
+    run = dataclasses.replace(chosen.calibration, seconds=max(r.seconds for r in runs),
+                              load=max(r.load for r in runs)) if runs and chosen.calibration else None
+    out = dataclasses.replace(chosen, memory_bytes=min(h.memory_bytes for h in found), calibration=run)
+    return dataclasses.replace(out, doubts=doubts(out))

@@ -13,50 +13,48 @@ fxtp/planner/calibration.py) unless one is given:
    them (NOTE: [FSDP2 units inside a ParallelModule] in fxtp/runtime/fsdp.py); the row's
    micro-batches of random token ids, the model's own loss (``labels=``: fxtp's vocab-parallel cross
    entropy, as the plan prices it), ``backward`` and the optimizer's step.
-2. The calibration runs ``calibrations`` times first; the one whose timing of the model's own
-   programs is the median (``CalibrationRun.model_s``) is kept whole (:func:`pooled`), and the
-   plan made with it is the one printed: its rows are the ones run, priced as they are
-   compared. A calibration's figures are coupled (FSDP2's dp entries are its in-model seconds
-   less the host work its own host figures price; its op figures are scaled to its own GEMM
-   rate): a median per figure, until 2026-12-07, broke those sums (three calibrations pricing
-   a hidden-256 Llama's dp 2 x tp 2 FSDP2 at 50.7, 44.2 and 51.9 ms pooled to 41.1).
-   Step time: the median over ``steps`` steps of the slowest rank's seconds (9 by default: a
-   median of 3 moved by up to 12% between groups of 3 steps of one run here, 2026-12-07), each step started
-   after a barrier. The layouts take turns, a step each a round (against the host's drift), and
-   each timed step follows an untimed step of its own layout, as a training loop's steps follow
-   each other: the first step after another layout's found the caches and the heap holding that
-   one's tensors and ran 3-20% slower here (hidden-128 Llama, 4 gloo ranks, 2026-12-06: tp 1
-   106 ms cold, 94 ms after its own step).
+2. The calibration runs ``calibrations`` times first; of those that do not doubt their own
+   figures, the one whose prices of every tp x dp layout (their geometric mean) are the median
+   is kept whole
+   (:func:`~fxtp.planner.hardware.pooled`), and the plan made with it is the one printed: its
+   rows are the ones run, priced as they are compared. A calibration's figures are coupled
+   (FSDP2's dp entries are its in-model seconds less its own host figures' pricing; its op
+   figures are scaled to its own GEMM rate): a median per figure broke those sums. Until
+   2026-12-07 evening the median was of the model's own programs' seconds
+   (``CalibrationRun.model_s``), which in both of two runs printed the cheapest of three
+   calibrations' prices for some rows (a hidden-128 Llama's tp 1 x dp 4: 125.7 ms, the others
+   up to 199.9). Each calibration's price of each row is printed beside where the run fell: the
+   host's own spread, often wider here than the 15% bound. Calibrations run between the rounds
+   (tried again 2026-12-07: no gain seen in 4 runs) print a plan whose rows are not all the ones run.
+   Step time: the median over ``steps`` steps (9: a median of 3 moved up to 12% between groups
+   of 3 steps, 2026-12-07) of the slowest rank's seconds, each after a barrier; the layouts take
+   turns, a step each a round, each timed step after an untimed one of its own layout, as in a
+   training loop (a hidden-128 Llama's tp 1 step: 106 ms after another's, 94 ms after its own).
 3. Per term, from one more step under ``torch.profiler`` (CPU op times on the ranks' own
    thread), as shares of that step's seconds applied to the median step (a step the host's
    load slows as a whole keeps its shares): tensor-parallel communication is the union of
-   fxtp's collectives' intervals
-   (``_c10d_functional::*`` ops, ``wait_tensor`` included: fxtp issues its collectives through
-   them, fxtp/core/collectives.py); FSDP communication is the union of FSDP2's own
-   ``record_function`` ranges (``FSDP::*``: its hooks, copy-in and copy-out and its
-   collectives, ``FSDP::pre_forward`` and ``FSDP::post_backward`` around the collectives and
-   the work between them), what the plan prices as FSDP2's (its collectives and its host work,
-   NOTE: [host time] in fxtp/planner/host.py); until 2026-12-07 only the ranges around the
-   collectives counted, and the hooks' work was measured as compute and priced as FSDP's.
-   Both are time the computing thread spends in them, so exposed time, and each includes
-   waiting for a slower peer. Compute is the rest. Each share is the mean over the ranks.
+   fxtp's collectives' intervals (``_c10d_functional::*`` ops, ``wait_tensor`` included: fxtp
+   issues its collectives through them, fxtp/core/collectives.py); FSDP communication is the
+   union of FSDP2's own ``record_function`` ranges (``FSDP::*``: its hooks, copy-in and
+   copy-out and its collectives), what the plan prices as FSDP2's (its collectives and its
+   host work, NOTE: [host time] in fxtp/planner/host.py). Both are time the computing thread
+   spends in them, so exposed time, and each includes waiting for a slower peer. Compute is
+   the rest. Each share is the mean over the ranks.
 4. Peak memory, from one more step: what the step starts from plus glibc's heap in use
    (``mallinfo2``: arena and mmap'd blocks, which hold torch's CPU tensors), sampled every 0.2
    ms on a thread, the most seen above the step's entry; the largest rank's. glibc's counter,
    not fxtp's (``shared/tools/heap.py``'s few lines, kept in fxtp/runtime/memory.py). What the
    step starts from is the storage bytes of the parameters, buffers and optimizer state
    (torch's, after a warm-up step): the heap there also holds the compiled program's Python
-   objects, which a GPU keeps in host memory, and the layout's process groups, which the
-   plan's runtime reserve covers (NOTE:
-   [runtime reserve] in fxtp/planner/hardware.py). On GPUs, ``torch.cuda.max_memory_allocated``
-   above the allocated bytes before the layout was built (its mesh created first).
+   objects, which a GPU keeps in host memory, and the layout's process groups, which the plan's
+   runtime reserve covers (NOTE: [runtime reserve] in fxtp/planner/hardware.py). On GPUs,
+   ``torch.cuda.max_memory_allocated`` above the allocated bytes before the layout was built.
 5. The measured figures make a second ``Hardware``: each degree's rate scaled by predicted over
    measured compute (its host seconds, NOTE: [host time], kept), each collective of a tp group
    of ``n`` ranks (sequence parallelism's too) by the tp ``n`` layout's measured over predicted
-   tp time, of a dp group by the dp ``n`` layout's FSDP time, apart by role (``"tp:all_gather"``: dp 2 x tp 2's groups both have 2 ranks),
-   each less the waits priced in it (NOTE: [collective wait] in fxtp/planner/comm.py): the
-   measured figures include them, and the measured Hardware has none;
-   ``fxtp.plan`` runs again with it: the result says whether the choice changes.
+   tp time, of a dp group by the dp ``n`` layout's FSDP time, apart by role (``"tp:all_gather"``:
+   dp 2 x tp 2's groups both have 2 ranks), each less the waits priced in it (NOTE: [collective
+   wait] in fxtp/planner/comm.py); ``fxtp.plan`` runs again with it: is the choice the same?
 6. Each pair of degrees measured in the other order than predicted gets a sentence: a close
    call where they were priced within the model's measured error of each other, the plan's
    close-call threshold, else a miss (NOTE: [close calls] in fxtp/planner/close_call.py).
@@ -87,7 +85,7 @@ from fxtp.local_ranks import FSDP_RANGES, FXTP_COLLECTIVES, profiled, slowest, s
 from fxtp.planner.calibration import calibrate_on_ranks
 from fxtp.planner.close_call import swapped
 from fxtp.planner.costs import Choice, Estimate
-from fxtp.planner.hardware import Hardware, doubts
+from fxtp.planner.hardware import Hardware, pooled
 from fxtp.planner.parallel_plan import ParallelPlan, fmt_size, fmt_time
 from fxtp.planner.params import repeated_blocks
 from fxtp.runtime.memory import Peak, in_use, storage_bytes
@@ -107,6 +105,7 @@ class Measurement:
         rows: per tensor-parallel degree, ``(estimate, measured)``: the predicted
             :class:`~fxtp.planner.costs.Estimate` and ``{"total", "compute", "tp_comm",
             "fsdp_exposed"}`` seconds per step and ``"peak"`` bytes per rank, measured.
+        prices: per row, each calibration's price of its step (s), where more than one ran.
         calibrate_s: seconds the ``calibrations`` took (0 when a Hardware was given); ``run_s``: the runs';
             ``wall_s``: :func:`measure`'s, all told (the ranks' start, the plans and the builds too).
     """
@@ -121,6 +120,7 @@ class Measurement:
     run_s: float
     wall_s: float = 0.0
     calibrations: int = 1
+    prices: tuple[tuple[float, ...], ...] = ()
 
     choice_changed = property(lambda self: self.plan.chosen.choice != self.replan.chosen.choice)
 
@@ -142,7 +142,7 @@ class Measurement:
                 "predicted_order": self.order(False), "measured_order": self.order(True), "swapped": list(self.swapped()),
                 "chosen": dataclasses.asdict(self.plan.chosen.choice),
                 "replanned": dataclasses.asdict(self.replan.chosen.choice), "choice_changed": self.choice_changed,
-                "steps": self.steps, "calibrate_s": self.calibrate_s, "calibrations": self.calibrations, "run_s": self.run_s, "wall_s": self.wall_s}
+                "prices": [list(p) for p in self.prices], "steps": self.steps, "calibrate_s": self.calibrate_s, "calibrations": self.calibrations, "run_s": self.run_s, "wall_s": self.wall_s}
 
     def __str__(self) -> str:
         slowest = max(max(e.step["total"], m["total"]) for e, m in self.rows)
@@ -165,6 +165,7 @@ class Measurement:
             tabulate(table, headers=["layout", "", "step", "compute", "tp comm", "fsdp exposed", "peak memory"],
                      colalign=("left", "left", "right", "right", "right", "right", "right")),
             *_waits(self.rows),
+            *self._spread(),
             f"fastest first: predicted {names(self.order(False))}; measured {names(self.order(True))}"
             + (" (the order differs)" if swaps else " (the same order)"),
             *swaps,
@@ -173,6 +174,19 @@ class Measurement:
             *unreproduced(self.rows),
         ]
         return "\n".join(lines)
+
+
+    def _spread(self) -> list[str]:
+        """The line giving each row's prices by the calibrations, and where its run fell against them."""
+        if not self.prices:
+            return []
+        like = max(max(p) for p in self.prices)
+
+        fell = lambda got, low, high: "inside" if low <= got <= high else (  # noqa: E731
+            f"{got / high - 1:.0%} above" if got > high else f"{1 - got / low:.0%} under")
+        return [f"the {len(self.prices[0])} calibrations priced a step at: " + "; ".join(
+            f"{_layout(e.choice)} {fmt_time(min(p), like=like)} to {fmt_time(max(p), like=like)} "
+            f"(ran {fmt_time(m['total'], like=like)}: {fell(m['total'], min(p), max(p))})" for (e, m), p in zip(self.rows, self.prices))]
 
 
 def _calibrated(n: int, seconds: float) -> str:
@@ -236,7 +250,7 @@ def measure(model: nn.Module, devices: int, *, batch: int, seq: int, device_memo
         optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"``, priced and run.
         steps: timed steps per layout, each after an untimed one (after one warm-up; two more run for
             the profile and the memory).
-        calibrations: calibrations pooled into the Hardware (:func:`pooled`; none when ``hardware``
+        calibrations: calibrations pooled into the Hardware (:func:`~fxtp.planner.hardware.pooled`; none when ``hardware``
             is given), 31-49 s each on 4 CPU ranks on two 2-core hosts here (2026-12-07).
         timeout_s: the process groups' timeout, seconds.
 
@@ -275,9 +289,16 @@ def _measured(model: nn.Module, *, batch: int, seq: int, device_memory: Optional
     # the one whose rows run, priced as they are compared
     found = [hardware] if hardware is not None else [calibrate_on_ranks(model, batch=batch, seq=seq) for _ in range(calibrations)]
     calibrate_s = time.perf_counter() - start if hardware is None else 0.0
-    hw = pooled(found)
-    memory = device_memory or hw.memory_bytes
+    memory = device_memory or min(h.memory_bytes for h in found)
+    # each calibration's plan prices every candidate: the one whose prices of the tp x dp layouts
+    # (their geometric mean) are the median is kept whole; its rows as each prices them, the host's spread
+    each = [_plan_on_rank0(model, memory, batch, seq, h, optimizer) for h in found] if len(found) > 1 else []
+    priced = [_priced(p) for p in each]
+    levels = [statistics.geometric_mean([e.step["total"] for e in p.values() if e.choice.pp == 1 and e.step["total"] > 0])
+              for p in priced]
+    hw = pooled(found, levels if priced else None)
     plan = _plan_on_rank0(model, memory, batch, seq, hw, optimizer)
+    prices = tuple(tuple(p[e.choice].step["total"] for p in priced) for e in _rows(plan)) if priced else ()
     start = time.perf_counter()
     _Layout(model, _rows(plan)[0].choice, seq, optimizer).close()  # the process's one-time caches, not a layout's
     layouts = [_Layout(model, e.choice, seq, optimizer) for e in _rows(plan)]
@@ -295,36 +316,19 @@ def _measured(model: nn.Module, *, batch: int, seq: int, device_memory: Optional
     rows = tuple(zip(_rows(plan), figures))
     again = measured_hardware(hw, rows)
     return Measurement(plan, _plan_on_rank0(model, memory, batch, seq, again, optimizer), hw, again, rows, steps,
-                       calibrate_s, time.perf_counter() - start, calibrations=len(found) if hardware is None else 0)
+                       calibrate_s, time.perf_counter() - start, calibrations=len(found) if hardware is None else 0,
+                       prices=prices)
+
+
+def _priced(p: ParallelPlan) -> dict[Choice, Estimate]:
+    """Every configuration ``p`` priced (its choice and its alternatives), by its :class:`Choice`."""
+    return {e.choice: e for e in [p.chosen] + [a.estimate for a in p.alternatives]}
 
 
 def _check_calibrations(calibrations: int, hardware: Optional[Hardware]) -> None:
     if hardware is None and (isinstance(calibrations, bool) or not isinstance(calibrations, int) or calibrations < 1):
         raise FxtpConfigError(f"fxtp.planner.measure(calibrations={calibrations!r}): it prices the rows with a calibration "
                               "of the ranks. fix: calibrations=1 or more (3 by default), or pass hardware=")
-
-
-def pooled(found: list[Hardware]) -> Hardware:
-    """One :class:`Hardware` from calibrations of the same ranks: the one whose timing of the
-    model's own programs is the median (``CalibrationRun.model_s``, then its wall time; the
-    lower of two; one without a ``calibration`` only where none has one), its figures kept
-    together; the least memory, the longest run and the highest load of them all; its doubts
-    are those of these figures (NOTE: [predicted against measured], 2).
-
-    Raises:
-        ValueError: ``found`` is empty.
-    """
-    if not found:
-        raise ValueError("pooled() needs at least one calibration")
-    if len(found) == 1:
-        return found[0]
-    runs = [h.calibration for h in found if h.calibration is not None]
-    ranked = sorted(found, key=lambda h: (0, h.calibration.model_s, h.calibration.seconds) if h.calibration else (1,))
-    chosen = ranked[(len(runs or found) - 1) // 2]  # among those that ran, where any did
-    run = dataclasses.replace(chosen.calibration, seconds=max(r.seconds for r in runs),
-                              load=max(r.load for r in runs)) if runs else None
-    out = dataclasses.replace(chosen, memory_bytes=min(h.memory_bytes for h in found), calibration=run)
-    return dataclasses.replace(out, doubts=doubts(out))
 
 
 def measured_hardware(hw: Hardware, rows: tuple[tuple[Estimate, dict[str, float]], ...]) -> Hardware:
