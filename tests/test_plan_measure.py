@@ -44,7 +44,7 @@ _BLOCK = 4 * 128 * 128 + 3 * 128 * 344 + 2 * 128  # a block's parameters: attent
 
 
 def _calibrate_and_measure() -> dict:
-    """On each rank: the measurement (two calibrations, a timed step per layout; the defaults, 3
+    """On each rank: the measurement (one calibration, a timed step per layout; the defaults, 3
     calibrations and 9 steps, where the timing bounds are asserted; their pooling is tested
     without ranks, tests/test_plan_pool.py) and the measured Hardware's prediction of each row
     (the re-plan's figures, as the plan prices them)."""
@@ -55,7 +55,7 @@ def _calibrate_and_measure() -> dict:
     timed_as_a_user = without_collective_log() if TIMING_BOUNDS else contextlib.nullcontext()
     with warnings.catch_warnings(record=True) as seen, timed_as_a_user:
         warnings.simplefilter("always")
-        m = measure_on_ranks(_model(), batch=BATCH, seq=SEQ, **({} if TIMING_BOUNDS else {"steps": 1, "calibrations": 2}))
+        m = measure_on_ranks(_model(), batch=BATCH, seq=SEQ, **({} if TIMING_BOUNDS else {"steps": 1, "calibrations": 1}))
     return {"measurement": m, "warned": [str(w.message) for w in seen]}
 
 
@@ -130,12 +130,9 @@ def test_measure_runs_each_mesh_and_prices_it_again(measured):
     m = measured["measurement"]
     assert [(e.choice.tp, e.choice.dp) for e, _ in m.rows] == [(1, 4), (2, 2), (4, 1)]
     assert [e for e, _ in m.rows] == _rows(m.plan)  # the printed plan's rows, as it priced them
-    calibrations = 3 if TIMING_BOUNDS else 2
-    assert m.calibrations == calibrations and [len(p) for p in m.prices] == [calibrations] * 3, m.prices
-    # every price printed is one calibration's, kept whole (pooled), the same one for every row
-    assert [i for i in range(calibrations) if all(e.step["total"] == pytest.approx(p[i], rel=1e-9)
-                                                  for (e, _), p in zip(m.rows, m.prices))], (m.prices, m.rows)
-    assert f"the {calibrations} calibrations priced a step at: " in str(m) and m.to_dict()["prices"] == [list(p) for p in m.prices]
+    calibrations = 3 if TIMING_BOUNDS else 1  # each one's prices printed where more than one ran
+    assert m.calibrations == calibrations and [len(p) for p in m.prices] == ([calibrations] * 3 if calibrations > 1 else [])
+    assert ("calibrations priced a step at: " in str(m)) == (calibrations > 1) and m.to_dict()["prices"] == [list(p) for p in m.prices]
     for (e, got), again in zip(m.rows, measured["again"]):
         assert got["total"] > 0 and got["compute"] > 0 and got["peak"] > 0, got
         # peak memory within 10% (issue 34, item 2): glibc's heap, steady from run to run, unlike the

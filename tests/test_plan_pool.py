@@ -98,7 +98,7 @@ def _priced_model():
 factor = st.floats(min_value=0.5, max_value=2.0)
 
 
-def _cpu_calibration(rates: float, op: float, fsdp_host: float, tp: float, dp: float, model_s: float) -> Hardware:
+def _cpu_calibration(rates: float, op: float, fsdp_host: float, tp: float, dp: float, model_s: float = 0.0) -> Hardware:
     """A CPU calibration whose figures moved apart, as a host's drift moves them (each in [0.5, 2])."""
     return Hardware("calibrated", 1e10, 2**30, 1e9, 1e9, devices_per_node=4, mfu=1.0, overlap_fsdp=False, compute_bytes=4,
                     achieved_flops=((1, 1e10 * rates), (2, 9e9 * rates), (4, 8e9 * rates)),
@@ -136,3 +136,32 @@ def test_each_row_is_priced_within_what_the_calibrations_priced_it(rounds, by_pr
         assert any(all(s[t] == got[t] for t in terms) for s in own), (c, got, own)
         for t in terms:
             assert min(s[t] for s in own) <= got[t] <= max(s[t] for s in own), (c, t, got[t], [s[t] for s in own])
+
+
+def test_measure_keeps_the_calibration_whose_prices_are_the_median():
+    """``fxtp.planner.measure``'s pooling with the planner itself, no ranks: three calibrations,
+    one faster and one slower than the third in every figure; the one timed the model's programs
+    the median (``model_s``) is the fast one, the one whose prices are the median the middle one.
+    The plan printed prices each row as that one did, and each row's three prices are printed."""
+    import torch
+    import transformers
+
+    from fxtp.planner.measurement import _rows, pooled_plan
+    from fxtp.planner.search import plan
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=SEQ, use_cache=False))
+    fast, mid, slow = (_cpu_calibration(*f, model_s=m) for f, m in (((2.0,) + (0.5,) * 4, 2.0), ((1.0,) * 5, 9.0),
+                                                                      ((0.5,) + (2.0,) * 4, 1.0)))
+    planned = []
+    hw, p, prices = pooled_plan([fast, mid, slow], lambda h: planned.append(h) or plan(
+        model, 4, device_memory=2**30, batch=BATCH, seq=SEQ, devices_per_node=4, hardware=h, pp=1))
+    assert pooled([fast, mid, slow]).host == fast.host  # by model_s alone, the fast one
+    assert hw.host == mid.host and len(planned) == 4  # each calibration's plan, then the kept one's
+    assert [e.choice.tp for e in _rows(p)] == [1, 2, 4] and len(prices) == 3
+    for e, (by_fast, by_mid, by_slow) in zip(_rows(p), prices):
+        assert by_fast < by_mid < by_slow and e.step["total"] == pytest.approx(by_mid, rel=1e-12), (e.choice, prices)
+    assert pooled_plan([mid], lambda h: plan(model, 4, device_memory=2**30, batch=BATCH, seq=SEQ, devices_per_node=4,
+                                             hardware=h, pp=1))[2] == ()  # one calibration: no spread

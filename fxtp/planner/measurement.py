@@ -19,11 +19,9 @@ fxtp/planner/calibration.py) unless one is given:
    (:func:`~fxtp.planner.hardware.pooled`), and the plan made with it is the one printed: its
    rows are the ones run, priced as they are compared. A calibration's figures are coupled
    (FSDP2's dp entries are its in-model seconds less its own host figures' pricing; its op
-   figures are scaled to its own GEMM rate): a median per figure broke those sums. Until
-   2026-12-07 evening the median was of the model's own programs' seconds
-   (``CalibrationRun.model_s``), which in both of two runs printed the cheapest of three
-   calibrations' prices for some rows (a hidden-128 Llama's tp 1 x dp 4: 125.7 ms, the others
-   up to 199.9). Each calibration's price of each row is printed beside where the run fell: the
+   figures are scaled to its own GEMM rate): a median per figure broke those sums; the median
+   of their programs' seconds printed the cheapest price (docs/plan_command.md, 2026-12-07).
+   Each calibration's price of each row is printed beside where the run fell: the
    host's own spread, often wider here than the 15% bound. Calibrations run between the rounds
    (tried again 2026-12-07: no gain seen in 4 runs) print a plan whose rows are not all the ones run.
    Step time: the median over ``steps`` steps (9: a median of 3 moved up to 12% between groups
@@ -73,7 +71,7 @@ import statistics
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -290,15 +288,7 @@ def _measured(model: nn.Module, *, batch: int, seq: int, device_memory: Optional
     found = [hardware] if hardware is not None else [calibrate_on_ranks(model, batch=batch, seq=seq) for _ in range(calibrations)]
     calibrate_s = time.perf_counter() - start if hardware is None else 0.0
     memory = device_memory or min(h.memory_bytes for h in found)
-    # each calibration's plan prices every candidate: the one whose prices of the tp x dp layouts
-    # (their geometric mean) are the median is kept whole; its rows as each prices them, the host's spread
-    each = [_plan_on_rank0(model, memory, batch, seq, h, optimizer) for h in found] if len(found) > 1 else []
-    priced = [_priced(p) for p in each]
-    levels = [statistics.geometric_mean([e.step["total"] for e in p.values() if e.choice.pp == 1 and e.step["total"] > 0])
-              for p in priced]
-    hw = pooled(found, levels if priced else None)
-    plan = _plan_on_rank0(model, memory, batch, seq, hw, optimizer)
-    prices = tuple(tuple(p[e.choice].step["total"] for p in priced) for e in _rows(plan)) if priced else ()
+    hw, plan, prices = pooled_plan(found, lambda h: _plan_on_rank0(model, memory, batch, seq, h, optimizer))
     start = time.perf_counter()
     _Layout(model, _rows(plan)[0].choice, seq, optimizer).close()  # the process's one-time caches, not a layout's
     layouts = [_Layout(model, e.choice, seq, optimizer) for e in _rows(plan)]
@@ -320,9 +310,18 @@ def _measured(model: nn.Module, *, batch: int, seq: int, device_memory: Optional
                        prices=prices)
 
 
-def _priced(p: ParallelPlan) -> dict[Choice, Estimate]:
-    """Every configuration ``p`` priced (its choice and its alternatives), by its :class:`Choice`."""
-    return {e.choice: e for e in [p.chosen] + [a.estimate for a in p.alternatives]}
+def pooled_plan(found: list[Hardware], plan_with: Callable[[Hardware], ParallelPlan]) -> tuple[Hardware, ParallelPlan, tuple]:
+    """Calibrations pooled by their prices (NOTE: [predicted against measured], 2): each one's plan
+    (``plan_with``) prices every candidate; the one whose prices of the tp x dp layouts (their
+    geometric mean) are the median is kept whole (:func:`~fxtp.planner.hardware.pooled`). Returns
+    it, its plan, and each of the plan's rows as each calibration priced it (none for one)."""
+    if len(found) == 1:
+        return found[0], plan_with(found[0]), ()
+    priced = [{e.choice: e for e in [p.chosen] + [a.estimate for a in p.alternatives]} for p in map(plan_with, found)]
+    hw = pooled(found, [statistics.geometric_mean([e.step["total"] for e in p.values() if e.choice.pp == 1])
+                        for p in priced])
+    plan = plan_with(hw)
+    return hw, plan, tuple(tuple(p[e.choice].step["total"] for p in priced) for e in _rows(plan))
 
 
 def _check_calibrations(calibrations: int, hardware: Optional[Hardware]) -> None:
