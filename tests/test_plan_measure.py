@@ -137,7 +137,7 @@ def test_measure_runs_each_mesh_and_prices_it_again(measured):
         assert got["total"] > 0 and got["compute"] > 0 and got["peak"] > 0, got
         # peak memory within 10% (issue 34, item 2): glibc's heap, steady from run to run, unlike the
         # times; not under sequence parallelism, which a calibration's noise picks at times and whose
-        # peak at this size is under-predicted (tp 4: 5.0 MiB against 5.8, 2026-12-07, docs/plan_command.md)
+        # peak at this size is under-predicted (tp 4: 5.0 MiB predicted, 5.8 ran, 2026-12-07, docs/plan_command.md)
         assert e.choice.sequence_parallel or got["peak"] / e.peak == pytest.approx(1, abs=0.10), (e.choice, got, e.peak)
         assert (got["tp_comm"] > 0) == (e.choice.tp > 1) and (got["fsdp_exposed"] > 0) == (e.choice.dp > 1), got
         host = {"compute": e.step["compute"] - e.step["gemm"], "tp_comm": 0.0, "fsdp_exposed": e.step["fsdp_host"]}

@@ -62,12 +62,11 @@ def test_calibrations_are_ranked_by_the_models_own_programs():
         pooled([])
     with pytest.raises(ValueError, match="a price for each"):
         pooled([hw, hw], [1.0])
-    # one that does not doubt its own figures before those that do (an op measured as free, 2026-12-07)
-    clean = dataclasses.replace(_calibrated(3.0, model_s=5.0), doubts=())
-    assert pooled([_calibrated(1.0, model_s=1.0), clean, _calibrated(2.0, model_s=2.0)]).host.op == pytest.approx(3e-5)
-    # ranked by their prices of the same work where given: the median price, whatever model_s says
+    # ranked by their prices of the same work where given: the median price, whatever model_s says;
+    # of two, the higher (one that measured an op as free prices every row under the other, 2026-12-07)
     rounds = [_calibrated(1.0, model_s=3.0), _calibrated(3.0, model_s=1.0), _calibrated(2.0, model_s=9.0)]
     assert pooled(rounds, [5.0, 1.0, 3.0]).host.op == 2e-5 and pooled(rounds, [3.0, 3.0, 1.0]).host.op == 1e-5
+    assert pooled(rounds[:2], [2.0, 1.0]).host.op == 1e-5 and pooled(rounds[:2]).host.op == pytest.approx(3e-5)  # model_s: the lower
 
 
 def test_measure_asks_for_a_calibration_before_any_rank_starts():

@@ -57,7 +57,6 @@ def test_one_sentence_per_inverted_pair_and_none_for_the_same_order(rows):
             assert line.endswith("a close call") == (gap < MEASURED_ERROR), line
 
 
-
 def test_each_row_is_said_against_its_calibrations_prices():
     """Three calibrations' prices of each row (ms), and where its median step fell: inside their
     range, or how far above the highest or under the lowest."""
@@ -66,6 +65,6 @@ def test_each_row_is_said_against_its_calibrations_prices():
     prices = ((0.1302, 0.1377, 0.1601), (0.1400, 0.1487, 0.1588), (0.1654, 0.1701, 0.1710))
     m = Measurement(None, None, None, None, tuple(rows), 9, 0.0, 0.0, calibrations=3, prices=prices)
     assert m._spread() == ["the 3 calibrations priced a step at: tp 1 x dp 4 130.20 ms to 160.10 ms (ran 157.80 ms: inside); "
-                           "tp 2 x dp 2 140.00 ms to 158.80 ms (ran 190.60 ms: 20% above); "
-                           "tp 4 x dp 1 165.40 ms to 171.00 ms (ran 150.00 ms: 9% under)"]
+                           "tp 2 x dp 2 140.00 ms to 158.80 ms (ran 190.60 ms: 20% above the highest); "
+                           "tp 4 x dp 1 165.40 ms to 171.00 ms (ran 150.00 ms: 9% under the lowest)"]
     assert Measurement(None, None, None, None, tuple(rows), 9, 0.0, 0.0)._spread() == []  # one calibration, or a Hardware given

@@ -13,9 +13,8 @@ fxtp/planner/calibration.py) unless one is given:
    them (NOTE: [FSDP2 units inside a ParallelModule] in fxtp/runtime/fsdp.py); the row's
    micro-batches of random token ids, the model's own loss (``labels=``: fxtp's vocab-parallel cross
    entropy, as the plan prices it), ``backward`` and the optimizer's step.
-2. The calibration runs ``calibrations`` times first; of those that do not doubt their own
-   figures, the one whose prices of every tp x dp layout (their geometric mean) are the median
-   is kept whole
+2. The calibration runs ``calibrations`` times first; the one whose prices of every tp x dp
+   layout (their geometric mean) are the median (of two, the higher) is kept whole
    (:func:`~fxtp.planner.hardware.pooled`), and the plan made with it is the one printed: its
    rows are the ones run, priced as they are compared. A calibration's figures are coupled
    (FSDP2's dp entries are its in-model seconds less its own host figures' pricing; its op
@@ -173,7 +172,6 @@ class Measurement:
         ]
         return "\n".join(lines)
 
-
     def _spread(self) -> list[str]:
         """The line giving each row's prices by the calibrations, and where its run fell against them."""
         if not self.prices:
@@ -181,7 +179,7 @@ class Measurement:
         like = max(max(p) for p in self.prices)
 
         fell = lambda got, low, high: "inside" if low <= got <= high else (  # noqa: E731
-            f"{got / high - 1:.0%} above" if got > high else f"{1 - got / low:.0%} under")
+            f"{got / high - 1:.0%} above the highest" if got > high else f"{1 - got / low:.0%} under the lowest")
         return [f"the {len(self.prices[0])} calibrations priced a step at: " + "; ".join(
             f"{_layout(e.choice)} {fmt_time(min(p), like=like)} to {fmt_time(max(p), like=like)} "
             f"(ran {fmt_time(m['total'], like=like)}: {fell(m['total'], min(p), max(p))})" for (e, m), p in zip(self.rows, self.prices))]
@@ -249,7 +247,7 @@ def measure(model: nn.Module, devices: int, *, batch: int, seq: int, device_memo
         steps: timed steps per layout, each after an untimed one (after one warm-up; two more run for
             the profile and the memory).
         calibrations: calibrations pooled into the Hardware (:func:`~fxtp.planner.hardware.pooled`; none when ``hardware``
-            is given), 31-49 s each on 4 CPU ranks on two 2-core hosts here (2026-12-07).
+            is given), 31-58 s each on 4 CPU ranks on two 2-core hosts here (2026-12-07).
         timeout_s: the process groups' timeout, seconds.
 
     Returns:
@@ -312,16 +310,18 @@ def _measured(model: nn.Module, *, batch: int, seq: int, device_memory: Optional
 
 def pooled_plan(found: list[Hardware], plan_with: Callable[[Hardware], ParallelPlan]) -> tuple[Hardware, ParallelPlan, tuple]:
     """Calibrations pooled by their prices (NOTE: [predicted against measured], 2): each one's plan
-    (``plan_with``) prices every candidate; the one whose prices of the tp x dp layouts (their
-    geometric mean) are the median is kept whole (:func:`~fxtp.planner.hardware.pooled`). Returns
-    it, its plan, and each of the plan's rows as each calibration priced it (none for one)."""
+    (``plan_with``) prices every layout; the one whose prices (their geometric mean) are the
+    median is kept whole (:func:`~fxtp.planner.hardware.pooled`). Returns it, its plan, and each
+    of the plan's rows' layouts as each calibration priced it (none for one)."""
     if len(found) == 1:
         return found[0], plan_with(found[0]), ()
-    priced = [{e.choice: e for e in [p.chosen] + [a.estimate for a in p.alternatives]} for p in map(plan_with, found)]
-    hw = pooled(found, [statistics.geometric_mean([e.step["total"] for e in p.values() if e.choice.pp == 1])
-                        for p in priced])
+    # by layout, its fastest: each calibration's plan picks its own micro-batches (search._best_micro_batch)
+    layout = lambda c: dataclasses.replace(c, micro_batch=0, accumulation=0)  # noqa: E731
+    priced = [{layout(e.choice): e.step["total"] for e in sorted([p.chosen] + [a.estimate for a in p.alternatives],
+                                                                 key=lambda e: -e.step["total"])} for p in map(plan_with, found)]
+    hw = pooled(found, [statistics.geometric_mean([t for c, t in p.items() if c.pp == 1]) for p in priced])
     plan = plan_with(hw)
-    return hw, plan, tuple(tuple(p[e.choice].step["total"] for p in priced) for e in _rows(plan))
+    return hw, plan, tuple(tuple(p[layout(e.choice)] for p in priced) for e in _rows(plan))
 
 
 def _check_calibrations(calibrations: int, hardware: Optional[Hardware]) -> None:
