@@ -332,11 +332,12 @@ def doubts(hw: Hardware) -> tuple[str, ...]:
 
 def pooled(found: list[Hardware], prices: Optional[list[float]] = None) -> Hardware:
     """One :class:`Hardware` from calibrations of the same ranks: of those that ran
-    (``calibration`` set; all where none did), the one whose price of the same work (``prices``, one per calibration: ``fxtp.planner.measure`` gives the
-    geometric mean of each one's prices of every tp x dp layout) is the median, else the one
-    whose timing of the model's own programs is (``CalibrationRun.model_s``); then its wall
-    time; of two, the higher price (a calibration that measured an op as free prices every row
-    under the others), else the lower model_s. Its figures are kept together; the least memory, the longest run and the
+    (``calibration`` set; all where none did), the one whose price of the same work
+    (``prices``, one per calibration: ``fxtp.planner.measure`` gives the geometric mean of each
+    one's prices of every tp x dp layout) is the median, else the one whose timing of the
+    model's own programs is (``CalibrationRun.model_s``); then its wall time; of two, the higher
+    price (a calibration that measured an op as free prices every row under the others), else
+    the lower model_s. Its figures are kept together; the least memory, the longest run and the
     highest load of them all; its doubts are those of these figures (NOTE: [predicted against
     measured] in fxtp/planner/measurement.py, 2).
 
@@ -348,13 +349,13 @@ def pooled(found: list[Hardware], prices: Optional[list[float]] = None) -> Hardw
     if len(found) == 1:
         return found[0]
     ran = [i for i, h in enumerate(found) if h.calibration is not None]
-    trusted = ran or list(range(len(found)))
+    pool = ran or list(range(len(found)))
 
     def rank(i: int) -> tuple[float, float]:
         run = found[i].calibration
         return (prices[i] if prices is not None else run.model_s if run else 0.0, run.seconds if run else 0.0)
 
-    chosen = found[sorted(trusted, key=rank)[len(trusted) // 2 if prices is not None else (len(trusted) - 1) // 2]]
+    chosen = found[sorted(pool, key=rank)[len(pool) // 2 if prices is not None else (len(pool) - 1) // 2]]
     runs = [found[i].calibration for i in ran]
     run = dataclasses.replace(chosen.calibration, seconds=max(r.seconds for r in runs),
                               load=max(r.load for r in runs)) if runs and chosen.calibration else None
