@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from _cores import cores_shared
 from _dist import RankPool
 
 # `python -m pytest -m quick`: a first check of a few minutes (the README's), the per-op rules,
@@ -78,6 +79,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return scope_of(nodeid)
 
     return _Scheduling(config, log)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: Any) -> Any:
+    """Each test that needs no ranks shares the cores (tests/_cores.py): the worker of the rank
+    pools takes them alone where it times its ranks."""
+    if _needs_ranks(item.path.name, item.name):
+        return (yield)
+    with cores_shared():
+        return (yield)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

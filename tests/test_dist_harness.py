@@ -139,3 +139,43 @@ def test_fuzzers_fail_on_ranks_that_issued_different_collectives() -> None:
         check_loop("loop", [LoopOutcome(events=["ok"], collectives=extra), LoopOutcome(events=["ok"], collectives=log)])
     assert want in str(info.value)
     assert check_outcomes("spec", [Outcome("ok", collectives=log), Outcome("ok", collectives=list(log))]) == "ok"
+
+
+def test_the_cores_alone_wait_for_shared_holders_and_hold_off_later_ones(monkeypatch, tmp_path) -> None:
+    """tests/_cores.py on one test run's lock (threads in place of xdist's two workers): a test
+    taking the cores alone waits for the shared holder before it, and a shared request made
+    while it waits runs only after it."""
+    import tempfile
+    import threading
+
+    from _cores import cores_alone, cores_shared
+
+    monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", "cores-test")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    events: list[str] = []
+
+    def hold(name: str, lock, seconds: float) -> None:
+        with lock():
+            events.append(f"{name} in")
+            time.sleep(seconds)
+            events.append(f"{name} out")
+
+    threads = [threading.Thread(target=hold, args=("first", cores_shared, 0.6)),
+               threading.Thread(target=hold, args=("alone", cores_alone, 0.3)),
+               threading.Thread(target=hold, args=("later", cores_shared, 0.1))]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)
+    for t in threads:
+        t.join()
+    assert events == ["first in", "first out", "alone in", "alone out", "later in", "later out"]
+    monkeypatch.delenv("PYTEST_XDIST_TESTRUNUID")  # without xdist, nothing is locked: both at once
+    events.clear()
+    both = [threading.Thread(target=hold, args=("alone", cores_alone, 0.4)),
+            threading.Thread(target=hold, args=("shared", cores_shared, 0.1))]
+    for t in both:
+        t.start()
+        time.sleep(0.1)
+    for t in both:
+        t.join()
+    assert events == ["alone in", "shared in", "shared out", "alone out"]
