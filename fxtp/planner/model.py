@@ -36,10 +36,15 @@ shards] in fxtp/core/placement.py, else all ``g``); sequence parallelism divides
 sequence parallelism; its output is the head's input). The loss (``loss_activations``, over
 ``n = sbV / tp`` logits a rank): Hugging Face's loss takes ``logits.float()`` (a copy unless
 fp32); fxtp's vocab-parallel cross entropy (NOTE: [vocab-parallel cross entropy] in
-fxtp/core/losses.py) holds ``x - max`` and its exp (``8 n`` bytes), and the output's logits
-are gathered whole (``e n tp``); at ``tp`` 1 torch's ``log_softmax`` holds its output
-(``4 n``). As backward starts: the saved softmax, the gradient it makes and the logits'
-(``12 n``). The most of the two is counted.
+fxtp/core/losses.py) holds ``x - max`` and its exp (``8 n`` bytes) beside the output's logits
+gathered whole (``e n tp``). Gathering them holds more at two moments before: torch's
+functional all_gather along the vocab dim gathers a contiguous copy of the shard into one
+buffer and concatenates its chunks into another (``2 e n + e n tp``, then ``2 e n tp``), and
+gloo's all_gather (CPU ranks) gathers into a flat tensor of the output's size and copies it
+out (``ProcessGroupGloo::allgather``: ``2 e n + 2 e n tp``; at hidden 64, 32 x 256 tokens, tp
+4: a step's peak 65.6 MiB measured, 59.2 priced before, 65.2 now). At ``tp`` 1 torch's
+``log_softmax`` holds its output (``4 n``). As backward starts: the saved softmax, the
+gradient it makes and the logits' (``12 n``). The most of these is counted.
 
 Activation checkpointing, as fxtp's runtime runs it (NOTE: [recomputed regions] in
 fxtp/core/recompute.py): ``"blocks"`` (each block under ``torch.utils.checkpoint``) keeps a
@@ -232,13 +237,16 @@ class TransformerShape:
         saved = self._norm(batch, seq, e)  # its output is the head's input
         return saved // tp if sp else saved
 
-    def loss_activations(self, batch: int, seq: int, tp: int, e: int = 2) -> int:
+    def loss_activations(self, batch: int, seq: int, tp: int, e: int = 2, staged_gather: bool = False) -> int:
         """The most the loss holds on a rank, its forward or the start of its backward (NOTE:
-        [activation bytes])."""
+        [activation bytes]); ``staged_gather``: the backend gathers through a copy of the output
+        (gloo's, ``Hardware.staged_all_gather``)."""
         n = batch * seq * self.vocab // tp  # this rank's logits
         copy = 0 if e == 4 else 4  # Hugging Face's loss takes logits.float()
         if tp > 1:  # fxtp's vocab-parallel cross entropy (x - max, its exp); the output's logits gathered
-            forward = n * (e + copy + 8) + e * n * tp
+            whole = e * n * tp
+            gather = 2 * e * n + (2 if staged_gather else 1) * whole  # the shard, its copy, the gathered (and gloo's)
+            forward = max(gather, 2 * whole, n * (e + copy + 8) + whole)  # then the chunks concatenated; the loss
         else:  # torch's cross_entropy: one log_softmax
             forward = n * (e + copy + 4)
         return max(forward, 12 * n)  # backward: the saved softmax, the gradient it makes, the logits'
