@@ -22,7 +22,20 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["cores_alone", "cores_shared"]
+__all__ = ["cores_alone", "cores_shared", "remove_lock_files"]
+
+
+def _path(run: str, kind: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"fxtp-cores-{run}.{kind}"
+
+
+def remove_lock_files() -> None:
+    """Removes this test run's lock files (each worker at its end: a worker that removes them
+    takes no lock again, and the other, alone from then on, makes new ones if it locks)."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is not None:
+        for kind in ("gate", "lock"):
+            _path(run, kind).unlink(missing_ok=True)
 
 
 def _take(f, mode: int, deadline: float) -> bool:
@@ -49,8 +62,7 @@ def _locked(mode: int, timeout_s: float) -> Iterator[float]:
         return
     start = time.monotonic()
     deadline = start + timeout_s
-    base = Path(tempfile.gettempdir()) / f"fxtp-cores-{run}"
-    with open(f"{base}.gate", "a") as gate, open(f"{base}.lock", "a") as lock:
+    with open(_path(run, "gate"), "a") as gate, open(_path(run, "lock"), "a") as lock:
         held = False
         if _take(gate, fcntl.LOCK_EX, deadline):
             held = _take(lock, mode, deadline)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from _cores import cores_shared
+from _cores import cores_shared, remove_lock_files
 from _dist import RankPool
 
 # `python -m pytest -m quick`: a first check of a few minutes (the README's), the per-op rules,
@@ -89,6 +89,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: Any) -> Any:
         return (yield)
     with cores_shared():
         return (yield)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    remove_lock_files()  # tests/_cores.py's, in /tmp
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

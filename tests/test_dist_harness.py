@@ -154,28 +154,27 @@ def test_the_cores_alone_wait_for_shared_holders_and_hold_off_later_ones(monkeyp
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     events: list[str] = []
 
-    def hold(name: str, lock, seconds: float) -> None:
-        with lock():
-            events.append(f"{name} in")
-            time.sleep(seconds)
-            events.append(f"{name} out")
+    def run(holders: list[tuple[str, object, float]], gap_s: float) -> list[str]:
+        """Each ``(name, lock, seconds)`` holds ``lock()`` for ``seconds`` on a thread, started
+        ``gap_s`` after the one before; the order they went in and out."""
+        events.clear()
 
-    threads = [threading.Thread(target=hold, args=("first", cores_shared, 0.6)),
-               threading.Thread(target=hold, args=("alone", cores_alone, 0.3)),
-               threading.Thread(target=hold, args=("later", cores_shared, 0.1))]
-    for t in threads:
-        t.start()
-        time.sleep(0.2)
-    for t in threads:
-        t.join()
-    assert events == ["first in", "first out", "alone in", "alone out", "later in", "later out"]
+        def hold(name: str, lock, seconds: float) -> None:
+            with lock():
+                events.append(f"{name} in")
+                time.sleep(seconds)
+                events.append(f"{name} out")
+
+        threads = [threading.Thread(target=hold, args=holder) for holder in holders]
+        for t in threads:
+            t.start()
+            time.sleep(gap_s)
+        for t in threads:
+            t.join()
+        return list(events)
+
+    assert run([("first", cores_shared, 0.6), ("alone", cores_alone, 0.3), ("later", cores_shared, 0.1)], 0.2) == [
+        "first in", "first out", "alone in", "alone out", "later in", "later out"]
     monkeypatch.delenv("PYTEST_XDIST_TESTRUNUID")  # without xdist, nothing is locked: both at once
-    events.clear()
-    both = [threading.Thread(target=hold, args=("alone", cores_alone, 0.4)),
-            threading.Thread(target=hold, args=("shared", cores_shared, 0.1))]
-    for t in both:
-        t.start()
-        time.sleep(0.1)
-    for t in both:
-        t.join()
-    assert events == ["alone in", "shared in", "shared out", "alone out"]
+    assert run([("alone", cores_alone, 0.4), ("shared", cores_shared, 0.1)], 0.1) == [
+        "alone in", "shared in", "shared out", "alone out"]
