@@ -29,13 +29,10 @@ def _path(run: str, kind: str) -> Path:
     return Path(tempfile.gettempdir()) / f"fxtp-cores-{run}.{kind}"
 
 
-def remove_lock_files() -> None:
-    """Removes this test run's lock files (each worker at its end: a worker that removes them
-    takes no lock again, and the other, alone from then on, makes new ones if it locks)."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is not None:
-        for kind in ("gate", "lock"):
-            _path(run, kind).unlink(missing_ok=True)
+def remove_lock_files(run: str) -> None:
+    """Removes test run ``run``'s lock files (xdist's controller, after every worker ended)."""
+    for kind in ("gate", "lock"):
+        _path(run, kind).unlink(missing_ok=True)
 
 
 def _take(f, mode: int, deadline: float) -> bool:

@@ -91,8 +91,19 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: Any) -> Any:
         return (yield)
 
 
+_TEST_RUNS: set[str] = set()  # xdist's test run ids, on its controller
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist's controller, for each worker it starts: the run id tests/_cores.py's locks use."""
+    _TEST_RUNS.add(node.workerinput["testrunuid"])
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    remove_lock_files()  # tests/_cores.py's, in /tmp
+    """The controller's, after every worker: tests/_cores.py's lock files removed from /tmp."""
+    for run in _TEST_RUNS:
+        remove_lock_files(run)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -75,13 +75,13 @@ def test_each_term_is_what_the_run_holds(runs, mesh):
     assert saved[None] > saved["selective"] > saved["blocks"], saved
 
 
-def test_the_loss_holds_the_gathered_logits_twice_and_glooss_copy_of_them():
-    """No ranks: the loss's most at ``tp`` > 1 (NOTE: [activation bytes]) counts the two moments
-    of gathering the output's logits a heap trace showed on 4 gloo ranks (hidden 64, vocab 256,
-    32 x 256 tokens, tp 4: 2 MiB a rank's logits, 8 MiB gathered): the shard, its contiguous
-    copy, the gathered buffer and gloo's flat copy of it (+16 MiB at the all_gather, 8 freed at
-    its wait), then the buffer and the chunks concatenated; the cross entropy's working set
-    beside the gathered logits where that is more (bf16, tp 2)."""
+def test_the_loss_holds_the_gathered_logits_twice():
+    """No ranks: the loss's most at ``tp`` > 1 (NOTE: [activation bytes]) counts gathering the
+    output's logits as a heap trace per op showed it on 4 gloo ranks (hidden 64, vocab 256, 32 x
+    256 tokens, tp 4: 2 MiB a rank's logits, 8 MiB gathered; the step's peak there): the shard,
+    its contiguous copy, the gathered buffer and the output concatenated from it (or gloo's flat
+    copy inside the collective: as much); the cross entropy's working set beside the gathered
+    logits where that is more (bf16, tp 2)."""
     import transformers
 
     from fxtp.planner.model import TransformerShape
@@ -92,8 +92,7 @@ def test_the_loss_holds_the_gathered_logits_twice_and_glooss_copy_of_them():
     model = transformers.LlamaForCausalLM(config)
     shape = TransformerShape.of(model, repeated_blocks(model).fqn)
     MiB = 2**20
-    assert shape.loss_activations(32, 256, 4, 4, staged_gather=True) == 2 * 2 * MiB + 2 * 8 * MiB  # gloo: 20 MiB
-    assert shape.loss_activations(32, 256, 4, 4) == 2 * 8 * MiB  # NCCL: the buffer and the concatenation
+    assert shape.loss_activations(32, 256, 4, 4) == 2 * 2 * MiB + 2 * 8 * MiB  # 20 MiB
     n = 32 * 256 * 256 // 2  # bf16 at tp 2: Hugging Face's fp32 copy, x - max and its exp beside the gathered logits
-    assert shape.loss_activations(32, 256, 2, 2, staged_gather=True) == n * (2 + 4 + 8) + 2 * n * 2
+    assert shape.loss_activations(32, 256, 2, 2) == n * (2 + 4 + 8) + 2 * n * 2
     assert shape.loss_activations(32, 256, 1, 4) == 12 * 32 * 256 * 256  # tp 1: backward's softmax, its gradient, the logits'

@@ -74,8 +74,7 @@ def predict(tps: tuple[int, ...] = (2, 1), world: int = 4) -> dict[tuple[int, Op
     out = {}
     for tp in tps:
         dp = world // tp
-        work = Workload(BATCH * dp, SEQ, True, "adamw", 8, activation_bytes=4, gather_bytes=4,  # fp32, no policy
-                        staged_all_gather=True)  # gloo
+        work = Workload(BATCH * dp, SEQ, True, "adamw", 8, activation_bytes=4, gather_bytes=4)  # fp32, no policy
         for ac in AC_POLICIES:
             choice = Choice(tp, dp, False, ac, BATCH, 1)
             moments = step_moments(choice, shape, shapes[tp], work)

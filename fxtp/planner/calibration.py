@@ -242,7 +242,7 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
         inter_node_bw=widest[0][3], devices_per_node=ranks, mfu=1.0, collective_latency=widest[0][2],
         nvlink_step_latency=0.0, network_step_latency=0.0, achieved_flops=tuple(rates),
         collectives=tuple(collectives), overlap_fsdp=cuda, compute_bytes=element, host=host,
-        collective_wait=tuple(waits), staged_all_gather=dist.get_backend() == "gloo",
+        collective_wait=tuple(waits),
     )
     # the slowest rank's seconds and the highest load any rank read: every rank's Hardware is the same
     run = CalibrationRun(slowest(time.perf_counter() - start), slowest(os.getloadavg()[0]), os.cpu_count() or 1, 0 if cuda else ranks,

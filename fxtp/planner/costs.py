@@ -194,7 +194,6 @@ class Workload:
     # torch.bfloat16)`` (NOTE: [mixed precision]); 4 prices a run without a policy (fp32 gathers)
     gather_bytes: int = _COMPUTE
     tp_overlap: Optional[str] = None  # a key of TP_OVERLAP: collectives hidden behind matmuls
-    staged_all_gather: bool = False  # the backend gathers through a copy of the output (``Hardware``'s)
 
 
 def compute_efficiency(hw: Hardware, shape: TransformerShape, tokens: int, tp: int) -> float:
@@ -425,7 +424,7 @@ def step_moments(choice: Choice, shape: TransformerShape, params: ParamShapes, w
     kept = _GRAD * params.elements(dp) if choice.accumulation > 1 else 0
     moments = {"loss": {"grads": kept, "fsdp_buffers": root,
                         "activations": layers * per_block + shape.other_activations(b, s, tp, sp=sp, e=e)
-                        + shape.loss_activations(b, s, tp, e, work.staged_all_gather)}}
+                        + shape.loss_activations(b, s, tp, e)}}
     working = shape.recomputed_block(b, s, tp, sp=sp, ac=ac, e=e) + shape.residual_gradients(b, s, tp, sp=sp, e=e)
     best = None
     for i in sorted({layers - 1, max(0, layers - 2), 0}):  # held is linear in i below the last block

@@ -168,11 +168,6 @@ class Hardware:
             compute since its group's last collective beyond the ``after_s`` seconds its
             ``collectives`` figures were measured after (NOTE: [collective wait] in
             fxtp/planner/comm.py). Empty: none (GPUs, the datasheet table).
-        staged_all_gather: the collectives' backend gathers into a flat copy of an all_gather's
-            output and then copies it out, so a gather holds its output twice (gloo:
-            ``ProcessGroupGloo::allgather``; a calibration on CPU ranks sets it; NCCL writes the
-            output in place). The plan prices it where the model's output logits are gathered
-            (NOTE: [activation bytes] in fxtp/planner/model.py).
         doubts: what a calibration found suspect in its own figures, a sentence each (a
             host busy with other jobs: NOTE: [calibration] in fxtp/planner/calibration.py);
             the plan prints them. ``calibration``: how it ran (None: not calibrated).
@@ -195,7 +190,6 @@ class Hardware:
     compute_bytes: int = 2
     host: HostCosts = HostCosts()
     collective_wait: tuple[tuple[int, float, float], ...] = ()
-    staged_all_gather: bool = False
     doubts: tuple[str, ...] = ()
     calibration: Optional[CalibrationRun] = None
 

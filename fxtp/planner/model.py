@@ -37,14 +37,15 @@ sequence parallelism; its output is the head's input). The loss (``loss_activati
 ``n = sbV / tp`` logits a rank): Hugging Face's loss takes ``logits.float()`` (a copy unless
 fp32); fxtp's vocab-parallel cross entropy (NOTE: [vocab-parallel cross entropy] in
 fxtp/core/losses.py) holds ``x - max`` and its exp (``8 n`` bytes) beside the output's logits
-gathered whole (``e n tp``). Gathering them holds more at two moments before: torch's
-functional all_gather along the vocab dim gathers a contiguous copy of the shard into one
-buffer and concatenates its chunks into another (``2 e n + e n tp``, then ``2 e n tp``), and
-gloo's all_gather (CPU ranks) gathers into a flat tensor of the output's size and copies it
-out (``ProcessGroupGloo::allgather``: ``2 e n + 2 e n tp``; at hidden 64, 32 x 256 tokens, tp
-4: a step's peak 65.6 MiB measured, 59.2 priced before, 65.2 now). At ``tp`` 1 torch's
-``log_softmax`` holds its output (``4 n``). As backward starts: the saved softmax, the
-gradient it makes and the logits' (``12 n``). The most of these is counted.
+gathered whole (``e n tp``). Gathering them holds more before: fxtp's all_gather
+(``fxtp.core.collectives.all_gather``) gathers a contiguous copy of the shard into one buffer
+and concatenates its chunks into the output while the shard, the copy and the buffer are
+alive (``2 e n + 2 e n tp``); gloo's all_gather (CPU ranks) holds as much inside the
+collective, gathering into a flat tensor of the output's size and copying it out
+(``ProcessGroupGloo::allgather``). At hidden 64, 32 x 256 tokens, tp 4 on gloo, a heap
+trace per op peaked there: 65.6 MiB a step, priced 59.2 before this moment was counted, 65.2
+since. At ``tp`` 1 torch's ``log_softmax`` holds its output (``4 n``). As backward starts: the
+saved softmax, the gradient it makes and the logits' (``12 n``). The most of these is counted.
 
 Activation checkpointing, as fxtp's runtime runs it (NOTE: [recomputed regions] in
 fxtp/core/recompute.py): ``"blocks"`` (each block under ``torch.utils.checkpoint``) keeps a
@@ -237,16 +238,14 @@ class TransformerShape:
         saved = self._norm(batch, seq, e)  # its output is the head's input
         return saved // tp if sp else saved
 
-    def loss_activations(self, batch: int, seq: int, tp: int, e: int = 2, staged_gather: bool = False) -> int:
+    def loss_activations(self, batch: int, seq: int, tp: int, e: int = 2) -> int:
         """The most the loss holds on a rank, its forward or the start of its backward (NOTE:
-        [activation bytes]); ``staged_gather``: the backend gathers through a copy of the output
-        (gloo's, ``Hardware.staged_all_gather``)."""
+        [activation bytes])."""
         n = batch * seq * self.vocab // tp  # this rank's logits
         copy = 0 if e == 4 else 4  # Hugging Face's loss takes logits.float()
-        if tp > 1:  # fxtp's vocab-parallel cross entropy (x - max, its exp); the output's logits gathered
+        if tp > 1:  # the output's logits gathered, then fxtp's vocab-parallel cross entropy (x - max, its exp)
             whole = e * n * tp
-            gather = 2 * e * n + (2 if staged_gather else 1) * whole  # the shard, its copy, the gathered (and gloo's)
-            forward = max(gather, 2 * whole, n * (e + copy + 8) + whole)  # then the chunks concatenated; the loss
+            forward = max(2 * e * n + 2 * whole, n * (e + copy + 8) + whole)  # the shard, its copy, the gathered, the output
         else:  # torch's cross_entropy: one log_softmax
             forward = n * (e + copy + 4)
         return max(forward, 12 * n)  # backward: the saved softmax, the gradient it makes, the logits'

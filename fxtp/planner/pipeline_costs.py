@@ -166,7 +166,7 @@ def estimate_pipeline(choice: Choice, shape: TransformerShape, params: ParamShap
     block_el_dp = sum(el * k for el, k in kinds_dp) / max(1, layers)
     per_el = (4 + OPTIMIZER_BYTES[work.optimizer]) / dp + (g if dp > 1 else 0) + _GRAD  # NOTE: [pipeline costs]
     per_block = shape.block_activations(b, s, tp, sp=sp, ac=ac, e=e)
-    loss = shape.other_activations(b, s, tp, sp=sp, e=e) + shape.loss_activations(b, s, tp, e, work.staged_all_gather)
+    loss = shape.other_activations(b, s, tp, sp=sp, e=e) + shape.loss_activations(b, s, tp, e)
     schedule = choice.schedule or "1F1B"
     held = tuple(held_micro_batches(schedule, pp, k % pp, m, v) / v for k in range(n))
     counts = stage_blocks(layers, pp, v, (3 * block_fwd + redo, per_el * block_el, per_block), (0.0, per_el * emb),

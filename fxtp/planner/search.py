@@ -128,7 +128,7 @@ def plan(
     args, kwargs = _inputs(model, example_inputs, example_kwargs)
     batch, seq = _workload_sizes(args, kwargs, batch, seq)
     work = Workload(batch, seq, training, optimizer, per_node, activation_bytes=hw.compute_bytes, gather_bytes=hw.compute_bytes,
-                    tp_overlap=tp_overlap, staged_all_gather=hw.staged_all_gather)
+                    tp_overlap=tp_overlap)
     inside = [t for t in range(1, per_node + 1) if per_node % t == 0 and devices % t == 0]
     across = [t for t in range(per_node + 1, devices + 1) if devices % t == 0][:1]
     pin_pp = None if pp is None else check_pinned_pp(pp, devices, blocks.count, tp, batch if training else None)
