@@ -95,4 +95,6 @@ def test_the_loss_holds_the_gathered_logits_twice():
     assert shape.loss_activations(32, 256, 4, 4) == 2 * 2 * MiB + 2 * 8 * MiB  # 20 MiB
     n = 32 * 256 * 256 // 2  # bf16 at tp 2: Hugging Face's fp32 copy, x - max and its exp beside the gathered logits
     assert shape.loss_activations(32, 256, 2, 2) == n * (2 + 4 + 8) + 2 * n * 2
+    n = 32 * 256 * 256 // 8  # bf16 at tp 8: the gather's moment is the most again
+    assert shape.loss_activations(32, 256, 8, 2) == 2 * 2 * n + 2 * 2 * n * 8
     assert shape.loss_activations(32, 256, 1, 4) == 12 * 32 * 256 * 256  # tp 1: backward's softmax, its gradient, the logits'

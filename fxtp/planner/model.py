@@ -42,7 +42,9 @@ gathered whole (``e n tp``). Gathering them holds more before: fxtp's all_gather
 and concatenates its chunks into the output while the shard, the copy and the buffer are
 alive (``2 e n + 2 e n tp``); gloo's all_gather (CPU ranks) holds as much inside the
 collective, gathering into a flat tensor of the output's size and copying it out
-(``ProcessGroupGloo::allgather``). At hidden 64, 32 x 256 tokens, tp 4 on gloo, a heap
+(``ProcessGroupGloo::allgather``); on CPU ranks in bf16 (not what a calibration runs) Hugging
+Face's fp32 copy of the shard comes while fxtp still holds its buffers (NOTE: [gloo frees] in
+fxtp/core/collectives.py), ``4 n`` not counted. At hidden 64, 32 x 256 tokens, tp 4 on gloo, a heap
 trace per op peaked there: 65.6 MiB a step, priced 59.2 before this moment was counted, 65.2
 since. At ``tp`` 1 torch's ``log_softmax`` holds its output (``4 n``). As backward starts: the
 saved softmax, the gradient it makes and the logits' (``12 n``). The most of these is counted.
