@@ -78,28 +78,11 @@ def _priced_again(m) -> list:
     return [estimate(e.choice, shape, params[e.choice.tp], hw, work) for e, _ in m.rows]
 
 
-def _doubted(hw) -> list[str]:
-    """What a calibration doubts of its own figures, and a run past the minute it is held to (its
-    load aside: the 1-minute average still holds the other worker's test before the cores were
-    ours)."""
-    import dataclasses
-
-    from fxtp.planner.hardware import doubts
-
-    late = [f"it took {hw.calibration.seconds:.0f} s"] if hw.calibration.seconds >= 60 else []
-    return list(doubts(dataclasses.replace(hw, calibration=None))) + late
-
-
 @pytest.fixture(scope="module")
 def measured(rank_pools):
     with cores_alone() as waited:  # no test of the other xdist worker beside the timed ranks
         start = time.perf_counter()
         result = rank_pools(4).run(_calibrate_and_measure)[0]
-        doubted = _doubted(result["measurement"].hardware)
-        if doubted:  # what the output advises: calibrate again, once (the checks below read the second)
-            warnings.warn(f"the calibration doubted its figures at load {result['measurement'].hardware.calibration.load:.1f} "
-                          f"({'; '.join(doubted)}); measured again")
-            result = rank_pools(4).run(_calibrate_and_measure)[0]
     result["again"] = _priced_again(result["measurement"])
     print(f"\ncalibrate and measure on 4 gloo ranks: {time.perf_counter() - start:.1f} s (after {waited:.1f} s for the "
           f"cores)\n{result['measurement']}")
