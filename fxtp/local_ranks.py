@@ -36,15 +36,15 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from fxtp.core.errors import FxtpConfigError
 
-__all__ = ["FSDP_RANGES", "FXTP_COLLECTIVES", "WINDOW_S", "Profiled", "per_call", "profiled", "slowest", "spawn_ranks",
-           "sync", "union"]
+__all__ = ["FSDP_RANGES", "FXTP_COLLECTIVES", "WINDOW_S", "Profiled", "per_call", "per_call_each", "profiled", "slowest",
+           "spawn_ranks", "sync", "union"]
 
 WINDOW_S = 0.1  # seconds a CPU measurement runs: many scheduler time slices (a few ms each)
 
@@ -99,9 +99,18 @@ def per_call(work: Callable[[], Any], repeats: int, device: torch.device = torch
     On CPU ranks, the call's share of a window of calls back to back (NOTE: [contended
     window]); on a GPU (``device``), one call timed alone after a barrier.
     """
-    work()  # warm-up
+    return per_call_each([work], repeats, device)[0]
+
+
+def per_call_each(works: Sequence[Callable[[], Any]], repeats: int, device: torch.device = torch.device("cpu")) -> list[float]:
+    """:func:`per_call`'s seconds for each of ``works``, their ``repeats`` timings taking turns
+    (round ``r`` times each work's ``r``-th window, NOTE: [contended window]): a burst of the
+    host's other load falls on one timing of each, which the median drops, not on all of one's.
+    Every rank calls this with the same works in the same order."""
+    for work in works:
+        work()  # warm-up
     if device.type == "cuda":
-        def alone() -> float:
+        def alone(work: Callable[[], Any]) -> float:
             dist.barrier()
             sync(device)
             start = time.perf_counter()
@@ -109,7 +118,8 @@ def per_call(work: Callable[[], Any], repeats: int, device: torch.device = torch
             sync(device)
             return time.perf_counter() - start
 
-        return slowest(statistics.median(alone() for _ in range(repeats)))
+        rounds = [[alone(work) for work in works] for _ in range(repeats)]
+        return [slowest(statistics.median(r[i] for r in rounds)) for i in range(len(works))]
 
     def window(fn: Callable[[], Any], n: int) -> float:
         dist.barrier()
@@ -121,14 +131,17 @@ def per_call(work: Callable[[], Any], repeats: int, device: torch.device = torch
 
     # every figure that sizes the window is the slowest rank's, so every rank runs the same calls
     empty = slowest(statistics.median(window(lambda: None, 1) for _ in range(repeats)))
-    calls, took = 1, 0.0
-    while calls < 1 << 20:
-        took = slowest(window(work, calls)) - empty
-        if took >= WINDOW_S / 4:
-            break
-        calls *= 4
-    calls = max(1, round(calls * WINDOW_S / max(took, 1e-9)))
-    return slowest(max(0.0, statistics.median(window(work, calls) for _ in range(repeats)) - empty) / calls)
+    sized = []
+    for work in works:
+        calls, took = 1, 0.0
+        while calls < 1 << 20:
+            took = slowest(window(work, calls)) - empty
+            if took >= WINDOW_S / 4:
+                break
+            calls *= 4
+        sized.append(max(1, round(calls * WINDOW_S / max(took, 1e-9))))
+    rounds = [[window(work, calls) for work, calls in zip(works, sized)] for _ in range(repeats)]
+    return [slowest(max(0.0, statistics.median(r[i] for r in rounds) - empty) / calls) for i, calls in enumerate(sized)]
 
 
 def slowest(value: float, op: Any = dist.ReduceOp.MAX) -> float:

@@ -72,11 +72,26 @@ So where the model has weights, a CPU calibration also times, for each tensor-pa
 ``n`` (1 included), the model's own tp ``n`` training forward and backward on a ``(ranks / n,
 n)`` mesh (``fxtp.compile`` over its tp groups, one rank's micro-batch of the dp ``ranks / n``
 layout), with torchtitan's FSDP2 wrapping over its dp groups where ``ranks / n > 1``
-(``fully_shard`` on each block, then the root), every group at once (:func:`on_the_model`):
+(``fully_shard`` on each block, then the root), every group at once (:class:`ModelProgram`):
 its seconds in a window (:func:`~fxtp.local_ranks.per_call`), and the shares of them inside
 fxtp's collectives and inside FSDP2's own ranges from 3 more calls under ``torch.profiler``
 (their medians; :func:`~fxtp.local_ranks.profiled`, the instrument ``fxtp.planner.measure``
-splits a step with).
+splits a step with). Every degree's program (and :func:`~fxtp.planner.host.host_on_the_model`'s
+plain tp 1 step, with and without its optimizer) is built first, then timed taking turns, 9
+windows each (:func:`~fxtp.local_ranks.per_call_each`): this host's other load comes in bursts
+of 0.5-1 s that slow a single-threaded loop by 25-85% (a 60 s trace, 2026-12-07), which one
+figure's 5 windows back to back (0.5 s) could fall inside. Timed one after the other, with the
+shares as the figures, two calibrations in the same ranks priced a hidden-128 Llama's tp 1 x dp
+4 step 172 and 206 ms (it ran 155 and 153; the plain step's optimizer came out 50 ms in one);
+taking turns and priced as below, 157 and 154 (it ran 152 and 154; 2026-12-07).
+
+The communication's seconds are what the program takes beyond its compute as the cost model
+prices it (its GEMMs' FLOPs at the degree's calibrated rate, its ops, counted before FSDP2 wraps
+it, at the host's figures: :func:`~fxtp.planner.host.priced_ops`), split between fxtp's
+collectives and FSDP2 in proportion to their profiled shares. The shares alone are time each
+rank's thread spends inside them, and on shared cores its peers compute meanwhile: summed with
+the compute priced as every rank computing at once they count that overlap twice. So a
+calibration prices each of these programs at its measured seconds, by construction.
 
 - tp groups (``n > 1``): the collectives' seconds over the collectives issued are one
   collective's seconds in the model. Each kind's fitted figure over ``n`` ranks is scaled so
@@ -131,14 +146,14 @@ import torch.distributed as dist
 from torch import nn
 
 from fxtp.core.errors import FxtpConfigError
-from fxtp.local_ranks import FSDP_RANGES, FXTP_COLLECTIVES, per_call, profiled, slowest, spawn_ranks
+from fxtp.local_ranks import FSDP_RANGES, FXTP_COLLECTIVES, Profiled, per_call, per_call_each, profiled, slowest, spawn_ranks
 from fxtp.planner.comm import KINDS, with_dp_collectives, with_tp_collectives
 from fxtp.planner.hardware import CalibrationRun, Hardware, HostCosts, doubts
-from fxtp.planner.host import host_costs, host_on_the_model, host_seconds
+from fxtp.planner.host import TrainingStep, host_costs, host_on_the_model, host_seconds, priced_ops, step_ops
 from fxtp.planner.model import TransformerShape
 from fxtp.planner.params import repeated_blocks
 
-__all__ = ["calibrate", "calibrate_on_ranks", "gemm_shapes", "host_costs", "spawn_ranks"]
+__all__ = ["calibrate", "calibrate_on_ranks", "communication", "gemm_shapes", "host_costs", "spawn_ranks"]
 
 _SMALL = 16 << 10  # bytes: a payload whose time is mostly latency
 _LARGE_CPU = 8 << 20  # bytes: on CPU ranks, a payload whose bandwidth term shows above the latency's noise
@@ -148,6 +163,7 @@ _BETWEEN_OPS = 200
 _WAIT_HALVES = 4  # the all_reduce timed again after this many times ``between``'s work (NOTE: [collective wait])
 _NO_BANDWIDTH_COST = 1e12  # bytes/s where a larger payload took no longer: the latency is all of it
 _PROFILED = 3  # profiled calls of the model's tp program, their median share kept (NOTE: [collectives in the model])
+_MODEL_REPEATS = 9  # windows of each of the model's programs, taking turns (NOTE: [collectives in the model])
 
 
 def calibrate(model: nn.Module, devices: int, *, batch: int, seq: int, repeats: int = 5, timeout_s: int = 300) -> Hardware:
@@ -226,9 +242,22 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
     if not cuda and all(p.device.type != "meta" for p in model.parameters()):  # a model with weights runs
         tokens = (max(1, batch // ranks), seq)
         gemm_s = shape.flops_per_token(seq) * math.prod(tokens) / rates[0][1]  # the tp 1 GEMMs' seconds
-        host = host_on_the_model(host, model, shape.hidden, tokens, gemm_s, repeats)
-        for tp in tps:  # NOTE: [collectives in the model]
-            timed, dp = on_the_model(model, tp, (max(1, batch // (ranks // tp)), seq), repeats), ranks // tp
+        # every program built first, then timed taking turns (per_call_each): a burst of the host's
+        # other load falls on one timing of each, not on all of one degree's
+        from fxtp.runtime.clipping import FsdpClippingWarning
+
+        own = TrainingStep(model, tokens)
+        programs = [ModelProgram(model, tp, (max(1, batch // (ranks // tp)), seq), shape.hidden) for tp in tps]
+        with warnings.catch_warnings():  # FSDP2 over fxtp's parameters warns about clipping, which this never does
+            warnings.filterwarnings("ignore", category=FsdpClippingWarning)
+            seconds, with_optimizer, *model_seconds = per_call_each(
+                [own.step, lambda: own.step(True)] + [p.step for p in programs], _MODEL_REPEATS)
+            runs = [[profiled(p.step, (FXTP_COLLECTIVES, FSDP_RANGES)) for p in programs] for _ in range(_PROFILED)]
+        host = host_on_the_model(host, own, shape.hidden, gemm_s, seconds, max(0.0, with_optimizer - seconds))
+        for i, (tp, program) in enumerate(zip(tps, programs)):  # NOTE: [collectives in the model]
+            # its compute as the cost model prices it: its GEMMs' FLOPs at the degree's rate, its ops at the host's figures
+            compute = shape.flops_per_token(seq) * math.prod(program.ids.shape) / tp / rates[i][1] + priced_ops(host, program.ops)
+            timed, dp = program.timed(model_seconds[i], [r[i] for r in runs], compute), ranks // tp
             model_s += timed.seconds
             fsdp_host = host_seconds(host, None, layers=0, tokens=0, tp=tp, dp=dp, checkpointing=None, micro_batches=1,
                                      tensors=0, elements=0, units=tuple(t for _, t in timed.units))["fsdp"]
@@ -379,8 +408,8 @@ def _usable_memory(device: torch.device, ranks: int) -> int:
 
 @dataclass(frozen=True)
 class InModel:
-    """What :func:`on_the_model` timed: the program's seconds (a forward and backward), one of
-    fxtp's collectives' seconds (0: none issued), FSDP2's seconds (0 at dp 1), and its units'
+    """What :meth:`ModelProgram.timed` made: the program's seconds (a forward and backward), one
+    of fxtp's collectives' seconds (0: none issued), FSDP2's seconds (0 at dp 1), and its units'
     ``(elements, tensors)`` on a rank, the blocks' then the root's."""
 
     seconds: float
@@ -389,45 +418,61 @@ class InModel:
     units: tuple[tuple[int, int], ...]
 
 
-def on_the_model(model: nn.Module, tp: int, tokens: tuple[int, int], repeats: int) -> InModel:
+class ModelProgram:
     """The model's own tp ``tp`` training forward and backward on a ``(ranks / tp, tp)`` mesh,
-    every group at once, ``tokens = (batch, seq)`` a rank's micro-batch (every rank calls this;
-    NOTE: [collectives in the model]): its seconds in a window times the share of them inside
-    fxtp's collectives (``_c10d_functional::*``), over the collectives issued, and the share
-    inside FSDP2's own ranges (``FSDP::*``), with torchtitan's wrapping over the dp groups
-    (``fully_shard`` on each block, then the root, as ``fxtp.planner.measure``'s layouts): the
-    instruments ``measure`` splits a step with."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    ``tokens = (batch, seq)`` a rank's micro-batch (every rank builds each, in the same order;
+    NOTE: [collectives in the model]): ``fxtp.compile`` over the tp groups, with torchtitan's
+    wrapping over the dp groups (``fully_shard`` on each block, then the root, as
+    ``fxtp.planner.measure``'s layouts). ``step()`` runs it; :meth:`timed` makes the figures."""
 
-    import fxtp
-    from fxtp.runtime.clipping import FsdpClippingWarning
+    def __init__(self, model: nn.Module, tp: int, tokens: tuple[int, int], hidden: int) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
 
-    dp = dist.get_world_size() // tp
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    ids = torch.randint(0, model.config.vocab_size, tokens, generator=torch.Generator().manual_seed(0))
-    pm = fxtp.compile(copy.deepcopy(model).train(), tp, (ids,), example_kwargs={"labels": ids},
-                      group=mesh["tp"] if tp > 1 else None, dynamic=False)
+        import fxtp
+        from fxtp.runtime.clipping import FsdpClippingWarning
 
-    def step() -> None:
-        pm(ids, labels=ids).loss.backward()
-        pm.zero_grad(set_to_none=True)
+        dp = dist.get_world_size() // tp
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        self.ids = torch.randint(0, model.config.vocab_size, tokens, generator=torch.Generator().manual_seed(0))
+        self.pm = fxtp.compile(copy.deepcopy(model).train(), tp, (self.ids,), example_kwargs={"labels": self.ids},
+                               group=mesh["tp"] if tp > 1 else None, dynamic=False)
+        self.ops = step_ops(self.pm, self.ids, hidden)  # before FSDP2's wrapping: its own ops are its cost
+        found = repeated_blocks(model)
+        blocks = [self.pm.get_submodule(f"{found.fqn}.{i}" if found.fqn else str(i)) for i in range(found.count)] if found else []
+        params = [p for p in self.pm.parameters() if p.requires_grad]
+        units = [(sum(p.numel() for p in b.parameters()), len(list(b.parameters()))) for b in blocks]
+        units.append((sum(p.numel() for p in params) - sum(e for e, _ in units), len(params) - sum(t for _, t in units)))
+        # the largest rank's shard (FSDP2 pads to it; uneven tp shards differ): every rank's Hardware is the same
+        self.units = tuple((int(slowest(e)), t) for e, t in units)
+        with warnings.catch_warnings():  # FSDP2 over fxtp's parameters warns about clipping, which this never does
+            warnings.filterwarnings("ignore", category=FsdpClippingWarning)
+            if dp > 1:
+                for block in blocks:
+                    fully_shard(block, mesh=mesh["dp"])
+                fully_shard(self.pm, mesh=mesh["dp"])
 
-    found = repeated_blocks(model)
-    blocks = [pm.get_submodule(f"{found.fqn}.{i}" if found.fqn else str(i)) for i in range(found.count)] if found else []
-    params = [p for p in pm.parameters() if p.requires_grad]
-    units = [(sum(p.numel() for p in b.parameters()), len(list(b.parameters()))) for b in blocks]
-    units.append((sum(p.numel() for p in params) - sum(e for e, _ in units), len(params) - sum(t for _, t in units)))
-    # the largest rank's shard (FSDP2 pads to it; uneven tp shards differ): every rank's Hardware is the same
-    units = [(int(slowest(e)), t) for e, t in units]
-    with warnings.catch_warnings():  # FSDP2 over fxtp's parameters warns about clipping, which this never does
-        warnings.filterwarnings("ignore", category=FsdpClippingWarning)
-        if dp > 1:
-            for block in blocks:
-                fully_shard(block, mesh=mesh["dp"])
-            fully_shard(pm, mesh=mesh["dp"])
-        seconds = per_call(step, repeats)
-        runs = [profiled(step, (FXTP_COLLECTIVES, FSDP_RANGES)) for _ in range(_PROFILED)]
-    tp_s, fsdp_s = (seconds * statistics.median(r.shares[prefix] for r in runs) for prefix in (FXTP_COLLECTIVES, FSDP_RANGES))
-    issued = int(slowest(runs[0].issued[FXTP_COLLECTIVES]))
-    return InModel(seconds, tp_s / issued if issued else 0.0, fsdp_s, tuple(units))
+    def step(self) -> None:
+        self.pm(self.ids, labels=self.ids).loss.backward()
+        self.pm.zero_grad(set_to_none=True)
+
+    def timed(self, seconds: float, runs: list[Profiled], compute: float) -> InModel:
+        """The figures of a step of ``seconds`` in a window (:func:`~fxtp.local_ranks.per_call`)
+        whose compute is priced at ``compute`` seconds: the rest is its communication's, split
+        between fxtp's collectives (``_c10d_functional::*``, per collective issued) and FSDP2's own
+        ranges (``FSDP::*``) in proportion to their shares of ``runs``, profiled steps (their
+        medians; the instruments ``fxtp.planner.measure`` splits a step with). NOTE:
+        [collectives in the model]: the shares themselves also hold peers' compute."""
+        tp_s, fsdp_s = communication(seconds, compute, *(statistics.median(r.shares[prefix] for r in runs)
+                                                         for prefix in (FXTP_COLLECTIVES, FSDP_RANGES)))
+        issued = int(slowest(runs[0].issued[FXTP_COLLECTIVES]))
+        return InModel(seconds, tp_s / issued if issued else 0.0, fsdp_s, self.units)
+
+
+def communication(seconds: float, compute: float, tp_share: float, fsdp_share: float) -> tuple[float, float]:
+    """``(tp_s, fsdp_s)``: what a program of ``seconds`` takes beyond its priced ``compute``,
+    split between fxtp's collectives and FSDP2 in proportion to their profiled shares of its
+    seconds (NOTE: [collectives in the model]); none where it took no longer than its compute
+    or neither has a share."""
+    shares, rest = tp_share + fsdp_share, max(0.0, seconds - compute)
+    return (rest * (tp_share / shares), rest * (fsdp_share / shares)) if shares > 0 else (0.0, 0.0)

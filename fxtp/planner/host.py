@@ -61,13 +61,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fxtp.local_ranks import per_call
+from fxtp.local_ranks import per_call, per_call_each
 from fxtp.planner.hardware import HostCosts
 
-__all__ = ["HostCosts", "OpCounts", "count_ops", "host_costs", "host_on_the_model", "host_seconds", "with_host"]
+__all__ = ["HostCosts", "OpCounts", "TrainingStep", "count_ops", "host_costs", "host_on_the_model", "host_seconds",
+           "priced_ops", "step_ops", "with_host"]
 
 # priced by FLOPs at the calibrated GEMM rate, which includes their dispatch (NOTE: [host time])
 _GEMMS = frozenset({"aten.mm.default", "aten.addmm.default", "aten.bmm.default"})
+_COLLECTIVES = "_c10d_functional."  # a tp program's (fxtp/core/collectives.py): priced as communication
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ class _Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if str(func) not in _GEMMS:
+        if str(func) not in _GEMMS and not str(func).startswith(_COLLECTIVES):
             self.into[0] += 1
             if not func.is_view:
                 for t in torch.utils._pytree.tree_leaves(out):
@@ -259,7 +261,7 @@ def _op_seconds(numel: int, n: int, repeats: int) -> tuple[float, float]:
         y.backward(torch.ones_like(y))
         x.grad = None
 
-    once, twice = per_call(forward, repeats), per_call(both, repeats)
+    once, twice = per_call_each([forward, both], repeats)  # taking turns: a burst of other load on one of each
     return once / n, max(0.0, twice - once) / n
 
 
@@ -311,17 +313,58 @@ def _fsdp_seconds(layers: int, repeats: int) -> float:
             m.zero_grad(set_to_none=True)
         return once
 
-    return per_call(step(model), repeats) - per_call(step(plain), repeats)
+    sharded, unsharded = per_call_each([step(model), step(plain)], repeats)  # taking turns, as above
+    return sharded - unsharded
 
 
-def host_on_the_model(host: HostCosts, model: nn.Module, hidden: int, tokens: tuple[int, int], gemm_s: float,
-                      repeats: int) -> HostCosts:
+def step_ops(pm: nn.Module, ids: torch.Tensor, hidden: int) -> tuple[int, float, int, float]:
+    """The ops one training forward of ``pm`` on ``ids`` (a Hugging Face model's, its loss on
+    ``labels=ids``) dispatches and the bytes they write, then its backward's: ``(forward_ops,
+    forward_bytes, backward_ops, backward_bytes)``, as :func:`count_ops` counts them (GEMMs and
+    collectives not: priced by FLOPs and as communication). Every rank of a tp program calls it."""
+    counter = _Counter(hidden)
+    with counter:
+        loss = pm(ids, labels=ids).loss
+        (forward_ops, forward_bytes), counter.into = counter.into, [0, 0.0]
+        loss.backward()
+    pm.zero_grad(set_to_none=True)
+    return forward_ops, forward_bytes, counter.into[0], counter.into[1]
+
+
+def priced_ops(host: HostCosts, ops: tuple[int, float, int, float]) -> float:
+    """Seconds ``host`` prices :func:`step_ops`'s counts at (NOTE: [host time])."""
+    forward_ops, forward_bytes, backward_ops, backward_bytes = ops
+    return (forward_ops * host.op + forward_bytes * host.op_byte
+            + backward_ops * host.op_backward + backward_bytes * host.op_backward_byte)
+
+
+class TrainingStep:
+    """The model's tp 1 training step on this rank, for :func:`host_on_the_model`: ``fxtp.compile``'s
+    program of a copy of ``model`` at ``tokens = (batch, seq)`` (one rank's micro-batch) and AdamW.
+    ``step()`` runs its forward and backward, ``step(True)`` its optimizer step too."""
+
+    def __init__(self, model: nn.Module, tokens: tuple[int, int]) -> None:
+        import fxtp
+
+        self.ids = torch.randint(0, model.config.vocab_size, tokens, generator=torch.Generator().manual_seed(0))
+        self.pm = fxtp.compile(copy.deepcopy(model).train(), 1, (self.ids,), example_kwargs={"labels": self.ids}, dynamic=False)
+        self.opt = torch.optim.AdamW(self.pm.parameters(), lr=1e-6)
+
+    def step(self, with_optimizer: bool = False) -> None:
+        self.pm(self.ids, labels=self.ids).loss.backward()
+        if with_optimizer:
+            self.opt.step()
+        self.pm.zero_grad(set_to_none=True)
+
+
+def host_on_the_model(host: HostCosts, program: TrainingStep, hidden: int, gemm_s: float, seconds: float,
+                      optimizer_s: float) -> HostCosts:
     """``host`` with its per-op figures scaled by one factor and its optimizer figures by another,
     so that beside its GEMMs' ``gemm_s`` seconds (at the calibrated tp 1 rate) they price what
-    the model's own training step takes (``fxtp.compile``'s tp 1 program, ``tokens = (batch,
-    seq)`` of one rank's micro-batch, its ops counted as :func:`count_ops` counts them, those
-    writing tensors whose last dim is not ``hidden`` as tensor parallelism's) with every rank
-    running it at once:
+    the model's own training step takes (``program``, its ops counted as :func:`count_ops` counts
+    them, those writing tensors whose last dim is not ``hidden`` as tensor parallelism's) with
+    every rank running it at once: ``seconds`` its forward and backward, ``optimizer_s`` what its
+    optimizer step adds to them (the caller times both, :func:`~fxtp.local_ranks.per_call_each`):
 
     - ops: its forward and backward. A chain of ``aten.mul`` misses what a model's ops add
       (autograd nodes of several inputs, views, the Python between them; NOTE: [contended
@@ -333,29 +376,9 @@ def host_on_the_model(host: HostCosts, model: nn.Module, hidden: int, tokens: tu
       AdamW took 8.9-17 ms in a step on 4 ranks, priced 4.8-7 (2026-12-07). The one factor
       scales the DTensor and ``ShardedParameter`` figures too.
     """
-    import fxtp
-
-    ids = torch.randint(0, model.config.vocab_size, tokens, generator=torch.Generator().manual_seed(0))
-    pm = fxtp.compile(copy.deepcopy(model).train(), 1, (ids,), example_kwargs={"labels": ids}, dynamic=False)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-6)
-
-    def step(with_optimizer: bool = False) -> None:
-        pm(ids, labels=ids).loss.backward()
-        if with_optimizer:
-            opt.step()
-        pm.zero_grad(set_to_none=True)
-
-    seconds, counter = per_call(step, repeats), _Counter(hidden)
-    optimizer_s = max(0.0, per_call(lambda: step(True), repeats) - seconds)
-    with counter:
-        loss = pm(ids, labels=ids).loss
-        (forward_ops, forward_bytes), counter.into = counter.into, [0, 0.0]
-        loss.backward()
-    pm.zero_grad(set_to_none=True)
-    priced = (forward_ops * host.op + forward_bytes * host.op_byte + counter.into[0] * host.op_backward
-              + counter.into[1] * host.op_backward_byte)
+    priced = priced_ops(host, step_ops(program.pm, program.ids, hidden))
     scale = max(0.0, seconds - gemm_s) / priced if priced else 1.0
-    params = [p for p in pm.parameters() if p.requires_grad]
+    params = [p for p in program.pm.parameters() if p.requires_grad]
     priced_opt = len(params) * host.optimizer_tensor + sum(p.numel() for p in params) * host.optimizer_element
     opt_scale = optimizer_s / priced_opt if priced_opt and optimizer_s else 1.0
     return dataclasses.replace(host, op=host.op * scale, op_backward=host.op_backward * scale,
