@@ -106,17 +106,30 @@ def test_fsdp_timed_in_the_model_is_what_the_planner_prices_for_that_program(dp)
 
 
 def test_a_calibration_with_weights_but_no_fsdp_timed_in_the_model_says_so():
-    # NOTE: [collectives in the model]: FSDP2 in the model no slower than its priced host work
-    # leaves its dp groups on the fit after synthetic work; the calibration's doubts name it
-    from fxtp.planner.hardware import doubts
+    # NOTE: [collectives in the model]: a program that took no longer than its priced compute (and
+    # FSDP2's host work) leaves its groups on the fit after synthetic work; the doubts name them
+    from fxtp.planner.hardware import CalibrationRun, doubts
 
-    fitted = tuple((kind, n, 1e-3, 1e9) for n in (2, 4) for kind in ("all_reduce", "all_gather", "reduce_scatter"))
-    tp = tuple((f"tp:{kind}", n, 2e-3, 1e9) for n in (2, 4) for kind in ("all_reduce", "all_gather", "reduce_scatter"))
-    cpu = dataclasses.replace(H100, collectives=fitted + tp + (("dp:all_gather", 4, 2e-3, 1e9),))
-    assert doubts(cpu) == ("FSDP2 inside the model came out no slower than its priced host work over [2] ranks: "
+    kinds = ("all_reduce", "all_gather", "reduce_scatter")
+    fitted = tuple((kind, n, 1e-3, 1e9) for n in (2, 4) for kind in kinds)
+    tp = tuple((f"tp:{kind}", n, 2e-3, 1e9) for n in (2, 4) for kind in kinds)
+    run = CalibrationRun(40.0, 1.0, 2, 4, 0.5)  # the model's own programs timed (model_s > 0)
+    cpu = dataclasses.replace(H100, collectives=fitted + tp + (("dp:all_gather", 4, 2e-3, 1e9),), calibration=run,
+                              achieved_flops=((1, 1e10), (2, 1e10), (4, 1e10)))
+    assert doubts(cpu) == ("FSDP2 inside the model took no longer than its compute and priced host work over [2] ranks: "
                            "those dp groups are priced from the fit after synthetic work",)
-    assert doubts(dataclasses.replace(cpu, collectives=cpu.collectives + (("dp:all_gather", 2, 2e-3, 1e9),))) == ()
-    assert doubts(dataclasses.replace(cpu, collectives=fitted)) == ()  # no weights: the plan's own line says so
+    dp = (("dp:all_gather", 2, 2e-3, 1e9), ("dp:all_gather", 4, 2e-3, 1e9))
+    assert doubts(dataclasses.replace(cpu, collectives=fitted + tp + dp)) == ()
+    assert doubts(dataclasses.replace(cpu, collectives=fitted + tp[:3] + dp)) == (
+        "the model's tp program over [4] ranks took no longer than its priced compute: those tp groups are priced from "
+        "the fit after synthetic work",)
+    assert doubts(dataclasses.replace(cpu, collectives=fitted + dp)) != ()  # every tp degree on the fit: still said
+    meta = dataclasses.replace(cpu, collectives=fitted, calibration=dataclasses.replace(run, model_s=0.0))
+    assert doubts(meta) == ()  # no weights: the plan's own line says so
+    from fxtp.planner.hardware import tp_fitted_on_cpu
+
+    assert tp_fitted_on_cpu(meta) and not tp_fitted_on_cpu(dataclasses.replace(cpu, collectives=fitted + dp))
+
 
 def test_fsdp_exposes_what_the_previous_unit_does_not_hide():
     # forward: AG_0, then max(0, AG_i - F_{i-1}); backward: AG_last, then

@@ -73,11 +73,13 @@ So where the model has weights, a CPU calibration also times, for each tensor-pa
 n)`` mesh (``fxtp.compile`` over its tp groups, one rank's micro-batch of the dp ``ranks / n``
 layout), with torchtitan's FSDP2 wrapping over its dp groups where ``ranks / n > 1``
 (``fully_shard`` on each block, then the root), every group at once (:class:`ModelProgram`):
-its seconds in a window (:func:`~fxtp.local_ranks.per_call`), and the shares of them inside
-fxtp's collectives and inside FSDP2's own ranges from 3 more calls under ``torch.profiler``
-(their medians; :func:`~fxtp.local_ranks.profiled`, the instrument ``fxtp.planner.measure``
-splits a step with). Every degree's program (and :func:`~fxtp.planner.host.host_on_the_model`'s
-plain tp 1 step, with and without its optimizer) is built first, then timed taking turns, 9
+its seconds in a window (:func:`~fxtp.local_ranks.per_call_each`), and the shares of them
+inside fxtp's collectives and inside FSDP2's own ranges from 3 more calls under
+``torch.profiler`` (their medians; :func:`~fxtp.local_ranks.profiled`, the instrument
+``fxtp.planner.measure`` splits a step with), which split what it takes beyond its compute
+(below). Every degree's program (and :func:`~fxtp.planner.host.host_on_the_model`'s
+plain tp 1 step, with and without its optimizer) is built first, so that a rank holds 2 + the
+degrees' copies of the model at once, then timed taking turns, 9
 windows each (:func:`~fxtp.local_ranks.per_call_each`): this host's other load comes in bursts
 of 0.5-1 s that slow a single-threaded loop by 25-85% (a 60 s trace, 2026-12-07), which one
 figure's 5 windows back to back (0.5 s) could fall inside. Timed one after the other, with the
@@ -86,12 +88,18 @@ shares as the figures, two calibrations in the same ranks priced a hidden-128 Ll
 taking turns and priced as below, 157 and 154 (it ran 152 and 154; 2026-12-07).
 
 The communication's seconds are what the program takes beyond its compute as the cost model
-prices it (its GEMMs' FLOPs at the degree's calibrated rate, its ops, counted before FSDP2 wraps
-it, at the host's figures: :func:`~fxtp.planner.host.priced_ops`), split between fxtp's
-collectives and FSDP2 in proportion to their profiled shares. The shares alone are time each
+prices it (its GEMMs' FLOPs at the degree's calibrated rate; the model's ops, counted once on
+the plain tp 1 step, at the host's figures, the bytes of the tensors tp shards over the
+degree, as ``host_seconds`` prices a step's: :func:`~fxtp.planner.host.priced_ops`), split
+between fxtp's collectives and FSDP2 in proportion to their profiled shares. So what fxtp's tp
+program dispatches beyond the model's own ops (at tp 2, 290 forward ops against 205) is priced
+as its communication, where the plan has it. The shares alone are time each
 rank's thread spends inside them, and on shared cores its peers compute meanwhile: summed with
 the compute priced as every rank computing at once they count that overlap twice. So a
-calibration prices each of these programs at its measured seconds, by construction.
+calibration prices each of these programs at its measured seconds, by construction, with one
+gap left: the plan counts the model's ops on the captured program (``count_ops``), this on the
+compiled step (228 forward ops and 6.3 MB against 205 and 5.1 MB for a hidden-128 Llama at 2 x
+64 tokens, 2026-12-07), so the plan prices a step's ops above the ones timed here.
 
 - tp groups (``n > 1``): the collectives' seconds over the collectives issued are one
   collective's seconds in the model. Each kind's fitted figure over ``n`` ranks is scaled so
@@ -247,16 +255,20 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
         from fxtp.runtime.clipping import FsdpClippingWarning
 
         own = TrainingStep(model, tokens)
-        programs = [ModelProgram(model, tp, (max(1, batch // (ranks // tp)), seq), shape.hidden) for tp in tps]
+        ops = step_ops(own.pm, own.ids, shape.hidden)  # the same on every rank: the whole model at tp 1
+        programs = [ModelProgram(model, tp, (max(1, batch // (ranks // tp)), seq)) for tp in tps]
         with warnings.catch_warnings():  # FSDP2 over fxtp's parameters warns about clipping, which this never does
             warnings.filterwarnings("ignore", category=FsdpClippingWarning)
             seconds, with_optimizer, *model_seconds = per_call_each(
                 [own.step, lambda: own.step(True)] + [p.step for p in programs], _MODEL_REPEATS)
             runs = [[profiled(p.step, (FXTP_COLLECTIVES, FSDP_RANGES)) for p in programs] for _ in range(_PROFILED)]
-        host = host_on_the_model(host, own, shape.hidden, gemm_s, seconds, max(0.0, with_optimizer - seconds))
+        host = host_on_the_model(host, own, ops, gemm_s, seconds, max(0.0, with_optimizer - seconds))
+        del own  # every degree's program holds a copy of the model too
         for i, (tp, program) in enumerate(zip(tps, programs)):  # NOTE: [collectives in the model]
-            # its compute as the cost model prices it: its GEMMs' FLOPs at the degree's rate, its ops at the host's figures
-            compute = shape.flops_per_token(seq) * math.prod(program.ids.shape) / tp / rates[i][1] + priced_ops(host, program.ops)
+            # its compute as the cost model prices it: its GEMMs' FLOPs at the degree's rate, the model's ops at
+            # the host's figures (their sharded bytes over tp), as host_seconds prices a step's
+            tokens_s = math.prod(program.ids.shape)
+            compute = shape.flops_per_token(seq) * tokens_s / tp / rates[i][1] + priced_ops(host, ops, tokens_s, tp)
             timed, dp = program.timed(model_seconds[i], [r[i] for r in runs], compute), ranks // tp
             model_s += timed.seconds
             fsdp_host = host_seconds(host, None, layers=0, tokens=0, tp=tp, dp=dp, checkpointing=None, micro_batches=1,
@@ -425,7 +437,7 @@ class ModelProgram:
     wrapping over the dp groups (``fully_shard`` on each block, then the root, as
     ``fxtp.planner.measure``'s layouts). ``step()`` runs it; :meth:`timed` makes the figures."""
 
-    def __init__(self, model: nn.Module, tp: int, tokens: tuple[int, int], hidden: int) -> None:
+    def __init__(self, model: nn.Module, tp: int, tokens: tuple[int, int]) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -437,7 +449,6 @@ class ModelProgram:
         self.ids = torch.randint(0, model.config.vocab_size, tokens, generator=torch.Generator().manual_seed(0))
         self.pm = fxtp.compile(copy.deepcopy(model).train(), tp, (self.ids,), example_kwargs={"labels": self.ids},
                                group=mesh["tp"] if tp > 1 else None, dynamic=False)
-        self.ops = step_ops(self.pm, self.ids, hidden)  # before FSDP2's wrapping: its own ops are its cost
         found = repeated_blocks(model)
         blocks = [self.pm.get_submodule(f"{found.fqn}.{i}" if found.fqn else str(i)) for i in range(found.count)] if found else []
         params = [p for p in self.pm.parameters() if p.requires_grad]

@@ -185,7 +185,8 @@ def with_dp_collectives(collectives: list[tuple[str, int, float, float]], n: int
     """The dp role's entries over ``n`` ranks (``"dp:all_gather"`` ...): each kind's fitted
     ``(latency_s, bus_bytes_per_s)`` in ``collectives`` scaled by one factor, so that FSDP2's
     collectives on units of ``units`` elements (fp32; the blocks', then the root's) cost
-    ``seconds`` (FSDP2's time in the model less its host work; NOTE: [collectives in the model]
+    ``seconds`` (FSDP2's share of what the model's program took beyond its compute, less its
+    host work; NOTE: [collectives in the model]
     in fxtp/planner/calibration.py): each block's all_gather in forward and again in backward
     and its reduce_scatter, the root's one all_gather and one reduce_scatter, as
     ``fxtp.planner.costs`` prices them; none where ``seconds`` is not positive."""

@@ -296,7 +296,8 @@ def tp_fitted_on_cpu(hw: Hardware) -> bool:
     after synthetic work alone, not timed inside the model (NOTE: [collectives in the model] in
     fxtp/planner/calibration.py: a model without weights, a config.json's on ``meta``)?"""
     run = hw.calibration
-    return run is not None and run.ranks > 0 and any(n > 1 for _, n, _, _ in hw.collectives) and not hw.has_role("tp")
+    return (run is not None and run.ranks > 0 and run.model_s == 0 and any(n > 1 for _, n, _, _ in hw.collectives)
+            and not hw.has_role("tp"))
 
 
 def doubts(hw: Hardware) -> tuple[str, ...]:
@@ -317,11 +318,18 @@ def doubts(hw: Hardware) -> tuple[str, ...]:
         out.append("FSDP2's own host work came out as none (its run no slower than the unsharded one)")
     if not host.asynchronous and hw.achieved_flops and (host.op == 0 or host.op_backward == 0):
         out.append("a dispatched op came out as free")
+    # NOTE: [collectives in the model]: a program that took no longer than its priced compute (and its
+    # FSDP2 host work) leaves its groups the fit after synthetic work
+    in_model = hw.calibration is not None and hw.calibration.model_s > 0
     sizes = {n for _, n, _, _ in hw.collectives}
-    unpriced = sorted(n for n in sizes if hw.has_role("tp") and not hw.has_role("dp", n))
-    if unpriced:  # NOTE: [collectives in the model]: FSDP2's time in the model no more than its priced host work
-        out.append(f"FSDP2 inside the model came out no slower than its priced host work over {unpriced} ranks: those "
-                   f"dp groups are priced from the fit after synthetic work")
+    unpriced = sorted(n for n in sizes if in_model and not hw.has_role("dp", n))
+    if unpriced:
+        out.append(f"FSDP2 inside the model took no longer than its compute and priced host work over {unpriced} ranks: "
+                   f"those dp groups are priced from the fit after synthetic work")
+    unpriced_tp = sorted(tp for tp, _ in hw.achieved_flops if tp > 1 and in_model and not hw.has_role("tp", tp))
+    if unpriced_tp:
+        out.append(f"the model's tp program over {unpriced_tp} ranks took no longer than its priced compute: those tp "
+                   f"groups are priced from the fit after synthetic work")
     run = hw.calibration
     if run is not None and run.load - run.ranks > run.cores:  # other jobs' share of the cores: the load less the ranks'
         out.append(f"the load average was {run.load:.1f} on {run.cores} cores ({run.ranks} of it the ranks' own at most)")

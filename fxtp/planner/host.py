@@ -69,7 +69,6 @@ __all__ = ["HostCosts", "OpCounts", "TrainingStep", "count_ops", "host_costs", "
 
 # priced by FLOPs at the calibrated GEMM rate, which includes their dispatch (NOTE: [host time])
 _GEMMS = frozenset({"aten.mm.default", "aten.addmm.default", "aten.bmm.default"})
-_COLLECTIVES = "_c10d_functional."  # a tp program's (fxtp/core/collectives.py): priced as communication
 
 
 @dataclass(frozen=True)
@@ -101,7 +100,7 @@ class _Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if str(func) not in _GEMMS and not str(func).startswith(_COLLECTIVES):
+        if str(func) not in _GEMMS:
             self.into[0] += 1
             if not func.is_view:
                 for t in torch.utils._pytree.tree_leaves(out):
@@ -317,25 +316,27 @@ def _fsdp_seconds(layers: int, repeats: int) -> float:
     return sharded - unsharded
 
 
-def step_ops(pm: nn.Module, ids: torch.Tensor, hidden: int) -> tuple[int, float, int, float]:
-    """The ops one training forward of ``pm`` on ``ids`` (a Hugging Face model's, its loss on
-    ``labels=ids``) dispatches and the bytes they write, then its backward's: ``(forward_ops,
-    forward_bytes, backward_ops, backward_bytes)``, as :func:`count_ops` counts them (GEMMs and
-    collectives not: priced by FLOPs and as communication). Every rank of a tp program calls it."""
+def step_ops(pm: nn.Module, ids: torch.Tensor, hidden: int) -> OpCounts:
+    """:class:`OpCounts` of one training forward and backward of ``pm`` on ``ids`` (a Hugging Face
+    model's, its loss on ``labels=ids``), counted as it runs, the whole model as one block
+    (``other`` none): GEMMs left out, as :func:`count_ops` counts a captured program."""
     counter = _Counter(hidden)
     with counter:
         loss = pm(ids, labels=ids).loss
-        (forward_ops, forward_bytes), counter.into = counter.into, [0, 0.0]
+        (forward_ops, forward_bytes), counter.into, sharded = counter.into, [0, 0.0], counter.sharded
         loss.backward()
     pm.zero_grad(set_to_none=True)
-    return forward_ops, forward_bytes, counter.into[0], counter.into[1]
+    forward_bytes = max(forward_bytes, 1.0)
+    return OpCounts((int(forward_ops), forward_bytes / ids.numel()), (0, 0.0), counter.into[0] / max(forward_ops, 1),
+                    counter.into[1] / forward_bytes, sharded / forward_bytes)
 
 
-def priced_ops(host: HostCosts, ops: tuple[int, float, int, float]) -> float:
-    """Seconds ``host`` prices :func:`step_ops`'s counts at (NOTE: [host time])."""
-    forward_ops, forward_bytes, backward_ops, backward_bytes = ops
-    return (forward_ops * host.op + forward_bytes * host.op_byte
-            + backward_ops * host.op_backward + backward_bytes * host.op_backward_byte)
+def priced_ops(host: HostCosts, ops: OpCounts, tokens: int, tp: int = 1) -> float:
+    """Seconds ``host`` prices ``ops``' forward and backward at ``tokens`` a rank on a tp ``tp``
+    rank, as the plan prices a step's ops (:func:`host_seconds`: the same ops at every degree,
+    the bytes of the tensors tensor parallelism shards over ``tp``; NOTE: [host time])."""
+    return host_seconds(host, ops, layers=1, tokens=tokens, tp=tp, dp=1, checkpointing=None, micro_batches=1, tensors=0,
+                        elements=0, units=())["compute"]
 
 
 class TrainingStep:
@@ -357,13 +358,12 @@ class TrainingStep:
         self.pm.zero_grad(set_to_none=True)
 
 
-def host_on_the_model(host: HostCosts, program: TrainingStep, hidden: int, gemm_s: float, seconds: float,
+def host_on_the_model(host: HostCosts, program: TrainingStep, ops: OpCounts, gemm_s: float, seconds: float,
                       optimizer_s: float) -> HostCosts:
     """``host`` with its per-op figures scaled by one factor and its optimizer figures by another,
     so that beside its GEMMs' ``gemm_s`` seconds (at the calibrated tp 1 rate) they price what
-    the model's own training step takes (``program``, its ops counted as :func:`count_ops` counts
-    them, those writing tensors whose last dim is not ``hidden`` as tensor parallelism's) with
-    every rank running it at once: ``seconds`` its forward and backward, ``optimizer_s`` what its
+    the model's own training step takes (``program``, its ``ops`` counted by :func:`step_ops`)
+    with every rank running it at once: ``seconds`` its forward and backward, ``optimizer_s`` what its
     optimizer step adds to them (the caller times both, :func:`~fxtp.local_ranks.per_call_each`):
 
     - ops: its forward and backward. A chain of ``aten.mul`` misses what a model's ops add
@@ -376,7 +376,7 @@ def host_on_the_model(host: HostCosts, program: TrainingStep, hidden: int, gemm_
       AdamW took 8.9-17 ms in a step on 4 ranks, priced 4.8-7 (2026-12-07). The one factor
       scales the DTensor and ``ShardedParameter`` figures too.
     """
-    priced = priced_ops(host, step_ops(program.pm, program.ids, hidden))
+    priced = priced_ops(host, ops, program.ids.numel())
     scale = max(0.0, seconds - gemm_s) / priced if priced else 1.0
     params = [p for p in program.pm.parameters() if p.requires_grad]
     priced_opt = len(params) * host.optimizer_tensor + sum(p.numel() for p in params) * host.optimizer_element
