@@ -43,8 +43,8 @@ import torch.distributed as dist
 
 from fxtp.core.errors import FxtpConfigError
 
-__all__ = ["FSDP_RANGES", "FXTP_COLLECTIVES", "WINDOW_S", "Profiled", "per_call", "per_call_each", "profiled", "slowest",
-           "spawn_ranks", "sync", "union"]
+__all__ = ["FSDP_RANGES", "FXTP_COLLECTIVES", "WINDOW_S", "Profiled", "groups_of", "per_call", "per_call_each", "profiled",
+           "slowest", "spawn_ranks", "sync", "union", "usable_memory"]
 
 WINDOW_S = 0.1  # seconds a CPU measurement runs: many scheduler time slices (a few ms each)
 
@@ -142,6 +142,34 @@ def per_call_each(works: Sequence[Callable[[], Any]], repeats: int, device: torc
         sized.append(max(1, round(calls * WINDOW_S / max(took, 1e-9))))
     rounds = [[window(work, calls) for work, calls in zip(works, sized)] for _ in range(repeats)]
     return [slowest(max(0.0, statistics.median(r[i] for r in rounds) - empty) / calls) for i, calls in enumerate(sized)]
+
+
+def groups_of(n: int, ranks: int, strided: bool = False) -> Any:
+    """This rank's group of ``n`` consecutive ranks (a tp group of a ``(ranks / n, n)`` mesh), or
+    with ``strided`` of the ``ranks / n`` ranks ``n`` apart (its dp group); every rank creates
+    every group, as torch asks."""
+    if n == ranks and not strided:
+        return dist.group.WORLD
+    mine = None
+    for members in ([list(range(i, ranks, n)) for i in range(n)] if strided else
+                    [list(range(first, first + n)) for first in range(0, ranks, n)]):
+        group = dist.new_group(members)
+        if dist.get_rank() in members:
+            mine = group
+    return mine
+
+
+def usable_memory(device: torch.device, ranks: int) -> int:
+    """Bytes this rank may use: the GPU's free memory, or the host's available memory over the ranks."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available // ranks
 
 
 def slowest(value: float, op: Any = dist.ReduceOp.MAX) -> float:

@@ -64,10 +64,8 @@ On CPU ranks that share a host's cores, a collective's cost in a step depends on
 around it: its peers reach it after their own share of the cores, and the scheduler decides
 which ran last (NOTE: [contended window] in fxtp/local_ranks.py, NOTE: [collective wait] in
 fxtp/planner/comm.py). A collective fitted after synthetic work (half a block's GEMM and
-elementwise ops, NOTE: [calibration]) priced a hidden-128
-Llama's tensor-parallel communication at 4 ranks 0.75-0.85x what the step measured, and at 2
-ranks, two tp groups beside two dp groups, 1.2-1.5x (2026-12-07: tp 4 58.7 ms against 74.4
-measured, dp 2 x tp 2 47.2 ms against 30.7; the order of the three layouts flipped with it).
+elementwise ops, NOTE: [calibration]) priced a hidden-128 Llama's tp communication 0.75-1.5x
+what its steps measured, and the layouts' order flipped with it (docs/plan_command.md).
 So where the model has weights, a CPU calibration also times, for each tensor-parallel degree
 ``n`` (1 included), the model's own tp ``n`` training forward and backward on a ``(ranks / n,
 n)`` mesh (``fxtp.compile`` over its tp groups, one rank's micro-batch of the dp ``ranks / n``
@@ -79,13 +77,10 @@ inside fxtp's collectives and inside FSDP2's own ranges from 3 more calls under
 ``fxtp.planner.measure`` splits a step with), which split what it takes beyond its compute
 (below). Every degree's program (and :func:`~fxtp.planner.host.host_on_the_model`'s
 plain tp 1 step, with and without its optimizer) is built first, so that a rank holds 2 + the
-degrees' copies of the model at once, then timed taking turns, 9
+degrees' copies of the model at once, then timed taking turns, 5
 windows each (:func:`~fxtp.local_ranks.per_call_each`): this host's other load comes in bursts
 of 0.5-1 s that slow a single-threaded loop by 25-85% (a 60 s trace, 2026-12-07), which one
-figure's 5 windows back to back (0.5 s) could fall inside. Timed one after the other, with the
-shares as the figures, two calibrations in the same ranks priced a hidden-128 Llama's tp 1 x dp
-4 step 172 and 206 ms (it ran 155 and 153; the plain step's optimizer came out 50 ms in one);
-taking turns and priced as below, 157 and 154 (it ran 152 and 154; 2026-12-07).
+figure's 5 windows back to back (0.5 s) could fall inside (docs/plan_command.md, 2026-12-07).
 
 The communication's seconds are what the program takes beyond its compute as the cost model
 prices it (its GEMMs' FLOPs at the degree's calibrated rate; the model's ops, counted once on
@@ -107,25 +102,16 @@ compiled step (228 forward ops and 6.3 MB against 205 and 5.1 MB for a hidden-12
   (``"tp:all_reduce"``, ``"tp:all_gather"``, ``"tp:reduce_scatter"``:
   ``Hardware.collective(..., role="tp")``): on shared cores a collective's time is mostly its
   wait for peers, once a collective, so sequence parallelism's all_gathers and reduce_scatters
-  cost what the all_reduces did. Scaled by the all_reduce's factor instead, their fitted
-  figures priced a hidden-128 Llama's sp rows' tp time at 62 and 128 ms (tp 2, tp 4) against
-  83 and 182 measured in one process, now 81 and 171; two calibrations a minute apart had
-  priced one sp row 154 and 275 ms, and the plan chose sp where a calibration under-priced it
-  (2026-12-07, docs/plan_command.md). Timed without FSDP2 beside them, the in-model
-  figures were 34.7 ms (tp 2, against 30.7 measured in dp 2 x tp 2) and 79.8 ms (tp 4, against
-  74.4); with it, a hidden-128 Llama's dp 2 x tp 2 runs measured 0.97-1.24x the figure, tp 4's
-  0.76-1.08x (2026-12-07, docs/plan_command.md).
+  cost what the all_reduces did (scaled by the all_reduce's fitted ratio instead, they moved
+  between calibrations and the plan chose sp where one under-priced it; docs/plan_command.md).
 - dp groups (``ranks / n > 1``): FSDP2's seconds (its hooks, copy-in and copy-out, its
-  collectives and their waits) less its host work as the planner prices it (``fsdp_unit`` and
+  collectives and their waits: its share of the rest) less its host work as priced (``fsdp_unit`` and
   ``fsdp_tensor``, NOTE: [host time] in fxtp/planner/host.py). Each kind's fitted figure over
   ``ranks / n`` ranks is scaled by one factor so that FSDP2's collectives on the units' shards
   on a rank, as ``fxtp.planner.costs`` prices them (each block's all_gather in forward and
   again in backward and its reduce_scatter, the root's all_gather and reduce_scatter), cost
-  that, as a dp group's entry (``"dp:all_gather"`` ...; ``fxtp.planner.comm.with_dp_collectives``).
-  The bare collectives and the host's ``Linear(8, 8)`` units had priced FSDP2 at a hidden-256
-  Llama 0.70-0.76x what the run measured at dp 4 and 0.6x at dp 2 x tp 2 (2026-12-07: 70.4 ms
-  against 94.6, 36.7 against 61.7): FSDP2's copy-in and copy-out grow with the bytes a unit
-  gathers, and its collectives wait for peers at the model's spacing, beside the tp groups'.
+  that, as a dp group's entry (``"dp:all_gather"`` ...; ``fxtp.planner.comm.with_dp_collectives``):
+  bare collectives and ``Linear(8, 8)`` units had priced FSDP2 0.6-0.76x what runs measured.
 
 Each entry holds the waits for peers at the model's own spacing of collectives, so groups with
 one add no ``collective_wait``. This is the model's own program at one micro-batch, not a
@@ -154,7 +140,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fxtp.core.errors import FxtpConfigError
-from fxtp.local_ranks import FSDP_RANGES, FXTP_COLLECTIVES, Profiled, per_call, per_call_each, profiled, slowest, spawn_ranks
+from fxtp.local_ranks import (FSDP_RANGES, FXTP_COLLECTIVES, Profiled, groups_of, per_call, per_call_each, profiled, slowest,
+                               spawn_ranks, usable_memory)
 from fxtp.planner.comm import KINDS, with_dp_collectives, with_tp_collectives
 from fxtp.planner.hardware import CalibrationRun, Hardware, HostCosts, doubts
 from fxtp.planner.host import TrainingStep, host_costs, host_on_the_model, host_seconds, priced_ops, step_ops
@@ -171,7 +158,7 @@ _BETWEEN_OPS = 200
 _WAIT_HALVES = 4  # the all_reduce timed again after this many times ``between``'s work (NOTE: [collective wait])
 _NO_BANDWIDTH_COST = 1e12  # bytes/s where a larger payload took no longer: the latency is all of it
 _PROFILED = 3  # profiled calls of the model's tp program, their median share kept (NOTE: [collectives in the model])
-_MODEL_REPEATS = 9  # windows of each of the model's programs, taking turns (NOTE: [collectives in the model])
+_MODEL_REPEATS = 5  # windows of each of the model's programs, taking turns (NOTE: [collectives in the model])
 
 
 def calibrate(model: nn.Module, devices: int, *, batch: int, seq: int, repeats: int = 5, timeout_s: int = 300) -> Hardware:
@@ -219,7 +206,7 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
     large = max(batch // ranks * seq * shape.hidden, shape.block_params) * element
     collectives, waits, act_bytes = [], [], {}
     for n in tps[1:]:
-        group = _groups_of(n, ranks)
+        group = groups_of(n, ranks)
         tokens = max(1, batch // (ranks // n)) * seq
         # on CPU ranks the model's own activation payload, whose time is then measured, not fitted
         act_bytes[n] = tokens * shape.hidden * element
@@ -227,7 +214,7 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
         m, k, f, _ = max(gemm_shapes(shape, tokens, n), key=lambda g: g[0] * g[1] * g[2])
         x, w = torch.randn(m, k, device=device, dtype=dtype), torch.randn(f, k, device=device, dtype=dtype)
         act = torch.randn(tokens * shape.hidden // n, device=device, dtype=dtype)
-        across = _groups_of(n, ranks, strided=True) if not cuda and n < ranks else None
+        across = groups_of(n, ranks, strided=True) if not cuda and n < ranks else None
 
         def between(halves: int = 1) -> None:  # half a block's forward: its largest GEMM and its elementwise ops
             for _ in range(halves):
@@ -244,7 +231,7 @@ def calibrate_on_ranks(model: nn.Module, *, batch: int, seq: int, repeats: int =
             collectives.append((kind, n, latency, bw))
         if not cuda:
             waits.append((n, base, _wait(group, n, payloads[0], dtype, repeats, between, base)))
-    memory = slowest(_usable_memory(device, ranks), op=dist.ReduceOp.MIN)
+    memory = slowest(usable_memory(device, ranks), op=dist.ReduceOp.MIN)
     host = HostCosts() if cuda else host_costs(dict(((k, n), lat) for k, n, lat, _ in collectives), repeats)
     model_s = 0.0  # the model's own programs' seconds, summed over the tp degrees (CalibrationRun.model_s)
     if not cuda and all(p.device.type != "meta" for p in model.parameters()):  # a model with weights runs
@@ -331,21 +318,6 @@ def _gemm_seconds(shapes: list, device: torch.device, dtype: torch.dtype, repeat
     return per_call(once, repeats, device)
 
 
-def _groups_of(n: int, ranks: int, strided: bool = False) -> Any:
-    """This rank's group of ``n`` consecutive ranks (a tp group of a ``(ranks / n, n)`` mesh), or
-    with ``strided`` of the ``ranks / n`` ranks ``n`` apart (its dp group); every rank creates
-    every group, as torch asks."""
-    if n == ranks and not strided:
-        return dist.group.WORLD
-    mine = None
-    for members in ([list(range(i, ranks, n)) for i in range(n)] if strided else
-                    [list(range(first, first + n)) for first in range(0, ranks, n)]):
-        group = dist.new_group(members)
-        if dist.get_rank() in members:
-            mine = group
-    return mine
-
-
 def _fit(kind: str, group: Any, n: int, payloads: tuple[int, int], device: torch.device, dtype: torch.dtype,
          repeats: int, between: Callable[[], Any], base: float) -> tuple[float, float]:
     """``(latency_s, bus_bytes_per_s)`` of ``kind`` over ``group`` from its times at two payloads
@@ -403,19 +375,6 @@ def _wait(group: Any, n: int, payload: int, dtype: torch.dtype, repeats: int,
         adds.append(max(0.0, per_call(once, repeats) - works[-1]))
     more = works[1] - works[0]
     return max(0.0, (adds[1] - adds[0]) / more) if more > 0 else 0.0
-
-
-def _usable_memory(device: torch.device, ranks: int) -> int:
-    """Bytes this rank may use: the GPU's free memory, or the host's available memory over the ranks."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        available = int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return available // ranks
 
 
 @dataclass(frozen=True)
